@@ -1,0 +1,47 @@
+# PhaseFleet: `make test` installs everything it needs and runs lint, unit and e2e tests.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST := scripts/pytest-strict $(PY)
+export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
+
+.PHONY: all venv tools prometheus lint test test-unit test-e2e cluster-up cluster-down clean
+
+all: venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[engine,operator,dev]'
+	touch $@
+
+# Kubernetes control plane, KWOK, etcd, kubectl and helm, built once into $(PHASEFLEET_CACHE).
+tools:
+	bash e2e/tools/install.sh
+	bash e2e/tools/install-prometheus.sh
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy operator/phasefleet runtime_image/phasefleet e2e tests
+
+test-unit: venv
+	$(PYTEST) tests
+
+test-e2e: venv tools
+	$(PYTEST) e2e
+
+test: lint test-unit test-e2e
+
+# A control plane for people: stays up until `make cluster-down`.
+cluster-up: venv tools
+	$(PY) -m e2e.harness.cli up
+
+cluster-down: venv
+	$(PY) -m e2e.harness.cli down
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

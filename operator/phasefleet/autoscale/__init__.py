@@ -1,0 +1,1 @@
+"""Autoscaling: a pure policy, metric sources and actuators."""

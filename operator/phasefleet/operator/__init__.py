@@ -1,0 +1,1 @@
+"""The kopf operator: handlers, child-resource builders and status."""

@@ -1,0 +1,1 @@
+"""`phasefleet serve`: router, workers and autoscaler as local processes."""
