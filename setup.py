@@ -10,7 +10,9 @@ ROOTS = ("operator", "runtime_image")
 
 package_dir = {"phasefleet": "runtime_image/phasefleet"}
 for root in ROOTS:
-    for package in find_namespace_packages(root, include=["phasefleet.*"], exclude=["*.__pycache__"]):
+    for package in find_namespace_packages(
+        root, include=["phasefleet.*"], exclude=["*.__pycache__"]
+    ):
         package_dir[package] = f"{root}/{package.replace('.', '/')}"
 
 setup(packages=sorted(package_dir), package_dir=package_dir)

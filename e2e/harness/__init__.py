@@ -1,0 +1,1 @@
+"""A real Kubernetes control plane on this machine for end-to-end tests."""
