@@ -1,1 +1,1 @@
-"""The InferenceService API (serving.phasefleet.dev/v1alpha1): pydantic models and CRD generation."""
+"""The InferenceService API (serving.phasefleet.dev/v1alpha1): pydantic models, CRD."""

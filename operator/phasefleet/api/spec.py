@@ -1,0 +1,316 @@
+"""InferenceService spec (serving.phasefleet.dev/v1alpha1): what a user asks for."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from phasefleet.api.base import ApiModel, FreeForm, Quantity, Rule
+
+GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_IMAGE = "ghcr.io/phasefleet/phasefleet:0.1.0"
+
+
+class Mode(StrEnum):
+    DISAGGREGATED = "disaggregated"
+    AGGREGATED = "aggregated"
+
+
+class Role(StrEnum):
+    """A pool's role; also the worker's `--role` and the `phasefleet.dev/role` label."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    WORKER = "worker"  # aggregated mode: one pool that does both phases (`--role both`)
+
+
+class SecretKeyRef(ApiModel):
+    """A key in a Secret in the InferenceService's namespace."""
+
+    name: str = Field(min_length=1, description="Name of the Secret.")
+    key: str = Field(default="token", min_length=1, description="Key in the Secret's data.")
+
+
+class PvcSource(ApiModel):
+    """A Hugging Face model folder on a PersistentVolumeClaim, mounted read-only."""
+
+    claim_name: str = Field(min_length=1, description="Name of the PersistentVolumeClaim.")
+    path: str = Field(
+        default="/",
+        description="Folder inside the volume that holds config.json and the safetensors.",
+    )
+
+
+class ImageSource(ApiModel):
+    """A model folder baked into the runtime image."""
+
+    path: str = Field(min_length=1, pattern=r"^/", description="Absolute path of the model folder.")
+
+
+class HuggingFaceSource(ApiModel):
+    """A Hugging Face Hub repository, downloaded by each worker at start."""
+
+    repo_id: str = Field(
+        min_length=1, pattern=r"^[\w.-]+(/[\w.-]+)?$", description="Repository id, org/name."
+    )
+    revision: str | None = Field(default=None, description="Branch, tag or commit.")
+    token_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding an access token (env HF_TOKEN); never copied elsewhere.",
+    )
+
+
+class ModelSpec(ApiModel):
+    """The model to serve: exactly one of pvc, image or hf."""
+
+    pvc: PvcSource | None = None
+    image: ImageSource | None = None
+    hf: HuggingFaceSource | None = None
+    served_name: str | None = Field(
+        default=None,
+        description="Model name clients send in the OpenAI API (default: the object's name).",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=1048576, description="Maximum tokens per sequence (tokens)."
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto", description="Weight and activation dtype."
+    )
+
+    rules = (
+        Rule(
+            cel="(has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) + (has(self.hf) ? 1 : 0) == 1",
+            message="spec.model: set exactly one model source: pvc, image or hf",
+            check=lambda m: sum(s is not None for s in (m.pvc, m.image, m.hf)) == 1,
+        ),
+    )
+
+    def source_kind(self) -> str:
+        return "pvc" if self.pvc else "image" if self.image else "hf"
+
+
+class EnvVar(ApiModel):
+    """An environment variable for the worker containers."""
+
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: FreeForm | None = Field(default=None, description="As in a core/v1 EnvVar.")
+
+
+class RuntimeSpec(ApiModel):
+    """The engine image and engine-wide knobs."""
+
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Engine image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    block_size: int = Field(default=16, ge=1, le=256, description="KV cache block (tokens).")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse KV of shared prefixes.")
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=64, description="Appended to `phasefleet worker`."
+    )
+
+
+class Toleration(ApiModel):
+    """As in a core/v1 Toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Resources(ApiModel):
+    """Container resources; GPUs go in limits as nvidia.com/gpu (whole numbers)."""
+
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+
+
+def _whole(value: int | str) -> bool:
+    return str(value).isdigit()
+
+
+def pool_gpus(pool: PoolSpec | None) -> int:
+    """GPUs one replica of the pool asks for."""
+    if pool is None:
+        return 0
+    value = pool.resources.limits.get(GPU_RESOURCE, 0)
+    return int(value) if _whole(value) else 0
+
+
+def _cel_pool_gpus(pool: str) -> str:
+    limit = f"self.{pool}.resources.limits['{GPU_RESOURCE}']"
+    return (
+        f"(has(self.{pool}) && has(self.{pool}.resources) && has(self.{pool}.resources.limits)"
+        f" && '{GPU_RESOURCE}' in self.{pool}.resources.limits"
+        f" ? (has(self.{pool}.minReplicas) ? self.{pool}.minReplicas : self.{pool}.replicas)"
+        f" * int(string({limit})) : 0)"
+    )
+
+
+class PoolSpec(ApiModel):
+    """One pool of engine workers (a Deployment)."""
+
+    replicas: int = Field(default=1, ge=0, le=1000, description="Replicas to start with.")
+    min_replicas: int | None = Field(
+        default=None, ge=0, le=1000, description="Autoscaling lower bound (default: replicas)."
+    )
+    max_replicas: int | None = Field(
+        default=None, ge=0, le=1000, description="Autoscaling upper bound (default: replicas)."
+    )
+    resources: Resources = Field(default_factory=Resources, json_schema_extra={"default": {}})
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    affinity: FreeForm | None = Field(default=None, description="As in a core/v1 Affinity.")
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=1, le=1048576, description="Token budget per engine step (tokens)."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Max running sequences.")
+    termination_grace_period_seconds: int = Field(
+        default=60, ge=0, le=3600, description="Drain time before a worker is killed (seconds)."
+    )
+
+    rules = (
+        Rule(
+            cel="!has(self.minReplicas) || self.minReplicas <= self.replicas",
+            message="minReplicas must be less than or equal to replicas",
+            check=lambda p: p.min_replicas is None or p.min_replicas <= p.replicas,
+            field_path=".minReplicas",
+        ),
+        Rule(
+            cel="!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+            message="maxReplicas must be greater than or equal to replicas",
+            check=lambda p: p.max_replicas is None or p.replicas <= p.max_replicas,
+            field_path=".maxReplicas",
+        ),
+        Rule(
+            cel=(
+                f"!has(self.resources) || !has(self.resources.limits)"
+                f" || !('{GPU_RESOURCE}' in self.resources.limits)"
+                f" || string(self.resources.limits['{GPU_RESOURCE}']).matches('^[0-9]+$')"
+            ),
+            message=f"resources.limits['{GPU_RESOURCE}'] must be a whole number of GPUs",
+            check=lambda p: _whole(p.resources.limits.get(GPU_RESOURCE, 0)),
+            field_path=".resources.limits",
+        ),
+    )
+
+    @property
+    def min_size(self) -> int:
+        return self.replicas if self.min_replicas is None else self.min_replicas
+
+    @property
+    def max_size(self) -> int:
+        return self.replicas if self.max_replicas is None else self.max_replicas
+
+
+class RouterSpec(ApiModel):
+    """The router: the service's OpenAI-compatible endpoint."""
+
+    replicas: int = Field(default=1, ge=1, le=100)
+    policy: Literal["least-loaded", "round-robin", "prefix-aware"] = Field(
+        default="least-loaded", description="How the router picks a worker for a request."
+    )
+
+
+class SloSpec(ApiModel):
+    """Latency targets the autoscaler sizes the pools for."""
+
+    ttft_ms: int | None = Field(default=None, ge=1, description="Time to first token (ms).")
+    tpot_ms: int | None = Field(default=None, ge=1, description="Time per output token (ms).")
+    percentile: float = Field(
+        default=0.9, ge=0.5, le=0.999, description="Quantile the targets apply to, e.g. 0.9."
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """Per-pool autoscaling between minReplicas and maxReplicas."""
+
+    enabled: bool = False
+    interval_seconds: int = Field(default=15, ge=1, le=3600, description="Seconds per decision.")
+    kv_cache_target: float = Field(
+        default=0.7, ge=0.05, le=1.0, description="Decode KV-cache usage to aim for (0..1)."
+    )
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    max_step: int = Field(default=2, ge=1, le=100, description="Most replicas added per decision.")
+    gpu_budget: int | None = Field(
+        default=None, ge=0, description="Most GPUs all pools together may use (GPUs)."
+    )
+
+
+def _min_gpus(spec: InferenceServiceSpec) -> int:
+    pools = (spec.prefill, spec.decode, spec.worker)
+    return sum(p.min_size * pool_gpus(p) for p in pools if p is not None)
+
+
+class InferenceServiceSpec(ApiModel):
+    """A model served by prefill and decode pools (or one aggregated pool) behind a router."""
+
+    model: ModelSpec
+    mode: Mode = Field(default=Mode.DISAGGREGATED, description="disaggregated or aggregated.")
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, json_schema_extra={"default": {}})
+    prefill: PoolSpec | None = Field(default=None, description="Disaggregated: prompt pool.")
+    decode: PoolSpec | None = Field(default=None, description="Disaggregated: token pool.")
+    worker: PoolSpec | None = Field(default=None, description="Aggregated: the single pool.")
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
+    slo: SloSpec = Field(default_factory=SloSpec, json_schema_extra={"default": {}})
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, json_schema_extra={"default": {}}
+    )
+
+    rules = (
+        Rule(
+            cel="self.mode != 'disaggregated' || (has(self.prefill) && has(self.decode))",
+            message="spec.prefill and spec.decode are required when mode is disaggregated",
+            check=lambda s: s.mode != Mode.DISAGGREGATED or (s.prefill and s.decode),
+        ),
+        Rule(
+            cel="self.mode != 'disaggregated' || !has(self.worker)",
+            message="spec.worker is only allowed when mode is aggregated",
+            check=lambda s: s.mode != Mode.DISAGGREGATED or s.worker is None,
+            field_path=".worker",
+        ),
+        Rule(
+            cel="self.mode != 'aggregated' || has(self.worker)",
+            message="spec.worker is required when mode is aggregated",
+            check=lambda s: s.mode != Mode.AGGREGATED or s.worker is not None,
+        ),
+        Rule(
+            cel="self.mode != 'aggregated' || (!has(self.prefill) && !has(self.decode))",
+            message="spec.prefill and spec.decode are only allowed when mode is disaggregated",
+            check=lambda s: s.mode != Mode.AGGREGATED or (s.prefill is None and s.decode is None),
+        ),
+        Rule(
+            cel=(
+                "!has(self.autoscaling) || !has(self.autoscaling.gpuBudget)"
+                " || self.autoscaling.gpuBudget >= "
+                + " + ".join(_cel_pool_gpus(p) for p in ("prefill", "decode", "worker"))
+            ),
+            message="spec.autoscaling.gpuBudget must cover the GPUs of all pools at minReplicas",
+            check=lambda s: (
+                s.autoscaling.gpu_budget is None or s.autoscaling.gpu_budget >= _min_gpus(s)
+            ),
+            field_path=".autoscaling.gpuBudget",
+        ),
+    )
+
+    def pools(self) -> dict[Role, PoolSpec]:
+        """The worker pools this spec asks for, by role."""
+        candidates = {
+            Role.PREFILL: self.prefill,
+            Role.DECODE: self.decode,
+            Role.WORKER: self.worker,
+        }
+        return {role: pool for role, pool in candidates.items() if pool is not None}
+
+    def min_gpus(self) -> int:
+        return _min_gpus(self)
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
+    """Validate a spec as read from the API server (camelCase)."""
+    return InferenceServiceSpec.model_validate(spec)

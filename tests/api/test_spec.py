@@ -1,0 +1,64 @@
+"""The pydantic models validate specs with the same rules the CRD gives the API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from phasefleet.api.spec import InferenceServiceSpec, Mode, Role, parse_spec
+from tests.api.cases import example_services, invalid_cases
+
+
+@pytest.mark.parametrize(("name", "spec", "field"), invalid_cases(), ids=lambda v: str(v)[:40])
+def test_invalid_spec_is_rejected_naming_the_field(name: str, spec: dict[str, Any], field: str):
+    with pytest.raises(ValidationError) as info:
+        parse_spec(spec)
+    text = str(info.value)
+    for part in field.removeprefix("spec.").split("."):
+        assert part in text, f"{name}: error does not name {field}: {text}"
+
+
+@pytest.mark.parametrize(("filename", "obj"), example_services(), ids=lambda v: str(v)[:30])
+def test_examples_are_valid(filename: str, obj: dict[str, Any]):
+    spec = parse_spec(obj["spec"])
+    assert spec.pools()
+
+
+def test_defaults_fill_in_a_minimal_spec():
+    spec = parse_spec({"model": {"hf": {"repoId": "org/m"}}, "prefill": {}, "decode": {}})
+    assert spec.mode is Mode.DISAGGREGATED
+    assert set(spec.pools()) == {Role.PREFILL, Role.DECODE}
+    assert spec.router.replicas == 1 and spec.router.policy == "least-loaded"
+    assert spec.runtime.block_size == 16
+    assert spec.autoscaling.enabled is False
+    assert spec.prefill is not None and spec.prefill.min_size == spec.prefill.max_size == 1
+
+
+def test_gpu_budget_counts_minimum_replicas_times_gpus():
+    spec = parse_spec(
+        {
+            "model": {"image": {"path": "/m"}},
+            "prefill": {
+                "replicas": 2,
+                "minReplicas": 1,
+                "resources": {"limits": {"nvidia.com/gpu": "2"}},
+            },
+            "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+            "autoscaling": {"gpuBudget": 5},
+        }
+    )
+    assert spec.min_gpus() == 1 * 2 + 3 * 1
+
+
+def test_wire_form_round_trips_in_camel_case():
+    spec = parse_spec(example_services()[0][1]["spec"])
+    wire = spec.to_wire()
+    assert "maxNumBatchedTokens" in wire[next(iter(r.value for r in spec.pools()))]
+    assert InferenceServiceSpec.model_validate(wire) == spec
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(ValidationError, match="replica"):
+        parse_spec({"model": {"image": {"path": "/m"}}, "prefill": {"replica": 2}, "decode": {}})
