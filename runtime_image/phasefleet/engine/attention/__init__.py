@@ -1,0 +1,1 @@
+"""Paged attention: metadata built once per step, and the backends that read the KV pool."""

@@ -1,0 +1,73 @@
+"""The pure-torch paged attention backend: runs on CPU and GPU.
+
+Keys and values of one layer live in a pool of blocks, k_cache/v_cache: [num_blocks, block_size,
+kv_heads, head_dim]. New keys are scattered into their slots, then each query gathers the blocks
+of its request through its block table and runs scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from phasefleet.engine.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """k, v: [T, kv_heads, head_dim] into their slots ([T] long) of the layer's pool."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    n_dec = meta.num_decode_tokens
+    if n_dec:
+        tables = meta.decode_block_tables
+        b, nb = tables.shape
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        keys = k_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        values = v_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:n_dec].unsqueeze(2),  # [B, H, 1, D]
+            keys,
+            values,
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[:n_dec] = o.squeeze(2)
+    for seq in meta.prefills:
+        end = seq.start + seq.q_len
+        if seq.ctx_len == seq.q_len:
+            keys, values = k[seq.start : end], v[seq.start : end]  # nothing cached before
+        else:
+            keys = k_cache[seq.block_table].flatten(0, 1)[: seq.ctx_len]
+            values = v_cache[seq.block_table].flatten(0, 1)[: seq.ctx_len]
+        o = F.scaled_dot_product_attention(
+            q[seq.start : end].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx_len, D]
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[seq.start : end] = o[0].transpose(0, 1)
+    return out

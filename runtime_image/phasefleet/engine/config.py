@@ -1,0 +1,61 @@
+"""EngineConfig: every knob of one engine instance, with its unit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass
+class EngineConfig:
+    # -- model --
+    model: str
+    """Path to a Hugging Face model folder (config.json, *.safetensors, tokenizer files)."""
+    dtype: str = "float32"
+    """Weight and activation dtype: float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available, else cpu)."""
+    max_model_len: int | None = None
+    """Longest request, prompt plus output, in tokens; default: the model's
+    max_position_embeddings from config.json."""
+
+    # -- KV cache --
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool (block 0 is the reserved null block); None: sized automatically,
+    on GPU from free memory after loading the model, on CPU from a fixed memory budget."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+
+    # -- scheduler --
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens plus prefill-chunk tokens)."""
+    max_num_seqs: int = 64
+    """Most requests in the running batch at once."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value cannot work."""
+        if not self.model:
+            raise ValueError(f"model must be a path to a model folder, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (one is the null block) or None, "
+                f"got {self.num_kv_blocks}"
+            )
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,108 @@
+"""KVCacheManager: each request's block table, on top of the BlockPool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasefleet.engine.block_pool import BlockPool, hash_block
+from phasefleet.engine.request import Request
+
+
+@dataclass
+class PrefixHit:
+    block_ids: list[int]
+    """Cached blocks that hold the request's leading full blocks."""
+    num_tokens: int
+    """Tokens whose KV these blocks provide (the last token is always recomputed)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}  # request_id -> hashes of its full blocks
+        self._num_registered: dict[str, int] = {}  # request_id -> leading blocks already cached
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """The longest run of cached leading full blocks; pure, takes no references."""
+        if not self.enable_caching:
+            return PrefixHit([], 0)
+        bs = self.block_size
+        num_tokens = request.num_tokens
+        hashes = self._block_hashes(request, num_tokens // bs)
+        hits: list[int] = []
+        for i, block_hash in enumerate(hashes):
+            parent = hashes[i - 1] if i else None
+            block_id = self.pool.lookup(block_hash, parent, request.token_ids(i * bs, (i + 1) * bs))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        # A full hit still computes the last token: its logits give the next token.
+        return PrefixHit(hits, min(len(hits) * bs, num_tokens - 1))
+
+    def can_admit(self, request: Request, hit: PrefixHit) -> bool:
+        """Whether the blocks for the request's whole current token sequence are available."""
+        needed = self.blocks_needed(request.num_tokens) - len(hit.block_ids)
+        # Hit blocks sitting in the free queue stop being free once touched.
+        reclaimed = sum(1 for b in hit.block_ids if self.pool.is_free(b))
+        return needed <= self.pool.num_free_blocks - reclaimed
+
+    def admit(self, request: Request, hit: PrefixHit) -> None:
+        """Take the hit blocks and allocate the rest of the request's current tokens."""
+        self.pool.touch(hit.block_ids)
+        needed = self.blocks_needed(request.num_tokens) - len(hit.block_ids)
+        self.block_tables[request.request_id] = hit.block_ids + self.pool.allocate(needed)
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Make room for KV of `num_tokens` tokens in total; False if the pool is out of blocks."""
+        table = self.block_tables[request.request_id]
+        needed = self.blocks_needed(num_tokens) - len(table)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free_blocks:
+            return False
+        table.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed(self, request: Request) -> None:
+        """Register the request's computed full blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+        hashes = self._block_hashes(request, num_full)
+        table = self.block_tables[request.request_id]
+        start = self._num_registered.get(request.request_id, 0)
+        self._num_registered[request.request_id] = max(start, num_full)
+        for i in range(start, num_full):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache(table[i], hashes[i], parent, request.token_ids(i * bs, (i + 1) * bs))
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (so its tail is evicted before its prefix)."""
+        table = self.block_tables.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        if table is not None:
+            self.pool.free(list(reversed(table)))
+
+    def forget(self, request: Request) -> None:
+        """Drop the request's cached hashes once it is finished for good."""
+        self._hashes.pop(request.request_id, None)

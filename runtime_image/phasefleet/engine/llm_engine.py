@@ -1,0 +1,192 @@
+"""LLMEngine: the single-threaded engine loop (add requests, step, read outputs)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer
+
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.detokenizer import IncrementalDetokenizer
+from phasefleet.engine.kv_cache_manager import KVCacheManager
+from phasefleet.engine.model_runner import ModelRunner, resolve_device
+from phasefleet.engine.outputs import EngineStats, RequestOutput
+from phasefleet.engine.request import Request
+from phasefleet.engine.sampler import SamplingRow, make_generator
+from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.scheduler import Scheduler
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        folder = Path(config.model)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face folder with config.json, got {folder}")
+        self.model_name = folder.resolve().name
+        self.hf_config: Any = AutoConfig.from_pretrained(folder)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(folder)
+        limit = int(self.hf_config.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({limit}), "
+                f"got {config.max_model_len}"
+            )
+        self.max_model_len: int = config.max_model_len or limit
+        self.device = resolve_device(config.device)
+        self.runner = ModelRunner(
+            folder, self.hf_config, config.dtype, self.device, config.block_size, self.max_model_len
+        )
+        num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
+            config.max_num_seqs, self.max_model_len
+        )
+        self.runner.allocate_kv(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            eos_token_ids=self._eos_token_ids(),
+        )
+        self._rows: dict[str, SamplingRow] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[RequestOutput] = []
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.hf_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(source)
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token, got an empty prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) must fit "
+                f"max_model_len ({self.max_model_len}), got {n + params.max_tokens}"
+            )
+        needed = self.kv.blocks_needed(n + params.max_tokens)
+        if needed > self.kv.pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {needed} KV blocks, more than the whole pool "
+                f"({self.kv.pool.num_usable_blocks}); lower max_tokens or raise num_kv_blocks"
+            )
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {prompt_token_ids}")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add_request(request)
+        gen = None if params.seed is None else make_generator(params.seed, self.device)
+        self._rows[request_id] = SamplingRow(params, gen)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its final output (finish_reason 'abort') comes
+        from the next step(). An unknown or finished id is a no-op."""
+        req = self.scheduler.finish_request(request_id, "abort")
+        if req is not None:
+            self._aborted.append(self._output(req, []))
+            self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return outputs
+        sampled = self.runner.execute(out, self._rows)
+        for req in self.scheduler.update_from_output(out, sampled):
+            new = req.output_token_ids[-1:]
+            detok = self._detok[req.request_id]
+            detok.update(new)
+            if detok.stopped:
+                if req.is_finished:
+                    req.finish_reason = "stop"
+                else:
+                    self.scheduler.finish_request(req.request_id, "stop")
+            if req.is_finished:
+                detok.flush()
+            outputs.append(self._output(req, new))
+            if req.is_finished:
+                self._forget(req.request_id)
+        return outputs
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=list(new),
+            output_token_ids=list(req.output_token_ids),
+            text=detok.text(final=req.is_finished),
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_scheduled_time=req.first_scheduled_time,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+        self._detok.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        s, pool = self.scheduler, self.kv.pool
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=pool.usage(),
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_usable_blocks,
+            prefill_tokens_pending=s.prefill_tokens_pending,
+            num_preemptions_total=s.num_preemptions_total,
+            prefix_cache_queries_total=s.prefix_cache_queries_total,
+            prefix_cache_hits_total=s.prefix_cache_hits_total,
+            prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Offline: run every prompt to completion; final outputs in input order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(
+                f"params must be one SamplingParams or one per prompt ({len(prompts)}), "
+                f"got {len(plist)}"
+            )
+        base = f"generate-{time.monotonic_ns()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]

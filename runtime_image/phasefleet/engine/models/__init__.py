@@ -1,0 +1,1 @@
+"""Decoder-only model families (Llama, Qwen2, Mistral) and their weight loader."""

@@ -1,0 +1,47 @@
+"""What the engine hands back: RequestOutput per request per step, and EngineStats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens produced by this step."""
+    output_token_ids: list[int]
+    """All output tokens so far."""
+    text: str
+    """Detokenized output so far. Only ever grows between steps: an incomplete UTF-8 tail and any
+    trailing text that could start a stop string are held back; a stop string is excluded."""
+    finished: bool
+    finish_reason: str | None
+    """'stop' (eos, stop string or stop token) | 'length' | 'abort'; None while running."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+    first_scheduled_time: float | None
+    """time.monotonic() when first scheduled (for the queue-time metric)."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    """Requests in the running batch."""
+    num_waiting: int
+    """Requests queued, not yet scheduled (preempted ones included)."""
+    kv_cache_usage: float
+    """Used KV blocks / all usable KV blocks, 0..1."""
+    num_free_blocks: int
+    num_total_blocks: int
+    """Usable blocks (the null block is not counted)."""
+    prefill_tokens_pending: int
+    """Prompt tokens admitted but not yet prefilled."""
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits_total: int
+    """Prompt tokens found in the prefix cache."""
+    prompt_tokens_total: int
+    generation_tokens_total: int

@@ -1,0 +1,214 @@
+"""Scheduler: decides, every step, which tokens of which requests the model computes.
+
+One token budget per step (max_num_batched_tokens), spent in this order: running decodes, then
+the unfinished prefill chunks of running requests, then requests from the waiting queue (first
+come, first served; chunked when the budget runs out). A waiting request is admitted only when
+blocks for its whole prompt are free. When a decode needs a new block and none is free, the
+newest running request is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from phasefleet.engine.kv_cache_manager import KVCacheManager
+from phasefleet.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request  # the request, state as of before this step
+    start: int  # position of its first token computed this step (= num_computed_tokens)
+    num_tokens: int  # tokens of it computed this step
+    block_ids: list[int]  # its block table (live list, long enough for start + num_tokens)
+    sample: bool  # this step reaches its last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # batch order: decodes, prefill chunks, newly admitted
+    num_batched_tokens: int  # sum of num_tokens over scheduled, <= max_num_batched_tokens
+    preempted: list[str] = field(default_factory=list)  # ids evicted this step (recompute later)
+    admitted: list[str] = field(default_factory=list)  # ids admitted from waiting this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order, oldest first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def prefill_tokens_pending(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.running if _prefilling(r))
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], 0)
+
+        decodes = [r for r in self.running if not _prefilling(r)]
+        prefills = [r for r in self.running if _prefilling(r)]
+        for req in decodes:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older request
+            if self._make_room(req, out):
+                self._add(out, req, 1)
+                budget -= 1
+
+        for req in prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self._add(out, req, n)
+            budget -= n
+
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted
+        ):
+            req = self.waiting[0]
+            hit = self.kv.find_prefix(req)
+            if not self.kv.can_admit(req, hit):
+                break
+            self.waiting.popleft()
+            self.kv.admit(req, hit)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit.num_tokens
+            self.prefix_cache_queries_total += req.num_tokens
+            self.prefix_cache_hits_total += hit.num_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+                req.num_cached_tokens = hit.num_tokens
+                self.prompt_tokens_total += req.num_prompt_tokens
+            self.running.append(req)
+            out.admitted.append(req.request_id)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self._add(out, req, n)
+            budget -= n
+        return out
+
+    def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
+        """Grow req's blocks by one token, preempting the newest requests; False if req itself
+        was preempted."""
+        while not self.kv.grow(req, req.num_computed_tokens + 1):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request=req,
+                start=start,
+                num_tokens=n,
+                block_ids=self.kv.block_tables[req.request_id],
+                sample=start + n == req.num_tokens,
+            )
+        )
+        out.num_batched_tokens += n
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply one step's results; returns the requests that got a new token, in batch order
+        (finished ones have status FINISHED and their blocks freed)."""
+        changed = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens = s.start + s.num_tokens
+            self.kv.cache_computed(req)
+            if not s.sample:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish_request(req.request_id, reason)
+            changed.append(req)
+        return changed
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish_request(self, request_id: str, reason: str) -> Request | None:
+        """Finish a request wherever it is (stop string, abort); frees its blocks. Unknown id:
+        None."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.forget(req)
+        return req
+
+
+def _prefilling(req: Request) -> bool:
+    return req.num_tokens - req.num_computed_tokens > 1

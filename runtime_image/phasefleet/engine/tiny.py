@@ -1,0 +1,217 @@
+"""`phasefleet make-tiny`: writes a small random model and a real tokenizer to a folder.
+
+The folder looks like a Hugging Face model (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a chat template), so transformers and our engine both load it. Weights
+are random with a wide init (std `init_std`), which makes greedy choices decisive: token-for-token
+comparisons between implementations then do not hinge on rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHES = ("llama", "qwen2", "mistral")
+
+# name -> sizes; "tiny" is for tests, "bench" (~110M parameters) for the CPU benchmark.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        init_std=0.3,
+    ),
+    "bench": dict(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        vocab_size=16384,
+        max_position_embeddings=4096,
+        init_std=0.05,
+    ),
+}
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Training text for the tokenizer (written for this project).
+CORPUS = """\
+PhaseFleet serves language models with prefill and decode running as separate phases.
+The prefill worker reads the whole prompt at once, fills the key value cache and writes the first
+token; the decode worker then writes the answer one token at a time, reading the cache each step.
+A scheduler spends a token budget every step: decodes first, then prompt chunks, then new requests.
+Blocks of sixteen tokens hold the cache, and a request keeps a table of the blocks it owns.
+When two prompts share a prefix, the second one finds the first one's blocks by their hash.
+If memory runs out, the newest request is preempted and recomputed later, so nothing is lost.
+Questions and answers: what is the capital of France? Paris. How many legs does a spider have?
+Eight. Write a short poem about the sea. The sea is wide, the sea is deep, it sings the sailors
+off to sleep. Count from one to ten: one, two, three, four, five, six, seven, eight, nine, ten.
+Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and symbols ( ) [ ] { } < > = + - * / % & | ! ? . , ; :
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="folder to write the model into (created)")
+    parser.add_argument("--arch", choices=ARCHES, default="llama", help="model family")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="base sizes")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of weights")
+    parser.add_argument("--hidden-size", type=int, help="model width")
+    parser.add_argument("--num-layers", type=int, help="decoder layers")
+    parser.add_argument("--num-heads", type=int, help="attention heads")
+    parser.add_argument("--num-kv-heads", type=int, help="key/value heads (GQA when < heads)")
+    parser.add_argument("--intermediate-size", type=int, help="MLP width")
+    parser.add_argument("--vocab-size", type=int, help="embedding rows (>= tokenizer size)")
+    parser.add_argument("--max-position-embeddings", type=int, help="longest sequence, tokens")
+    parser.add_argument("--init-std", type=float, help="std of the random weights")
+    parser.add_argument("--sliding-window", type=int, help="Mistral sliding window, tokens")
+    parser.add_argument(
+        "--rope-scaling", choices=["none", "llama3"], default="none", help="RoPE scaling kind"
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="saved dtype"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    keys = [
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "init_std",
+        "sliding_window",
+    ]
+    sizes = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    path = make_tiny(
+        args.dir,
+        arch=args.arch,
+        seed=args.seed,
+        preset=args.preset,
+        rope_scaling=None if args.rope_scaling == "none" else args.rope_scaling,
+        dtype=args.dtype,
+        **sizes,
+    )
+    print(f"wrote a random {args.arch} model to {path}")
+    return 0
+
+
+def make_tiny(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    preset: str = "tiny",
+    rope_scaling: str | None = None,
+    dtype: str = "float32",
+    **sizes: Any,
+) -> Path:
+    """Write a random `arch` model with the preset's sizes (overridden by `sizes`) to `path`."""
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHES)}, got {arch!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    unknown = set(sizes) - set(PRESETS[preset]) - {"sliding_window"}
+    if unknown:
+        raise ValueError(f"unknown size argument(s): {', '.join(sorted(unknown))}")
+    s = {**PRESETS[preset], **sizes}
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _write_tokenizer(out, s["vocab_size"])
+    _write_model(out, arch, seed, s, rope_scaling, dtype, tokenizer)
+    return out
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(
+            f"vocab_size must be >= {tok.get_vocab_size()} (the byte-level tokenizer), "
+            f"got {vocab_size}"
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(out, save_jinja_files=False)
+    return fast
+
+
+def _write_model(
+    out: Path,
+    arch: str,
+    seed: int,
+    s: dict[str, Any],
+    rope_scaling: str | None,
+    dtype: str,
+    tokenizer: Any,
+) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    kwargs: dict[str, Any] = dict(
+        hidden_size=s["hidden_size"],
+        num_hidden_layers=s["num_layers"],
+        num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"],
+        intermediate_size=s["intermediate_size"],
+        vocab_size=s["vocab_size"],
+        max_position_embeddings=s["max_position_embeddings"],
+        initializer_range=s["init_std"],
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=arch == "qwen2",
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = s.get("sliding_window")
+    if rope_scaling == "llama3":
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": max(64, s["max_position_embeddings"] // 8),
+        }
+    elif rope_scaling is not None:
+        raise ValueError(f"rope_scaling must be None or 'llama3', got {rope_scaling!r}")
+    config = AutoConfig.for_model(arch, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "phasefleet-tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, **s}) + "\n")

@@ -1,0 +1,58 @@
+"""Small factories for engine tests: schedulers, requests, prompts, tiny-model settings."""
+
+from __future__ import annotations
+
+import torch
+
+from phasefleet.engine.kv_cache_manager import KVCacheManager
+from phasefleet.engine.request import Request
+from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.scheduler import Scheduler
+
+# name -> make_tiny arguments; each model is written once per test session.
+TINY_MODELS: dict[str, dict[str, object]] = {
+    "llama": dict(arch="llama", seed=1),  # 4 heads, 2 kv heads: GQA
+    "qwen2": dict(arch="qwen2", seed=2),  # qkv bias, tied embeddings
+    "mistral": dict(arch="mistral", seed=3),
+    "llama31": dict(arch="llama", seed=4, rope_scaling="llama3"),
+}
+
+
+def make_scheduler(
+    num_blocks: int = 8,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    enable_caching: bool = True,
+    eos_token_ids: tuple[int, ...] = (),
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching)
+    return Scheduler(
+        kv,
+        max_num_batched_tokens,
+        max_num_seqs,
+        max_model_len,
+        eos_token_ids=eos_token_ids,
+        clock=lambda: 123.0,
+    )
+
+
+def make_requests(
+    n: int, length: int, max_tokens: int = 16, first_token: int = 100, prefix: str = "r"
+) -> list[Request]:
+    """n requests of `length` distinct prompt tokens each (no shared prefixes)."""
+    return [
+        Request(
+            request_id=f"{prefix}{i}",
+            prompt_token_ids=list(range(first_token + i * 1000, first_token + i * 1000 + length)),
+            params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            arrival_time=float(i),
+        )
+        for i in range(n)
+    ]
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in lengths]
