@@ -1,0 +1,93 @@
+"""Every object an InferenceService owns, built from its spec (pure functions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
+from phasefleet.operator.meta import ROUTER, Owner, child_name, metadata, selector
+from phasefleet.operator.workloads import WORKER_PORT, router_deployment, worker_deployment
+
+ROUTER_SERVICE_PORT = 80
+
+# (apiVersion, kind) of every child kind, in apply order.
+CHILD_KINDS = (
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+
+
+def endpoint(owner: Owner) -> str:
+    """The service's URL inside the cluster: the router's Service."""
+    return f"http://{child_name(owner.name, ROUTER)}.{owner.namespace}.svc:{ROUTER_SERVICE_PORT}"
+
+
+def pool_replicas(spec: InferenceServiceSpec, pool: PoolSpec, live: int | None) -> int:
+    """Replicas to apply for a pool whose Deployment has `live` replicas (None: not created).
+
+    Without autoscaling the spec decides. With it, the autoscaler owns the number (it scales
+    the Deployment) and the operator only keeps it within [minReplicas, maxReplicas].
+    """
+    if not spec.autoscaling.enabled or live is None:
+        return pool.replicas
+    return min(max(live, pool.min_size), pool.max_size)
+
+
+def headless_service(owner: Owner, role: Role) -> dict[str, Any]:
+    name = child_name(owner.name, role.value)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, name, role.value),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(owner.name, role.value),
+            "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def router_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, child_name(owner.name, ROUTER), ROUTER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(owner.name, ROUTER),
+            "ports": [{"name": "http", "port": ROUTER_SERVICE_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
+    """At most one pod of a pool is evicted at a time (node drains, upgrades)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(owner, child_name(owner.name, role), role),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name, role)}},
+    }
+
+
+def desired_children(
+    owner: Owner, spec: InferenceServiceSpec, live_replicas: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """All children in apply order; `live_replicas` maps Deployment name -> spec.replicas."""
+    live_replicas = live_replicas or {}
+    out: list[dict[str, Any]] = []
+    for role, pool in spec.pools().items():
+        live = live_replicas.get(child_name(owner.name, role.value))
+        out.append(headless_service(owner, role))
+        out.append(worker_deployment(owner, spec, role, pool_replicas(spec, pool, live)))
+        out.append(disruption_budget(owner, role.value))
+    out.append(router_service(owner))
+    out.append(router_deployment(owner, spec))
+    out.append(disruption_budget(owner, ROUTER))
+    return out
+
+
+def key(obj: dict[str, Any]) -> tuple[str, str]:
+    """(kind, name): identifies a child within its namespace."""
+    return obj["kind"], obj["metadata"]["name"]

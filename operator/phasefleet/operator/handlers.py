@@ -1,0 +1,117 @@
+"""kopf handlers: thin wrappers that call `reconcile` and map its errors onto kopf's retries.
+
+Watched: InferenceServices (create, update, resume on operator start) and their children
+(Deployments, Services, PodDisruptionBudgets labelled phasefleet.dev/inferenceservice), so a
+child edited or deleted by hand is restored at once and Deployment readiness reaches status.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+
+from phasefleet.api.crd import GROUP, PLURAL, VERSION
+from phasefleet.operator.kube import Kube, Rejected, Transient
+from phasefleet.operator.meta import ISVC_LABEL
+from phasefleet.operator.reconcile import (
+    PROBLEM_RETRY_SECONDS,
+    Blocked,
+    InvalidSpec,
+    reconcile,
+    sync_child,
+)
+
+TRANSIENT_RETRY_SECONDS = 5
+CHILD_RESOURCES = (
+    ("v1", "services"),
+    ("apps", "v1", "deployments"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+STORAGE_PREFIX = "phasefleet.dev"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def plain(value: Any) -> Any:
+    """kopf's read-only body views -> plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Progress and the last-handled spec live in annotations: the CRD's status schema has no
+    # room for kopf's fields (the API server would prune them).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=STORAGE_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=STORAGE_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{STORAGE_PREFIX}/finalizer"
+    settings.posting.level = logging.WARNING  # Normal events are posted explicitly below
+    settings.execution.max_workers = 8
+    if getattr(memo, "api", None) is None:
+        memo.api = Kube.from_environment()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile_service(
+    body: kopf.Body, reason: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    try:
+        outcome = reconcile(memo.api, plain(body), _now())
+    except InvalidSpec as exc:
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc)[:1024])
+        raise kopf.PermanentError(str(exc)) from exc
+    except Blocked as exc:
+        kopf.event(body, type="Warning", reason=exc.problem.reason, message=exc.problem.message)
+        raise kopf.TemporaryError(exc.problem.message, delay=PROBLEM_RETRY_SECONDS) from exc
+    except Rejected as exc:
+        kopf.event(body, type="Warning", reason="ChildRejected", message=str(exc)[:1024])
+        raise kopf.TemporaryError(str(exc), delay=PROBLEM_RETRY_SECONDS) from exc
+    except Transient as exc:
+        raise kopf.TemporaryError(str(exc), delay=TRANSIENT_RETRY_SECONDS) from exc
+    changes = outcome.applied + [f"deleted {ref}" for ref in outcome.deleted]
+    if changes:
+        event_reason = "Created" if reason == "create" else "Updated"
+        kopf.event(body, type="Normal", reason=event_reason, message=", ".join(changes))
+    logger.info(
+        "reconciled (%s): %d changed, status written: %s",
+        reason,
+        len(changes),
+        outcome.status_written,
+    )
+
+
+def child_event(
+    body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    try:
+        outcome = sync_child(memo.api, plain(body), type == "DELETED", _now())
+    except (Transient, Rejected) as exc:
+        # Event handlers are not retried; the next event or the owner's handler catches up.
+        logger.warning("could not sync %s: %s", body.get("kind"), exc)
+        return
+    if outcome is not None and outcome.applied and outcome.parent is not None:
+        message = f"restored {', '.join(outcome.applied)} (edited or deleted outside the operator)"
+        kopf.event(
+            kopf.Body(cast(Any, outcome.parent)),
+            type="Normal",
+            reason="DriftCorrected",
+            message=message,
+        )
+        logger.info(message)
+
+
+for _resource in CHILD_RESOURCES:
+    kopf.on.event(*_resource, labels={ISVC_LABEL: kopf.PRESENT})(child_event)

@@ -1,0 +1,147 @@
+"""The operator's few Kubernetes API calls, as plain dicts over the kubernetes client's REST layer.
+
+Server-side apply goes through `ApiClient.call_api` with the apply-patch content type, which
+the generated typed methods of this client version cannot send. Errors become two kinds:
+`Transient` (retry later) and `Rejected` (the API server refused what we sent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Protocol
+
+from phasefleet.api.crd import GROUP, PLURAL, VERSION
+from phasefleet.operator.meta import FIELD_MANAGER
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
+# kind -> (API path prefix, plural)
+RESOURCES = {
+    "Service": ("/api/v1", "services"),
+    "Secret": ("/api/v1", "secrets"),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+APPLY = "application/apply-patch+yaml"
+RETRYABLE = {409, 429, 500, 502, 503, 504}
+
+
+class Transient(Exception):
+    """The API server could not do it now (conflict, throttling, unavailable)."""
+
+
+class Rejected(Exception):
+    """The API server refused the request (invalid object, forbidden)."""
+
+
+class Api(Protocol):
+    """What the reconciler needs from Kubernetes (a fake implements it in tests)."""
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+
+    def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, kind: str, namespace: str, name: str) -> None: ...
+
+
+def _path(kind: str, namespace: str, name: str | None = None) -> str:
+    prefix, plural = RESOURCES[kind]
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+class Kube:
+    """`Api` over a kubernetes.client.ApiClient."""
+
+    def __init__(self, client: ApiClient) -> None:
+        self.client = client
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster credentials when in a pod, else $KUBECONFIG / ~/.kube/config."""
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+        configuration.connection_pool_maxsize = 32
+        return cls(client.ApiClient(configuration))
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return self.client.call_api(
+                path,
+                method,
+                query_params=query or [],
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                body=body,
+                response_type="object",
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _request_timeout=30,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                raise
+            what = f"{method} {path}: HTTP {exc.status} {exc.reason}: {exc.body}"
+            if exc.status in RETRYABLE:
+                raise Transient(what) from exc
+            raise Rejected(what) from exc
+        except (OSError, HTTPError) as exc:  # connection refused or reset, timeouts
+            raise Transient(f"{method} {path}: {exc}") from exc
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return dict(self._call("GET", _path(kind, namespace, name)))
+        except ApiException:  # only 404 gets here
+            return None
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        result = self._call(
+            "GET", _path(kind, namespace), query=[("labelSelector", label_selector)]
+        )
+        items = list(result.get("items") or [])
+        for item in items:  # list items come without apiVersion and kind
+            item.setdefault("kind", kind)
+        return items
+
+    def _apply(self, obj: dict[str, Any], suffix: str = "") -> dict[str, Any]:
+        meta = obj["metadata"]
+        path = _path(obj["kind"], meta["namespace"], meta["name"]) + suffix
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        return dict(self._call("PATCH", path, body=obj, query=query, content_type=APPLY))
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._apply(obj)
+
+    def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._apply(obj, "/status")
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        with contextlib.suppress(ApiException):  # already gone
+            self._call(
+                "DELETE", _path(kind, namespace, name), body={"propagationPolicy": "Background"}
+            )

@@ -1,0 +1,271 @@
+"""Pod templates and Deployments for the worker pools and the router (pure functions)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
+from phasefleet.operator.meta import (
+    ROUTER,
+    SPEC_HASH_ANNOTATION,
+    Owner,
+    child_name,
+    labels,
+    metadata,
+    selector,
+)
+
+WORKER_PORT = 8000  # the worker's HTTP port: OpenAI API, /health, /metrics, /internal/*
+ROUTER_PORT = 8000
+MODEL_MOUNT = "/models"  # where a PVC source is mounted, read-only
+CACHE_DIR = "/cache"  # emptyDir: Hugging Face downloads, Triton and inductor caches
+PRESTOP_SLEEP_SECONDS = 5  # endpoints and the router drop the pod before SIGTERM arrives
+DRAIN_MARGIN_SECONDS = 5  # between the worker giving up on requests and SIGKILL
+RUN_AS = 1000  # numeric uid/gid so runAsNonRoot can be checked without the image's passwd
+
+ENGINE_ROLE = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.WORKER: "both"}
+
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "runAsGroup": RUN_AS,
+    "fsGroup": RUN_AS,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def spec_hash(*parts: Any) -> str:
+    """Short stable hash of JSON-able inputs; a change rolls the pods."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def served_name(name: str, spec: InferenceServiceSpec) -> str:
+    return spec.model.served_name or name
+
+
+def model_argument(spec: InferenceServiceSpec) -> str:
+    """What the worker gets as --model: a folder path or a Hugging Face repo id."""
+    model = spec.model
+    if model.pvc is not None:
+        return f"{MODEL_MOUNT}/{model.pvc.path.strip('/')}".rstrip("/")
+    if model.image is not None:
+        return model.image.path
+    if model.hf is None:
+        raise ValueError("spec.model: set exactly one model source: pvc, image or hf")
+    return model.hf.repo_id
+
+
+def drain_timeout(pool: PoolSpec) -> int:
+    """Seconds in-flight requests get after SIGTERM, inside the grace period."""
+    left = pool.termination_grace_period_seconds - PRESTOP_SLEEP_SECONDS - DRAIN_MARGIN_SECONDS
+    return max(left, 1)
+
+
+def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpec) -> list[str]:
+    args = [
+        "worker",
+        "--model", model_argument(spec),
+        "--served-model-name", served_name(name, spec),
+        "--role", ENGINE_ROLE[role],
+        "--port", str(WORKER_PORT),
+        "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
+        "--max-num-seqs", str(pool.max_num_seqs),
+        "--block-size", str(spec.runtime.block_size),
+        "--drain-timeout", str(drain_timeout(pool)),
+    ]  # fmt: skip
+    if spec.model.dtype != "auto":
+        args += ["--dtype", spec.model.dtype]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if not spec.runtime.enable_prefix_caching:
+        args.append("--no-prefix-caching")
+    return args + list(spec.runtime.extra_args)
+
+
+def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    hf = spec.model.hf
+    if hf is not None and hf.revision:
+        env.append({"name": "HF_REVISION", "value": hf.revision})
+    if hf is not None and hf.token_secret is not None:
+        ref = {"name": hf.token_secret.name, "key": hf.token_secret.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    env += [e.to_wire() for e in spec.runtime.env]
+    return env
+
+
+def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    if spec.model.pvc is not None:
+        claim = {"claimName": spec.model.pvc.claim_name, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _probes(grace_seconds: int) -> dict[str, Any]:
+    http = {"path": "/health", "port": "http"}
+    return {
+        # Loading weights can take minutes; liveness starts only once this passes.
+        "startupProbe": {"httpGet": http, "periodSeconds": 10, "failureThreshold": 90},
+        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 2},
+        # /health is 503 while draining: liveness must outlast the grace period.
+        "livenessProbe": {
+            "httpGet": http,
+            "periodSeconds": 10,
+            "failureThreshold": max(3, math.ceil(grace_seconds / 10) + 1),
+        },
+    }
+
+
+def _pod_template(
+    owner: Owner,
+    role: str,
+    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+    template_hash: str,
+    port: int,
+) -> dict[str, Any]:
+    annotations = {
+        SPEC_HASH_ANNOTATION: template_hash,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+    container = {
+        "imagePullPolicy": "IfNotPresent",
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        **container,
+    }
+    return {
+        "metadata": {"labels": labels(owner.name, role), "annotations": annotations},
+        "spec": {
+            "securityContext": POD_SECURITY_CONTEXT,
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            **pod_spec,
+            "containers": [container],
+        },
+    }
+
+
+def _deployment(owner: Owner, role: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+    name = child_name(owner.name, role)
+    meta = metadata(owner, name, role)
+    meta["annotations"] = {
+        SPEC_HASH_ANNOTATION: template["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(owner.name, role)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": template,
+        },
+    }
+
+
+def worker_deployment(
+    owner: Owner, spec: InferenceServiceSpec, role: Role, replicas: int
+) -> dict[str, Any]:
+    """The Deployment of one worker pool; `replicas` comes from `pool_replicas`."""
+    pool = spec.pools()[role]
+    volumes, mounts = _volumes(spec)
+    resources = pool.resources.to_wire()
+    container = {
+        "name": "engine",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["phasefleet"],
+        "args": worker_args(owner.name, spec, role, pool),
+        "env": _env(spec),
+        "resources": {k: v for k, v in resources.items() if v},
+        "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        **_probes(pool.termination_grace_period_seconds),
+    }
+    pod_spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
+        "volumes": volumes,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = pool.node_selector
+    if pool.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in pool.tolerations]
+    if pool.affinity:
+        pod_spec["affinity"] = pool.affinity
+    pool_inputs = pool.model_dump(exclude={"replicas", "min_replicas", "max_replicas"})
+    digest = spec_hash(spec.model.model_dump(), spec.runtime.model_dump(), pool_inputs)
+    template = _pod_template(owner, role.value, container, pod_spec, digest, WORKER_PORT)
+    return _deployment(owner, role.value, replicas, template)
+
+
+def worker_service_address(owner: Owner, role: Role) -> str:
+    """host:port of a pool's headless Service; its DNS name lists every ready worker."""
+    return f"{child_name(owner.name, role.value)}.{owner.namespace}.svc:{WORKER_PORT}"
+
+
+def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
+    args = [
+        "router",
+        "--port", str(ROUTER_PORT),
+        "--served-model-name", served_name(owner.name, spec),
+        "--policy", spec.router.policy,
+    ]  # fmt: skip
+    for role in spec.pools():
+        args += [f"--{role.value}-service", worker_service_address(owner, role)]
+    return args
+
+
+def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    container = {
+        "name": "router",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["phasefleet"],
+        "args": router_args(owner, spec),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"memory": "1Gi"},
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        **_probes(30),
+    }
+    pod_spec = {"terminationGracePeriodSeconds": 30, "volumes": [{"name": "tmp", "emptyDir": {}}]}
+    digest = spec_hash(container)
+    template = _pod_template(owner, ROUTER, container, pod_spec, digest, ROUTER_PORT)
+    return _deployment(owner, ROUTER, spec.router.replicas, template)

@@ -1,0 +1,88 @@
+"""An in-memory stand-in for kube.Api: enough of server-side apply to test the reconciler."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from phasefleet.operator.compare import contains
+
+
+def _merge(live: Any, desired: Any) -> Any:
+    if isinstance(live, dict) and isinstance(desired, dict):
+        out = dict(live)
+        for k, v in desired.items():
+            out[k] = _merge(live.get(k), v)
+        return out
+    return copy.deepcopy(desired)
+
+
+class FakeApi:
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) of each change
+        self._version = 0
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        self._version += 1
+        obj["metadata"]["resourceVersion"] = str(self._version)
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        obj["metadata"].setdefault("uid", f"uid-{obj['metadata']['name']}")
+        obj["metadata"].setdefault("generation", 1)
+        self._bump(obj)
+        self.objects[(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
+        return obj
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        obj = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        label, value = label_selector.split("=")
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in self.objects.items()
+            if k == kind and ns == namespace and o["metadata"].get("labels", {}).get(label) == value
+        ]
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        k = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        live = self.objects.get(k)
+        if live is not None and contains(live, obj):
+            return copy.deepcopy(live)
+        merged = _merge(live or {}, obj)
+        merged["metadata"].setdefault("generation", 0)
+        if live is None or live.get("spec") != merged.get("spec"):
+            merged["metadata"]["generation"] += 1
+        self._bump(merged)
+        self.objects[k] = merged
+        self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        return copy.deepcopy(merged)
+
+    def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]:
+        k = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        live = self.objects[k]
+        live["status"] = copy.deepcopy(obj["status"])
+        self._bump(live)
+        self.writes.append(("status", obj["kind"], obj["metadata"]["name"]))
+        return copy.deepcopy(live)
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        if self.objects.pop((kind, namespace, name), None) is not None:
+            self.writes.append(("delete", kind, name))
+
+    def set_ready(self, namespace: str) -> None:
+        """What the Deployment controller and kubelets would do: every pod up to date, ready."""
+        for (kind, ns, _), obj in self.objects.items():
+            if kind == "Deployment" and ns == namespace:
+                n = obj["spec"]["replicas"]
+                obj["status"] = {
+                    "observedGeneration": obj["metadata"]["generation"],
+                    "replicas": n,
+                    "updatedReplicas": n,
+                    "readyReplicas": n,
+                    "availableReplicas": n,
+                }
+                self._bump(obj)

@@ -1,0 +1,184 @@
+"""Child builders: names, ownership, pod templates, security, model sources, replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasefleet.api.spec import Role
+from phasefleet.operator.children import desired_children, endpoint, key, pool_replicas
+from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, SPEC_HASH_ANNOTATION
+from phasefleet.operator.workloads import worker_deployment
+from tests.operator.factories import make_owner, make_spec
+
+
+def _by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {key(c): c for c in children}
+
+
+def _pod(dep: dict[str, Any]) -> dict[str, Any]:
+    return dep["spec"]["template"]["spec"]
+
+
+def test_disaggregated_children_and_names():
+    children = _by_key(desired_children(make_owner(), make_spec()))
+    kinds = ("Deployment", "Service", "PodDisruptionBudget")
+    roles = ("prefill", "decode", "router")
+    assert set(children) == {(kind, f"llm-{role}") for kind in kinds for role in roles}
+    assert children[("Service", "llm-prefill")]["spec"]["clusterIP"] == "None"
+    assert children[("Service", "llm-router")]["spec"]["ports"][0]["port"] == 80
+    assert endpoint(make_owner()) == "http://llm-router.team-a.svc:80"
+
+
+def test_aggregated_has_one_worker_pool():
+    spec = make_spec(mode="aggregated", prefill=None, decode=None, worker={"replicas": 3})
+    children = _by_key(desired_children(make_owner(), spec))
+    names = {name for _, name in children}
+    assert names == {"llm-worker", "llm-router"}
+    args = children[("Deployment", "llm-worker")]["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert args[args.index("--role") + 1] == "both"
+    assert children[("Deployment", "llm-worker")]["spec"]["replicas"] == 3
+
+
+def test_every_child_is_owned_and_labelled():
+    for child in desired_children(make_owner(), make_spec()):
+        meta = child["metadata"]
+        assert meta["namespace"] == "team-a"
+        (ref,) = meta["ownerReferences"]
+        assert ref["uid"] == "uid-llm" and ref["controller"] is True
+        assert ref["kind"] == "InferenceService"
+        assert meta["labels"][ISVC_LABEL] == "llm"
+
+
+def test_worker_pod_template():
+    spec = make_spec(
+        prefill={
+            "replicas": 1,
+            "terminationGracePeriodSeconds": 90,
+            "maxNumBatchedTokens": 4096,
+            "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "16Gi"}},
+            "nodeSelector": {"phasefleet.dev/accelerator": "nvidia-gpu"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+            "affinity": {"nodeAffinity": {"x": 1}},
+        }
+    )
+    dep = worker_deployment(make_owner(), spec, Role.PREFILL, replicas=1)
+    template = dep["spec"]["template"]
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert template["metadata"]["labels"][ROLE_LABEL] == "prefill"
+    assert dep["spec"]["selector"]["matchLabels"] == {ISVC_LABEL: "llm", ROLE_LABEL: "prefill"}
+    annotations = template["metadata"]["annotations"]
+    assert (
+        annotations["prometheus.io/scrape"] == "true"
+        and annotations["prometheus.io/port"] == "8000"
+    )
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > 90  # outlasts a drain
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    assert pod["terminationGracePeriodSeconds"] == 90
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert pod["nodeSelector"] == {"phasefleet.dev/accelerator": "nvidia-gpu"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    args = container["args"]
+    assert args[:1] == ["worker"] and container["command"] == ["phasefleet"]
+    assert args[args.index("--model") + 1] == "/models/tiny"
+    assert args[args.index("--role") + 1] == "prefill"
+    assert args[args.index("--port") + 1] == "8000"
+    assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert int(args[args.index("--drain-timeout") + 1]) < 90
+
+
+def test_security_context_is_locked_down():
+    for child in desired_children(make_owner(), make_spec()):
+        if child["kind"] != "Deployment":
+            continue
+        pod = _pod(child)
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (container,) = pod["containers"]
+        sc = container["securityContext"]
+        assert sc == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/tmp" in mounts
+
+
+def test_pvc_source_mounts_the_claim_read_only():
+    spec = make_spec(model={"pvc": {"claimName": "weights", "path": "/qwen"}})
+    dep = worker_deployment(make_owner(), spec, Role.DECODE, replicas=1)
+    pod = _pod(dep)
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert vol["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/qwen"
+
+
+def test_hf_token_comes_from_the_secret_by_reference_only():
+    spec = make_spec(model={"hf": {"repoId": "org/m", "tokenSecret": {"name": "hf", "key": "tok"}}})
+    dep = worker_deployment(make_owner(), spec, Role.DECODE, replicas=1)
+    env = {e["name"]: e for e in _pod(dep)["containers"][0]["env"]}
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}},
+    }
+    args = _pod(dep)["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "org/m"
+
+
+def test_engine_knobs_reach_the_worker():
+    spec = make_spec(
+        model={"image": {"path": "/m"}, "dtype": "bfloat16", "maxModelLen": 4096},
+        runtime={"blockSize": 32, "enablePrefixCaching": False, "extraArgs": ["--device", "cpu"]},
+    )
+    args = worker_deployment(make_owner(), spec, Role.DECODE, 1)["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+    assert args[args.index("--max-model-len") + 1] == "4096"
+    assert args[args.index("--block-size") + 1] == "32"
+    assert "--no-prefix-caching" in args
+    assert args[-2:] == ["--device", "cpu"]
+
+
+def test_router_points_at_the_pools():
+    children = _by_key(desired_children(make_owner(), make_spec(router={"policy": "round-robin"})))
+    args = _pod(children[("Deployment", "llm-router")])["containers"][0]["args"]
+    assert args[0] == "router"
+    assert args[args.index("--prefill-service") + 1] == "llm-prefill.team-a.svc:8000"
+    assert args[args.index("--decode-service") + 1] == "llm-decode.team-a.svc:8000"
+    assert args[args.index("--policy") + 1] == "round-robin"
+
+
+def test_spec_hash_changes_with_the_template_inputs_but_not_replicas():
+    def digest(**overrides: Any) -> str:
+        dep = worker_deployment(make_owner(), make_spec(**overrides), Role.DECODE, 1)
+        return dep["spec"]["template"]["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+
+    base = digest()
+    assert digest(decode={"replicas": 5, "maxReplicas": 9}) == base
+    assert digest(decode={"replicas": 2, "maxNumSeqs": 8}) != base
+    assert digest(runtime={"image": "other:1"}) != base
+
+
+def test_pool_replicas_follow_spec_without_autoscaling_and_live_within_bounds_with_it():
+    fixed = make_spec(decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 4})
+    assert fixed.decode is not None
+    assert pool_replicas(fixed, fixed.decode, live=3) == 2
+    scaled = make_spec(
+        decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 4}, autoscaling={"enabled": True}
+    )
+    assert scaled.decode is not None
+    assert pool_replicas(scaled, scaled.decode, live=None) == 2
+    assert pool_replicas(scaled, scaled.decode, live=3) == 3
+    assert pool_replicas(scaled, scaled.decode, live=9) == 4
+    assert pool_replicas(scaled, scaled.decode, live=0) == 1

@@ -1,0 +1,181 @@
+"""Reconcile passes over an in-memory API: children, status, drift, pruning, idempotence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from phasefleet.operator.reconcile import Blocked, InvalidSpec, reconcile, sync_child
+from tests.operator.factories import NAMESPACE, make_isvc
+from tests.operator.fake_api import FakeApi
+
+NOW = "2026-01-01T00:00:00Z"
+LATER = "2026-01-01T00:05:00Z"
+
+
+def setup(**overrides: Any) -> tuple[FakeApi, dict]:
+    api = FakeApi()
+    body = api.add(make_isvc(**overrides))
+    return api, body
+
+
+def fresh(api: FakeApi, name: str = "llm") -> dict:
+    body = api.get("InferenceService", NAMESPACE, name)
+    assert body is not None
+    return body
+
+
+def condition(body: dict, type_: str) -> dict:
+    return next(c for c in body["status"]["conditions"] if c["type"] == type_)
+
+
+def test_first_reconcile_creates_children_and_status():
+    api, body = setup()
+    outcome = reconcile(api, body, NOW)
+    assert len(outcome.applied) == 9 and outcome.status_written
+    status = fresh(api)["status"]
+    assert status["endpoint"] == "http://llm-router.team-a.svc:80"
+    assert status["observedGeneration"] == 1
+    assert status["prefillReady"] == "0/1" and status["decodeReady"] == "0/2"
+    assert condition(fresh(api), "Ready")["status"] == "False"
+    assert condition(fresh(api), "Progressing")["status"] == "True"
+    assert condition(fresh(api), "Degraded")["status"] == "False"
+
+
+def test_ready_once_pods_are_ready_and_second_pass_writes_nothing():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    api.set_ready(NAMESPACE)
+    reconcile(api, fresh(api), LATER)
+    ready = condition(fresh(api), "Ready")
+    assert ready["status"] == "True" and ready["lastTransitionTime"] == LATER
+    assert fresh(api)["status"]["pools"]["decode"] == {
+        "replicas": 2,
+        "readyReplicas": 2,
+        "desiredReplicas": 2,
+    }
+    api.writes.clear()
+    outcome = reconcile(api, fresh(api), "2026-01-01T01:00:00Z")
+    assert api.writes == [] and outcome.applied == [] and not outcome.status_written
+
+
+def test_missing_pvc_is_reported_and_retried_until_it_exists():
+    api, body = setup(model={"pvc": {"claimName": "weights"}})
+    with pytest.raises(Blocked, match="PersistentVolumeClaim team-a/weights not found"):
+        reconcile(api, body, NOW)
+    degraded = condition(fresh(api), "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ModelVolumeMissing"
+    assert "spec.model.pvc.claimName" in degraded["message"]
+    assert not any(kind == "Deployment" for kind, _, _ in api.objects)
+    api.add(
+        {"kind": "PersistentVolumeClaim", "metadata": {"name": "weights", "namespace": NAMESPACE}}
+    )
+    reconcile(api, fresh(api), LATER)
+    assert condition(fresh(api), "Degraded")["status"] == "False"
+    assert ("Deployment", NAMESPACE, "llm-decode") in api.objects
+
+
+def test_missing_token_secret_or_key_is_reported_without_reading_values():
+    api, body = setup(
+        model={"hf": {"repoId": "o/m", "tokenSecret": {"name": "hf", "key": "token"}}}
+    )
+    with pytest.raises(Blocked, match="Secret team-a/hf not found"):
+        reconcile(api, body, NOW)
+    api.add(
+        {
+            "kind": "Secret",
+            "metadata": {"name": "hf", "namespace": NAMESPACE},
+            "data": {"other": "c2VjcmV0"},
+        }
+    )
+    with pytest.raises(Blocked, match="no key 'token'") as info:
+        reconcile(api, fresh(api), NOW)
+    assert "c2VjcmV0" not in str(info.value)
+    assert "c2VjcmV0" not in str(fresh(api)["status"])
+
+
+def test_invalid_spec_is_permanent():
+    api, body = setup(mode="aggregated")
+    with pytest.raises(InvalidSpec, match="worker"):
+        reconcile(api, body, NOW)
+
+
+def test_mode_change_prunes_the_old_pools():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    body = fresh(api)
+    body["spec"] = {"model": body["spec"]["model"], "mode": "aggregated", "worker": {"replicas": 1}}
+    body["metadata"]["generation"] = 2
+    outcome = reconcile(api, body, LATER)
+    assert (
+        "Deployment/llm-prefill" in outcome.deleted and "Deployment/llm-decode" in outcome.deleted
+    )
+    names = {name for kind, _, name in api.objects if kind == "Deployment"}
+    assert names == {"llm-worker", "llm-router"}
+
+
+def test_spec_change_changes_the_pod_template():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    before = api.get("Deployment", NAMESPACE, "llm-decode")
+    body = fresh(api)
+    body["spec"]["runtime"] = {"image": "engine:2"}
+    reconcile(api, body, LATER)
+    after = api.get("Deployment", NAMESPACE, "llm-decode")
+    assert before and after
+    assert after["spec"]["template"]["spec"]["containers"][0]["image"] == "engine:2"
+    key = "phasefleet.dev/spec-hash"
+    old = before["spec"]["template"]["metadata"]["annotations"][key]
+    assert after["spec"]["template"]["metadata"]["annotations"][key] != old
+
+
+def test_child_drift_is_restored_and_deleted_child_recreated():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    dep = api.objects[("Deployment", NAMESPACE, "llm-decode")]
+    dep["spec"]["replicas"] = 7
+    outcome = sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, False, LATER)
+    assert outcome is not None and outcome.applied == ["Deployment/llm-decode"]
+    assert api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] == 2
+
+    svc = api.get("Service", NAMESPACE, "llm-router") or {}
+    api.delete("Service", NAMESPACE, "llm-router")
+    outcome = sync_child(api, svc, True, LATER)
+    assert outcome is not None and outcome.applied == ["Service/llm-router"]
+    assert ("Service", NAMESPACE, "llm-router") in api.objects
+
+
+def test_child_event_with_nothing_changed_writes_nothing():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    api.writes.clear()
+    for (kind, _, name), _obj in list(api.objects.items()):
+        if kind != "InferenceService":
+            child = api.get(kind, NAMESPACE, name) or {}
+            outcome = sync_child(api, child, False, LATER)
+            assert outcome is not None and outcome.applied == []
+    assert api.writes == []
+
+
+def test_child_of_a_deleted_owner_is_left_alone():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    child = api.get("Deployment", NAMESPACE, "llm-decode") or {}
+    api.delete("InferenceService", NAMESPACE, "llm")
+    assert sync_child(api, child, True, LATER) is None
+
+
+def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds():
+    api, body = setup(
+        decode={"replicas": 2, "minReplicas": 1, "maxReplicas": 4}, autoscaling={"enabled": True}
+    )
+    reconcile(api, body, NOW)
+    api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] = 3  # the autoscaler
+    outcome = sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, False, LATER)
+    assert outcome is not None and outcome.applied == []
+    reconcile(api, fresh(api), LATER)
+    assert api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] == 3
+    api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] = 10
+    reconcile(api, fresh(api), LATER)
+    assert api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] == 4

@@ -1,0 +1,78 @@
+"""Status computation from Deployments (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasefleet.operator.status import Problem, compute_status, status_changed
+from tests.operator.factories import make_owner, make_spec
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def deployment(name: str, desired: int, ready: int, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "generation": 1},
+        "spec": {"replicas": desired},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": desired,
+            "updatedReplicas": desired,
+            "readyReplicas": ready,
+            **status,
+        },
+    }
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_aggregated_summaries_show_the_worker_pool():
+    spec = make_spec(mode="aggregated", prefill=None, decode=None, worker={"replicas": 2})
+    deps = {
+        "llm-worker": deployment("llm-worker", 2, 1),
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    status = compute_status(make_owner(), 1, spec, deps, {}, NOW)
+    assert status["prefillReady"] == status["decodeReady"] == "1/2"
+    ready = conditions(status)["Ready"]
+    assert ready["status"] == "False" and "worker 1/2 ready" in ready["message"]
+
+
+def test_stuck_rollout_is_degraded():
+    spec = make_spec()
+    stuck = deployment("llm-decode", 2, 0, conditions=[
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": "ReplicaSet has timed out progressing."}
+    ])  # fmt: skip
+    deps = {
+        "llm-prefill": deployment("llm-prefill", 1, 1),
+        "llm-decode": stuck,
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    status = compute_status(make_owner(), 1, spec, deps, {}, NOW)
+    degraded = conditions(status)["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "RolloutStuck"
+    assert "decode" in degraded["message"]
+
+
+def test_transition_time_kept_while_status_holds():
+    spec = make_spec()
+    first = compute_status(make_owner(), 1, spec, {}, {}, NOW)
+    second = compute_status(make_owner(), 1, spec, {}, first, "2026-01-02T00:00:00Z")
+    assert conditions(second)["Ready"]["lastTransitionTime"] == NOW
+    assert not status_changed(second, first)
+    problem = Problem("ModelVolumeMissing", "PersistentVolumeClaim x not found")
+    third = compute_status(make_owner(), 1, spec, {}, second, "2026-01-03T00:00:00Z", problem)
+    assert conditions(third)["Degraded"]["lastTransitionTime"] == "2026-01-03T00:00:00Z"
+    assert status_changed(third, second)
+
+
+def test_status_written_by_others_is_not_a_change():
+    spec = make_spec()
+    mine = compute_status(make_owner(), 1, spec, {}, {}, NOW)
+    live = {**mine, "metrics": {"ttftMs": 120.0}}
+    live["pools"] = {k: {**v, "lastScaleReason": "kv usage"} for k, v in mine["pools"].items()}
+    live["conditions"] = [*mine["conditions"], {"type": "MetricsAvailable", "status": "True"}]
+    assert not status_changed(mine, live)
