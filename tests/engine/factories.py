@@ -15,6 +15,7 @@ TINY_MODELS: dict[str, dict[str, object]] = {
     "qwen2": dict(arch="qwen2", seed=2),  # qkv bias, tied embeddings
     "mistral": dict(arch="mistral", seed=3),
     "llama31": dict(arch="llama", seed=4, rope_scaling="llama3"),
+    "mistral_sw": dict(arch="mistral", seed=5, sliding_window=12),  # window < prompt lengths
 }
 
 

@@ -1,0 +1,99 @@
+"""Our engine against transformers on the same weights: greedy, token for token (float32)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.sampling_params import SamplingParams
+from tests.engine.factories import TINY_MODELS, random_prompts
+
+HFGreedy = Callable[[str, list[int], int], list[int]]
+ModelPath = Callable[[str], Path]
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def engine(folder: Path, **kw: object) -> LLMEngine:
+    config = EngineConfig(model=str(folder), device="cpu", **kw)  # type: ignore[arg-type]
+    return LLMEngine(config)
+
+
+def check(eng: LLMEngine, name: str, prompts: list[list[int]], hf_greedy: HFGreedy) -> None:
+    outputs = eng.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.finished and out.finish_reason == "length"
+        assert out.output_token_ids == hf_greedy(name, prompt, GREEDY.max_tokens)
+    stats = eng.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # everything freed
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_single_request_matches_transformers(
+    name: str, tiny_model: ModelPath, hf_greedy: HFGreedy
+) -> None:
+    eng = engine(tiny_model(name))
+    check(eng, name, random_prompts([37], seed=1), hf_greedy)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_mixed_batch_through_chunked_prefill_matches_transformers(
+    name: str, tiny_model: ModelPath, hf_greedy: HFGreedy
+) -> None:
+    # A small token budget and small blocks: prompts are split into chunks that share steps
+    # with other requests' decodes.
+    eng = engine(tiny_model(name), block_size=4, max_num_batched_tokens=24, num_kv_blocks=128)
+    prompts = random_prompts([3, 17, 40, 64, 9, 1], seed=2)
+    check(eng, name, prompts, hf_greedy)
+    assert eng.stats().generation_tokens_total == 6 * GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_prefix_cache_hits_give_the_same_tokens(
+    name: str, tiny_model: ModelPath, hf_greedy: HFGreedy
+) -> None:
+    eng = engine(tiny_model(name), block_size=4, max_num_batched_tokens=32)
+    base = random_prompts([24], seed=3)[0]
+    tails = random_prompts([5, 11, 0, 2], seed=4)
+    # The warm-up fills the cache; then prompts that share its prefix, one identical to it
+    # (a full hit: the last token is recomputed).
+    check(eng, name, [base], hf_greedy)
+    assert eng.stats().prefix_cache_hits_total == 0
+    prompts = [base + tail for tail in tails]
+    outputs = eng.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.output_token_ids == hf_greedy(name, prompt, GREEDY.max_tokens)
+        assert out.num_cached_tokens >= 20
+    assert outputs[2].num_cached_tokens == 23  # full hit: all but the last prompt token
+    stats = eng.stats()
+    assert stats.prefix_cache_hits_total >= 4 * 20
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral_sw"])
+def test_forced_preemption_gives_the_same_tokens(
+    name: str, tiny_model: ModelPath, hf_greedy: HFGreedy
+) -> None:
+    # 6 requests of up to 30 + 20 tokens need ~13 blocks each at the end; the pool has 24.
+    eng = engine(tiny_model(name), block_size=4, num_kv_blocks=25, max_num_batched_tokens=64)
+    prompts = random_prompts([30, 22, 14, 27, 8, 19], seed=5)
+    check(eng, name, prompts, hf_greedy)
+    assert eng.stats().num_preemptions_total > 0
+
+
+def test_preemption_without_prefix_caching(tiny_model: ModelPath, hf_greedy: HFGreedy) -> None:
+    eng = engine(
+        tiny_model("llama"),
+        block_size=4,
+        num_kv_blocks=25,
+        enable_prefix_caching=False,
+    )
+    prompts = random_prompts([30, 22, 14, 27], seed=6)
+    check(eng, "llama", prompts, hf_greedy)
+    stats = eng.stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.prefix_cache_hits_total == 0

@@ -1,0 +1,59 @@
+"""Incremental detokenizing: text only grows, UTF-8 tails and stop-string prefixes wait."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from phasefleet.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Callable[[str], Path]) -> object:
+    return AutoTokenizer.from_pretrained(tiny_model("llama"))
+
+
+def feed(tok: object, text: str, stop: list[str]) -> tuple[IncrementalDetokenizer, list[str]]:
+    detok = IncrementalDetokenizer(tok, stop)
+    seen = []
+    for t in tok.encode(text, add_special_tokens=False):  # type: ignore[attr-defined]
+        detok.update([t])
+        seen.append(detok.text(final=False))
+        if detok.stopped:
+            break
+    return detok, seen
+
+
+def test_text_round_trips_and_only_grows(tokenizer: object) -> None:
+    text = "Héllo wörld, 日本語 and emoji 🙂 done."
+    detok, seen = feed(tokenizer, text, [])
+    assert detok.text(final=True) == text
+    for before, after in zip(seen, seen[1:], strict=False):
+        assert after.startswith(before)
+    assert all("\ufffd" not in s for s in seen)  # half characters are held back
+
+
+def test_stop_string_is_cut_and_its_prefix_held_back(tokenizer: object) -> None:
+    detok, seen = feed(tokenizer, "one two STOP three", ["STOP"])
+    assert detok.stopped
+    assert detok.text(final=True) == "one two "
+    assert all(not s.endswith("ST") and "STOP" not in s for s in seen)
+    for before, after in zip(seen, seen[1:], strict=False):
+        assert after.startswith(before)
+
+
+def test_prefix_of_a_stop_string_is_released_at_the_end(tokenizer: object) -> None:
+    detok, seen = feed(tokenizer, "count to ST", ["STOP"])
+    assert not detok.stopped
+    assert not seen[-1].endswith("ST")
+    detok.flush()
+    assert detok.text(final=True) == "count to ST"
+
+
+def test_stop_string_spanning_tokens(tokenizer: object) -> None:
+    detok, _ = feed(tokenizer, "the quick brown fox", ["k br"])
+    assert detok.stopped
+    assert detok.text(final=True) == "the quic"

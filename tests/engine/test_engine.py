@@ -1,0 +1,189 @@
+"""LLMEngine behaviour: stops, limits, abort, errors, seeds, streaming text, stats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
+from phasefleet.engine.sampling_params import SamplingParams
+from tests.engine.factories import random_prompts
+
+ModelPath = Callable[[str], Path]
+
+
+@pytest.fixture
+def eng(tiny_model: ModelPath) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model("llama")), device="cpu", num_kv_blocks=64))
+
+
+def greedy(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, **kw)  # type: ignore[arg-type]
+
+
+def run_one(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    eng.add_request("x", prompt, params)
+    outs: list[RequestOutput] = []
+    while eng.has_unfinished_requests():
+        outs.extend(o for o in eng.step() if o.request_id == "x")
+    return outs
+
+
+def test_engine_identity(eng: LLMEngine, tiny_model: ModelPath) -> None:
+    assert eng.model_name == tiny_model("llama").name
+    assert eng.max_model_len == 2048
+    assert eng.tokenizer.chat_template
+    ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert ids[0] == eng.tokenizer.bos_token_id
+
+
+def test_max_tokens_finishes_with_length(eng: LLMEngine) -> None:
+    (out,) = eng.generate(random_prompts([10]), greedy(7, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 7
+    assert out.num_prompt_tokens == 10
+    assert out.first_scheduled_time is not None
+
+
+def test_stop_token_ids_finish_and_are_kept(eng: LLMEngine) -> None:
+    prompt = random_prompts([12], seed=7)[0]
+    (full,) = eng.generate([prompt], greedy(20, ignore_eos=True))
+    stop = full.output_token_ids[5]
+    (out,) = eng.generate([prompt], greedy(20, ignore_eos=True, stop_token_ids=[stop]))
+    first = full.output_token_ids.index(stop)
+    assert out.output_token_ids == full.output_token_ids[: first + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(eng: LLMEngine) -> None:
+    prompt = random_prompts([12], seed=8)[0]
+    (full,) = eng.generate([prompt], greedy(20, ignore_eos=True))
+    eos = full.output_token_ids[3]
+    eng.scheduler.eos_token_ids = frozenset({eos})  # make a token the model emits the eos
+    (stopped,) = eng.generate([prompt], greedy(20))
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_token_ids == full.output_token_ids[: full.output_token_ids.index(eos) + 1]
+    (ignored,) = eng.generate([prompt], greedy(20, ignore_eos=True))
+    assert ignored.output_token_ids == full.output_token_ids
+
+
+def test_stop_string_cuts_the_text_and_text_only_grows(eng: LLMEngine) -> None:
+    prompt = random_prompts([12], seed=9)[0]
+    (full,) = eng.generate([prompt], greedy(30, ignore_eos=True))
+    text = full.text
+    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]
+    outs = run_one(eng, prompt, greedy(30, ignore_eos=True, stop=[stop]))
+    final = outs[-1]
+    assert final.finished and final.finish_reason == "stop"
+    assert final.text == text[: text.index(stop)]
+    for before, after in zip(outs, outs[1:], strict=False):
+        assert after.text.startswith(before.text)
+        assert stop not in after.text
+    assert len(final.output_token_ids) < 30
+
+
+def test_abort_frees_blocks_and_reports_abort(eng: LLMEngine) -> None:
+    total = eng.stats().num_total_blocks
+    prompts = random_prompts([40, 30, 20], seed=10)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"a{i}", p, greedy(50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    stats = eng.stats()
+    assert stats.num_running == 3 and stats.num_free_blocks < total
+    assert 0 < stats.kv_cache_usage <= 1
+    eng.abort_request("a1")
+    eng.abort_request("nope")  # unknown: no-op
+    outs = eng.step()
+    aborted = [o for o in outs if o.request_id == "a1"]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    eng.abort_request("a0")
+    eng.abort_request("a2")
+    eng.abort_request("a2")  # twice: no-op
+    eng.step()
+    assert not eng.has_unfinished_requests()
+    stats = eng.stats()
+    assert stats.num_free_blocks == total and stats.kv_cache_usage == 0.0
+
+
+def test_abort_of_a_waiting_request(eng: LLMEngine) -> None:
+    eng.add_request("w", [5, 6, 7], greedy(4))
+    eng.abort_request("w")
+    (out,) = eng.step()
+    assert out.finish_reason == "abort" and out.output_token_ids == []
+    assert eng.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], greedy(4), "prompt must contain at least one token"),
+        ([1] * 2040, greedy(10), "must fit max_model_len"),
+        ([1] * 10, greedy(4000), "must fit max_model_len"),
+        ([1] * 1000, greedy(100), "more than the whole pool"),
+        ([100000], greedy(4), "prompt token ids must be in"),
+        ([1, 2], SamplingParams(top_p=0), "top_p must be"),
+    ],
+)
+def test_add_request_rejects(
+    eng: LLMEngine, prompt: list[int], params: SamplingParams, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        eng.add_request("bad", prompt, params)
+    assert not eng.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_rejected(eng: LLMEngine) -> None:
+    eng.add_request("dup", [1, 2, 3], greedy(2))
+    with pytest.raises(ValueError, match="already"):
+        eng.add_request("dup", [1, 2, 3], greedy(2))
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(eng: LLMEngine) -> None:
+    prompt = random_prompts([15], seed=11)[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    (alone,) = eng.generate([prompt], params)
+    others = random_prompts([7, 30], seed=12)
+    batch = eng.generate(
+        [others[0], prompt, others[1]],
+        [SamplingParams(max_tokens=9, ignore_eos=True), params, greedy(20, ignore_eos=True)],
+    )
+    assert batch[1].output_token_ids == alone.output_token_ids
+    (other_seed,) = eng.generate([prompt], SamplingParams(max_tokens=16, seed=99, ignore_eos=True))
+    assert other_seed.output_token_ids != alone.output_token_ids
+
+
+def test_step_outputs_carry_new_tokens_and_growing_totals(eng: LLMEngine) -> None:
+    outs = run_one(eng, random_prompts([9], seed=13)[0], greedy(5, ignore_eos=True))
+    assert [len(o.new_token_ids) for o in outs] == [1] * 5
+    assert outs[-1].output_token_ids == [o.new_token_ids[0] for o in outs]
+    stats = eng.stats()
+    assert stats.prompt_tokens_total == 9 and stats.generation_tokens_total == 5
+
+
+def test_waiting_and_pending_prefill_stats(tiny_model: ModelPath) -> None:
+    config = EngineConfig(
+        model=str(tiny_model("llama")), device="cpu", max_num_batched_tokens=16, max_num_seqs=1
+    )
+    eng = LLMEngine(config)
+    for i, p in enumerate(random_prompts([40, 5], seed=14)):
+        eng.add_request(f"s{i}", p, greedy(2))
+    eng.step()
+    stats = eng.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.prefill_tokens_pending == 24
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(tiny_model: ModelPath, dtype: str) -> None:
+    config = EngineConfig(model=str(tiny_model("qwen2")), device="cpu", dtype=dtype)
+    outs = LLMEngine(config).generate(random_prompts([8, 20]), greedy(6, ignore_eos=True))
+    assert [len(o.output_token_ids) for o in outs] == [6, 6]
+
+
+def test_bad_model_folder_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))

@@ -1,0 +1,185 @@
+"""The scheduler on its own: budget order, chunking, admission, preemption, finishing."""
+
+from __future__ import annotations
+
+from phasefleet.engine.request import RequestStatus
+from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
+from tests.engine.factories import make_requests, make_scheduler
+
+
+def run_step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    """One schedule + update, sampling `token` for every request that reaches its end."""
+    out = sched.schedule()
+    sampled = {s.request.request_id: token for s in out.scheduled if s.sample}
+    sched.update_from_output(out, sampled)
+    return out
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.request.request_id, s.num_tokens) for s in out.scheduled]
+
+
+def test_new_requests_are_prefilled_in_chunks_within_the_budget() -> None:
+    sched = make_scheduler(num_blocks=32, max_num_batched_tokens=10)
+    for r in make_requests(2, 12):
+        sched.add_request(r)
+    out = run_step(sched)
+    assert plan(out) == [("r0", 10)]
+    assert out.num_batched_tokens == 10
+    assert not out.scheduled[0].sample
+    # r0's last 2 prompt tokens, then r1's first chunk with the rest of the budget.
+    out = run_step(sched)
+    assert plan(out) == [("r0", 2), ("r1", 8)]
+    assert out.scheduled[0].sample
+    assert sched.prefill_tokens_pending == 4
+
+
+def test_decodes_come_first_then_prefill_chunks_then_new_requests() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=8)
+    a, b, c = make_requests(3, 16)
+    a.prompt_token_ids = a.prompt_token_ids[:6]
+    c.prompt_token_ids = c.prompt_token_ids[:4]
+    sched.add_request(a)
+    assert plan(run_step(sched)) == [("r0", 6)]
+    sched.add_request(b)
+    sched.add_request(c)
+    assert plan(run_step(sched)) == [("r0", 1), ("r1", 7)]
+    assert plan(run_step(sched)) == [("r0", 1), ("r1", 7)]
+    assert plan(run_step(sched)) == [("r0", 1), ("r1", 2), ("r2", 4)]
+    assert plan(run_step(sched)) == [("r0", 1), ("r1", 1), ("r2", 1)]
+
+
+def test_decodes_beyond_the_budget_wait_for_the_next_step() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=12)
+    for r in make_requests(3, 4):
+        sched.add_request(r)
+    run_step(sched)
+    sched.max_num_batched_tokens = 2
+    assert plan(run_step(sched)) == [("r0", 1), ("r1", 1)]
+
+
+def test_admission_needs_room_for_the_whole_prompt() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=4)  # 5 usable
+    big, small = make_requests(2, 12, max_tokens=4)
+    small.prompt_token_ids = small.prompt_token_ids[:8]
+    sched.add_request(big)
+    out = run_step(sched)
+    assert plan(out) == [("r0", 4)]  # admitted with all 3 blocks, prefilled 4 tokens at a time
+    assert sched.kv.pool.num_free_blocks == 2
+    assert plan(run_step(sched)) == [("r0", 4)]
+    assert plan(run_step(sched)) == [("r0", 4)]
+    sched.add_request(small)
+    # big's first decode takes a 4th block; small needs 2 and only 1 is free: it waits.
+    assert plan(run_step(sched)) == [("r0", 1)]
+    assert sched.waiting[0] is small
+    while not big.is_finished:
+        run_step(sched)
+    assert plan(run_step(sched)) == [("r1", 4)]
+
+
+def test_fcfs_admission_stops_at_the_first_request_that_does_not_fit() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)  # 4 usable
+    big, later = make_requests(2, 20)
+    later.prompt_token_ids = later.prompt_token_ids[:4]
+    (first,) = make_requests(1, 4, prefix="first")
+    sched.add_request(first)
+    sched.add_request(big)  # 5 blocks: can never fit alongside anything
+    sched.add_request(later)
+    out = run_step(sched)
+    assert plan(out) == [("first0", 4)]
+    assert [r.request_id for r in sched.waiting] == ["r0", "r1"]
+
+
+def test_max_num_seqs_caps_the_running_batch() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2)
+    for r in make_requests(3, 4):
+        sched.add_request(r)
+    run_step(sched)
+    assert len(sched.running) == 2
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+
+
+def test_preemption_evicts_the_newest_and_recomputes_it_later() -> None:
+    # 4 usable blocks of 4 tokens; two 8-token prompts fill them.
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    old, new = make_requests(2, 8, max_tokens=8)
+    sched.add_request(old)
+    sched.add_request(new)
+    run_step(sched)  # both prefilled, each sampled a 9th token
+    assert sched.kv.pool.num_free_blocks == 0
+    out = run_step(sched)  # old needs a third block: new is preempted
+    assert out.preempted == ["r1"]
+    assert plan(out) == [("r0", 1)]
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert sched.waiting[0] is new
+    assert sched.num_preemptions_total == 1
+    assert sched.kv.pool.num_free_blocks == 1
+    # When old finishes, new comes back and recomputes prompt + its output so far.
+    while not old.is_finished:
+        run_step(sched)
+    out = run_step(sched)
+    assert plan(out) == [("r1", 9)]
+    assert new.status is RequestStatus.RUNNING
+
+
+def test_a_lone_request_that_outgrows_the_pool_preempts_itself() -> None:
+    sched = make_scheduler(num_blocks=3, block_size=4)  # 2 usable blocks
+    (r,) = make_requests(1, 8)
+    sched.add_request(r)
+    run_step(sched)
+    out = run_step(sched)
+    assert out.preempted == ["r0"] and out.scheduled == []
+    assert sched.waiting[0] is r
+
+
+def test_finish_on_max_tokens_eos_and_stop_token_frees_blocks() -> None:
+    sched = make_scheduler(num_blocks=16, eos_token_ids=(2,))
+    a, b, c = make_requests(3, 4, max_tokens=3)
+    a.params.ignore_eos = False
+    c.params.stop_token_ids = [9]
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = sched.schedule()
+    changed = sched.update_from_output(out, {"r0": 2, "r1": 2, "r2": 9})
+    assert [r.request_id for r in changed] == ["r0", "r1", "r2"]
+    assert a.finish_reason == "stop" and a.is_finished  # eos
+    assert not b.is_finished  # ignore_eos
+    assert c.finish_reason == "stop"  # stop token
+    run_step(sched)
+    run_step(sched)
+    assert b.finish_reason == "length" and b.output_token_ids == [2, 7, 7]
+    assert sched.kv.pool.num_free_blocks == 15
+    assert not sched.has_unfinished_requests()
+
+
+def test_finish_request_on_waiting_and_unknown_ids() -> None:
+    sched = make_scheduler()
+    (r,) = make_requests(1, 4)
+    sched.add_request(r)
+    assert sched.finish_request("nope", "abort") is None
+    assert sched.finish_request("r0", "abort") is r
+    assert r.finish_reason == "abort" and not sched.waiting
+
+
+def test_prefix_hits_skip_cached_tokens_and_are_counted() -> None:
+    sched = make_scheduler(num_blocks=32)
+    (a,) = make_requests(1, 10)
+    sched.add_request(a)
+    run_step(sched)
+    (b,) = make_requests(1, 10, prefix="b")  # same tokens as a
+    sched.add_request(b)
+    out = run_step(sched)
+    assert plan(out) == [("r0", 1), ("b0", 2)]  # 8 of 10 tokens (two full blocks) cached
+    assert b.num_cached_tokens == 8
+    assert sched.prefix_cache_hits_total == 8
+    assert sched.prefix_cache_queries_total == 20
+
+
+def test_first_scheduled_time_and_prompt_counter() -> None:
+    sched = make_scheduler()
+    (r,) = make_requests(1, 5)
+    sched.add_request(r)
+    run_step(sched)
+    assert r.first_scheduled_time == 123.0
+    assert sched.prompt_tokens_total == 5
+    assert sched.generation_tokens_total == 1

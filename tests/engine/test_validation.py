@@ -1,0 +1,57 @@
+"""SamplingParams and EngineConfig reject bad values with a message naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=1.5), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(seed="x"), "seed"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop="abc"), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} must be .*, got "):
+        SamplingParams(**kwargs).validate()  # type: ignore[arg-type]
+
+
+def test_default_sampling_params_are_valid() -> None:
+    SamplingParams().validate()
+    SamplingParams(temperature=0, top_k=0, top_p=1.0, seed=3, stop=["x"]).validate()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(model=""), "model"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(block_size=0), "block_size"),
+        (dict(num_kv_blocks=1), "num_kv_blocks"),
+        (dict(max_model_len=-5), "max_model_len"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+    ],
+)
+def test_engine_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    config = EngineConfig(**{"model": "/models/x", **kwargs})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"^{field} must be .*, got "):
+        config.validate()
+
+
+def test_default_engine_config_is_valid() -> None:
+    EngineConfig(model="/models/x").validate()
