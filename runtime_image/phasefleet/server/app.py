@@ -1,0 +1,85 @@
+"""The worker's FastAPI app: OpenAI endpoints, /health, /metrics.
+
+The engine starts in the app's lifespan (it needs the running event loop) and loads the model in
+its own thread, so /health answers 503 while the model loads instead of refusing connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from phasefleet.server.chat import create_chat_completion
+from phasefleet.server.completions import create_completion
+from phasefleet.server.errors import install_error_handlers
+from phasefleet.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from phasefleet.server.responses import ClientDisconnected
+from phasefleet.server.state import WorkerState
+
+# Status code logged for a request whose client left before the answer (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def build_app(state: WorkerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="PhaseFleet worker", lifespan=lifespan)
+    app.state.worker = state
+    install_error_handlers(app)
+
+    async def on_client_gone(_: Request, __: Exception) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    app.add_exception_handler(ClientDisconnected, on_client_gone)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engine = state.engine
+        if engine.fatal_error is not None:
+            status = "engine_failed"
+        elif state.draining:
+            status = "draining"
+        elif not engine.ready:
+            status = "loading"
+        else:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=state.served_model_name,
+            root=state.model_path,
+            max_model_len=state.engine.max_model_len or None,
+        )
+        return ModelList(data=[card])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(req, raw, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(req, raw, state)
+
+    return app

@@ -1,0 +1,324 @@
+"""AsyncEngine: drives one LLMEngine from a single background thread for an asyncio server.
+
+The engine is not thread-safe, so exactly one thread (the engine thread) builds it and calls
+`add_request`, `abort_request`, `step` and `stats`. The event loop hands it commands through a
+list guarded by a condition variable; the engine thread applies them between steps, steps while
+anything is unfinished, sleeps on the condition when idle, and sends each step's outputs back
+with one `loop.call_soon_threadsafe` call. Every HTTP request gets a `RequestStream`, which may
+cover several engine requests (n > 1, or a batch of prompts); its events are tagged with the
+choice index.
+
+Failure policy: an exception from `step()` fails every request then in the engine (a step is
+one batch, so the culprit is unknown) with an engine error (HTTP 500), aborts them, and the
+worker keeps serving. `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, or a failure to
+build the engine, mean the engine is broken for good: `fatal_error` is set, `on_fatal` runs (the
+CLI then exits non-zero) and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phasefleet.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+    from phasefleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds `limit` requests already."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"waiting queue is full ({limit})")
+        self.limit = limit
+
+
+class EngineNotReadyError(Exception):
+    """The engine is still loading, or is broken for good."""
+
+
+class EngineStepError(Exception):
+    """The engine raised while running a step that included this request."""
+
+
+@dataclass
+class Event:
+    """One step's news for one choice of a RequestStream."""
+
+    index: int  # choice index within the HTTP request
+    output: RequestOutput
+    time: float  # time.monotonic() right after the step that produced it
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompts: list[list[int]]  # one per choice
+    params: list[SamplingParams]  # one per choice
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests, as an async iterator of Events."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], arrival_time: float) -> None:
+        self.engine = engine
+        self.request_ids = request_ids
+        self.arrival_time = arrival_time  # time.monotonic() when the HTTP request arrived
+        # Resolved by the engine thread once every engine request is added (or add failed).
+        self.accepted: asyncio.Future[None] = engine.loop.create_future()
+        self.queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        self.unfinished = set(range(len(request_ids)))
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if not self.unfinished:
+            self.close()
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.output.finished:
+            self.unfinished.discard(item.index)
+        return item
+
+    def close(self) -> None:
+        """Abort whatever is unfinished and stop counting this request as in flight."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.unfinished:
+            self.engine.abort([self.request_ids[i] for i in sorted(self.unfinished)])
+        self.engine.in_flight -= 1
+
+
+@dataclass
+class _Tracked:
+    stream: RequestStream
+    index: int
+
+
+@dataclass
+class _Shared:
+    stats: EngineStats | None = None
+    pending_adds: int = 0  # engine requests submitted but not yet added by the engine thread
+    commands: list[_Add | _Abort] = field(default_factory=list)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        make_engine: Callable[[], LLMEngine],
+        max_queue_len: int,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._make_engine = make_engine
+        self.max_queue_len = max_queue_len
+        self.on_fatal = on_fatal
+        self._cond = threading.Condition()
+        self._shared = _Shared()  # guarded by _cond
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self.loop: asyncio.AbstractEventLoop
+        self.ready = False
+        self.fatal_error: BaseException | None = None
+        self.max_model_len = 0
+        self.in_flight = 0  # open RequestStreams; event loop only
+
+    # -- event loop side --
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> EngineStats | None:
+        """The stats as of the engine thread's last step or command batch."""
+        return self._shared.stats
+
+    def num_waiting(self) -> int:
+        with self._cond:
+            stats = self._shared.stats
+            return self._shared.pending_adds + (stats.num_waiting if stats else 0)
+
+    def submit(
+        self,
+        request_ids: list[str],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        arrival_time: float,
+    ) -> RequestStream:
+        """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError."""
+        if not self.ready or self.fatal_error is not None:
+            raise EngineNotReadyError("the engine is not ready")
+        stream = RequestStream(self, request_ids, arrival_time)
+        with self._cond:
+            stats = self._shared.stats
+            waiting = self._shared.pending_adds + (stats.num_waiting if stats else 0)
+            if waiting + len(request_ids) > self.max_queue_len:
+                raise QueueFullError(self.max_queue_len)
+            self._shared.pending_adds += len(request_ids)
+            self._shared.commands.append(_Add(stream, prompts, params))
+            self._cond.notify()
+        self.in_flight += 1
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._cond:
+            self._shared.commands.append(_Abort(request_ids))
+            self._cond.notify()
+
+    def _deliver(self, events: Sequence[tuple[RequestStream, Any]]) -> None:
+        for stream, item in events:
+            if not stream.closed:
+                stream.queue.put_nowait(item)
+
+    def _resolve(self, stream: RequestStream, error: BaseException | None) -> None:
+        if stream.accepted.done():
+            return
+        if error is None:
+            stream.accepted.set_result(None)
+        else:
+            stream.accepted.set_exception(error)
+
+    # -- engine thread --
+
+    def _run(self) -> None:
+        try:
+            engine = self._make_engine()
+        except BaseException as exc:  # a model that cannot load is fatal, whatever the cause
+            logger.exception("the engine failed to start")
+            self._fail_for_good(exc)
+            return
+        self.max_model_len = engine.max_model_len
+        with self._cond:
+            self._shared.stats = engine.stats()
+        self.ready = True
+        logger.info("engine ready: %s, max_model_len=%d", engine.model_name, engine.max_model_len)
+        failures = 0
+        while True:
+            with self._cond:
+                while not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                commands, self._shared.commands = self._shared.commands, []
+            self._apply(engine, commands)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                self._fail_all(engine, exc)
+                if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    self._fail_for_good(exc)
+                    return
+                continue
+            failures = 0
+            now = time.monotonic()
+            events: list[tuple[RequestStream, Any]] = []
+            for output in outputs:
+                tracked = self._tracked.get(output.request_id)
+                if tracked is None:
+                    continue
+                if output.finished:
+                    del self._tracked[output.request_id]
+                events.append((tracked.stream, Event(tracked.index, output, now)))
+            with self._cond:
+                self._shared.stats = engine.stats()
+            if events:
+                self.loop.call_soon_threadsafe(self._deliver, events)
+
+    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort]) -> None:
+        added = 0
+        for command in commands:
+            if isinstance(command, _Abort):
+                for request_id in command.request_ids:
+                    if self._tracked.pop(request_id, None) is not None:
+                        engine.abort_request(request_id)
+                continue
+            added += len(command.prompts)
+            stream = command.stream
+            error: BaseException | None = None
+            for index, (prompt, params) in enumerate(
+                zip(command.prompts, command.params, strict=True)
+            ):
+                request_id = stream.request_ids[index]
+                try:
+                    engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_time)
+                except ValueError as exc:
+                    error = exc
+                    break
+                self._tracked[request_id] = _Tracked(stream, index)
+            if error is not None:
+                for request_id in stream.request_ids:
+                    if self._tracked.pop(request_id, None) is not None:
+                        engine.abort_request(request_id)
+            self.loop.call_soon_threadsafe(self._resolve, stream, error)
+        with self._cond:
+            self._shared.pending_adds -= added
+            self._shared.stats = engine.stats()
+
+    def _fail_all(self, engine: LLMEngine, exc: Exception) -> None:
+        events: list[tuple[RequestStream, Any]] = []
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort %s after a failed step", request_id)
+            events.append((tracked.stream, EngineStepError(f"the engine failed: {exc!r}")))
+        self._tracked.clear()
+        if events:
+            self.loop.call_soon_threadsafe(self._deliver, events)
+        try:
+            with self._cond:
+                self._shared.stats = engine.stats()
+        except Exception:
+            logger.exception("could not read engine stats after a failed step")
+
+    def _fail_for_good(self, exc: BaseException) -> None:
+        self.fatal_error = exc
+        events: list[tuple[RequestStream, Any]] = [
+            (t.stream, EngineStepError(f"the engine failed: {exc!r}"))
+            for t in self._tracked.values()
+        ]
+        self._tracked.clear()
+        with self._cond:
+            pending = [c.stream for c in self._shared.commands if isinstance(c, _Add)]
+            self._shared.commands.clear()
+            self._shared.pending_adds = 0
+        for stream in pending:
+            self.loop.call_soon_threadsafe(
+                self._resolve, stream, EngineStepError("the engine is broken")
+            )
+        if events:
+            self.loop.call_soon_threadsafe(self._deliver, events)
+        if self.on_fatal is not None:
+            self.loop.call_soon_threadsafe(self.on_fatal, exc)

@@ -1,0 +1,139 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from phasefleet.server.errors import bad_request
+from phasefleet.server.generation import (
+    Generation,
+    check_supported,
+    output_budget,
+    sampling_params,
+)
+from phasefleet.server.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Delta,
+    Usage,
+)
+from phasefleet.server.responses import collect_or_abort, sse_response
+from phasefleet.server.state import WorkerState
+
+if TYPE_CHECKING:
+    from phasefleet.engine.llm_engine import RequestOutput
+
+
+def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True
+        )
+    except Exception as exc:  # jinja raises whatever the template author chose
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+    if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return state.check_token_ids(list(ids), "messages")
+
+
+def _usage(prompt: list[int], finals: list[RequestOutput]) -> Usage:
+    completion_tokens = sum(len(out.output_token_ids) for out in finals)
+    return Usage(
+        prompt_tokens=len(prompt),
+        completion_tokens=completion_tokens,
+        total_tokens=len(prompt) + completion_tokens,
+    )
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw: Request, state: WorkerState
+) -> Response:
+    arrival = time.monotonic()
+    state.check_model(req.model)
+    check_supported(req)
+    state.check_accepting()
+    prompt = render(req, state)
+    budget = output_budget(
+        len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
+    )
+    params = [sampling_params(req, budget, sample) for sample in range(req.n)]
+    gen = Generation(state.engine, state.metrics, [prompt] * req.n, params, arrival, "messages")
+    await gen.start()
+    response_id = f"chatcmpl-{gen.request_id}"
+    if req.stream:
+        return sse_response(_chunks(gen, req, prompt, response_id, int(time.time())))
+    finals = await collect_or_abort(gen, raw)
+    ids = req.return_token_ids
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=out.text),
+            finish_reason=out.finish_reason,
+            prompt_token_ids=prompt if ids else None,
+            token_ids=list(out.output_token_ids) if ids else None,
+        )
+        for i, out in enumerate(finals)
+    ]
+    body = ChatCompletionResponse(
+        id=response_id, model=req.model, choices=choices, usage=_usage(prompt, finals)
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _chunks(
+    gen: Generation, req: ChatCompletionRequest, prompt: list[int], response_id: str, created: int
+) -> AsyncIterator[str]:
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    ids = req.return_token_ids
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        return ChatCompletionChunk(
+            id=response_id, created=created, model=req.model, choices=choices
+        ).model_dump_json()
+
+    # The first chunk of each choice carries the role, as OpenAI's does.
+    yield chunk(
+        [
+            ChatChunkChoice(
+                index=i,
+                delta=Delta(role="assistant", content=""),
+                prompt_token_ids=prompt if ids else None,
+            )
+            for i in range(req.n)
+        ]
+    )
+    sent = [""] * req.n
+    finals: list[RequestOutput] = []
+    async for event in gen.events():
+        out, i = event.output, event.index
+        delta = out.text[len(sent[i]) :]
+        if not (delta or out.finished or (ids and out.new_token_ids)):
+            continue
+        sent[i] = out.text
+        if out.finished:
+            finals.append(out)
+        choice = ChatChunkChoice(
+            index=i,
+            delta=Delta(content=delta) if delta else Delta(),
+            finish_reason=out.finish_reason if out.finished else None,
+            token_ids=list(out.new_token_ids) if ids else None,
+        )
+        yield chunk([choice])
+    if include_usage:
+        yield ChatCompletionChunk(
+            id=response_id,
+            created=created,
+            model=req.model,
+            choices=[],
+            usage=_usage(prompt, finals),
+        ).model_dump_json()

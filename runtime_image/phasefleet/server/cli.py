@@ -1,0 +1,147 @@
+"""`phasefleet worker`: one engine worker serving the OpenAI API over HTTP.
+
+Heavy imports (torch, transformers, fastapi) happen inside `run`, so `phasefleet --help` stays
+fast and works without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phasefleet.engine.config import EngineConfig
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
+DEFAULT_DRAIN_TIMEOUT = 25.0  # seconds; under Kubernetes' default 30 s grace period
+GRACEFUL_SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for open connections after a drain
+
+logger = logging.getLogger("phasefleet.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True, help="Hugging Face model folder")
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients send as `model` (default: the --model value)",
+    )
+    model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    model.add_argument("--max-model-len", type=int, default=None, help="tokens, prompt plus output")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--role",
+        default="both",
+        choices=("both", "prefill", "decode"),
+        help="this worker's phase (the `role` label of its metrics)",
+    )
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+    )
+    engine.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)"
+    )
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=DEFAULT_MAX_QUEUE_LEN,
+        help="requests waiting to be scheduled; more are answered 429 with Retry-After",
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from phasefleet.engine.config import EngineConfig
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    try:
+        config.validate()
+        if args.max_queue_len < 1:
+            raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
+        if not (Path(args.model) / "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face model folder, got {args.model!r}")
+    except ValueError as exc:
+        print(f"phasefleet worker: {exc}", file=sys.stderr)
+        return 2
+    return _serve(args, config)
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    import uvicorn
+    from transformers import AutoConfig, AutoTokenizer
+
+    from phasefleet.engine.llm_engine import LLMEngine
+    from phasefleet.server.app import build_app
+    from phasefleet.server.async_engine import AsyncEngine
+    from phasefleet.server.drain import DrainingServer
+    from phasefleet.server.metrics import WorkerMetrics
+    from phasefleet.server.state import WorkerState
+
+    served_name = args.served_model_name or args.model
+    server: DrainingServer | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        logger.critical("the engine is broken (%r); exiting", exc)
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine(lambda: LLMEngine(config), args.max_queue_len, on_fatal)
+    state = WorkerState(
+        engine=engine,
+        tokenizer=AutoTokenizer.from_pretrained(args.model),
+        vocab_size=int(AutoConfig.from_pretrained(args.model).vocab_size),
+        served_model_name=served_name,
+        model_path=args.model,
+        role=args.role,
+        metrics=WorkerMetrics(served_name, args.role, engine.stats),
+    )
+    uv_config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_TIMEOUT),
+    )
+    server = DrainingServer(uv_config, state, args.drain_timeout)
+    logger.info(
+        "worker %s (role %s) on %s:%d, loading %s", served_name, args.role, args.host, args.port,
+        args.model,
+    )  # fmt: skip
+    server.run()
+    if engine.fatal_error is not None:
+        print(f"phasefleet worker: the engine failed: {engine.fatal_error!r}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,158 @@
+"""Generation: one HTTP request's trip through the engine, shared by completions and chat.
+
+It turns validated request fields into per-choice SamplingParams, submits the engine requests,
+maps engine-side refusals onto HTTP errors, yields the engine's events and observes the latency
+histograms as tokens arrive.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from phasefleet.server.async_engine import (
+    AsyncEngine,
+    EngineNotReadyError,
+    EngineStepError,
+    Event,
+    QueueFullError,
+    RequestStream,
+)
+from phasefleet.server.errors import bad_request, engine_failed, queue_full, unavailable
+from phasefleet.server.metrics import WorkerMetrics
+from phasefleet.server.openai_protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from phasefleet.engine.sampling_params import SamplingParams
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
+    """The engine's SamplingParams for choice `choice`; a choice's seed is `seed + choice`."""
+    from phasefleet.engine.sampling_params import SamplingParams
+
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        seed=None if req.seed is None else req.seed + choice,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        # SamplingParams names the field first: "<field> must be ..., got ...".
+        raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None
+    return params
+
+
+def check_supported(req: SamplingFields) -> None:
+    for name in req.unsupported():
+        raise bad_request(f"'{name}' is not supported by this worker", name)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def output_budget(
+    prompt_len: int, requested: int | None, default: int | None, max_model_len: int, field: str
+) -> int:
+    """max_tokens for a prompt: what was asked for, else the default, within the context."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{prompt_len}; shorten the prompt",
+            field,
+        )
+    if requested is not None:
+        if requested > room:
+            raise bad_request(
+                f"max_tokens is {requested} but only {room} tokens fit after the "
+                f"{prompt_len}-token prompt (maximum context length {max_model_len})",
+                "max_tokens",
+            )
+        return requested
+    return room if default is None else min(default, room)
+
+
+@dataclass
+class ChoiceTiming:
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
+    queue_time_observed: bool = False
+
+
+@dataclass
+class Generation:
+    engine: AsyncEngine
+    metrics: WorkerMetrics
+    prompts: list[list[int]]  # one per choice
+    params: list[SamplingParams]  # one per choice
+    arrival_time: float
+    prompt_field: str  # the request field that holds the prompt: "prompt" or "messages"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    stream: RequestStream | None = None
+    timings: list[ChoiceTiming] = field(default_factory=list)
+
+    async def start(self) -> None:
+        """Submit and wait until the engine has added every request (or refused one)."""
+        ids = [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+        self.timings = [ChoiceTiming() for _ in ids]
+        try:
+            self.stream = self.engine.submit(ids, self.prompts, self.params, self.arrival_time)
+        except QueueFullError as exc:
+            raise queue_full(exc.limit) from None
+        except EngineNotReadyError:
+            raise unavailable("the engine is not ready", "not_ready") from None
+        try:
+            await self.stream.accepted
+        except ValueError as exc:
+            self.close()
+            raise bad_request(str(exc), self.prompt_field) from None
+        except EngineStepError as exc:
+            self.close()
+            raise engine_failed(str(exc)) from None
+        except BaseException:
+            self.close()
+            raise
+
+    async def events(self) -> AsyncIterator[Event]:
+        if self.stream is None:
+            raise RuntimeError("Generation.start() was not awaited")
+        try:
+            async for event in self.stream:
+                self._observe(event)
+                yield event
+        except EngineStepError as exc:
+            raise engine_failed(str(exc)) from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+    def _observe(self, event: Event) -> None:
+        out, timing, m = event.output, self.timings[event.index], self.metrics
+        if not timing.queue_time_observed and out.first_scheduled_time is not None:
+            m.request_queue_time.observe(max(0.0, out.first_scheduled_time - self.arrival_time))
+            timing.queue_time_observed = True
+        if out.new_token_ids:
+            if timing.first_token_time is None:
+                timing.first_token_time = event.time
+                m.time_to_first_token.observe(event.time - self.arrival_time)
+            elif timing.last_token_time is not None:
+                m.inter_token_latency.observe(event.time - timing.last_token_time)
+            timing.last_token_time = event.time
+            timing.num_tokens += len(out.new_token_ids)
+        if out.finished and out.finish_reason != "abort":
+            m.e2e_request_latency.observe(event.time - self.arrival_time)
+            first, last = timing.first_token_time, timing.last_token_time
+            if first is not None and last is not None and timing.num_tokens > 1:
+                m.time_per_output_token.observe((last - first) / (timing.num_tokens - 1))

@@ -1,0 +1,112 @@
+"""The worker's Prometheus metrics: names, meanings and buckets from DESIGN.md "Metrics".
+
+Gauges and counters are read from the engine's latest stats at scrape time (the engine keeps the
+running totals); latency histograms are observed by the server as each request's tokens arrive.
+Every series carries the labels `model_name` and `role`. Each WorkerMetrics has its own
+registry, so several workers (or tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from phasefleet.engine.llm_engine import EngineStats
+
+LABELS = ("model_name", "role")
+
+# vLLM's bucket boundaries (seconds) for the same quantities.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+# name (without prefix) -> (help, EngineStats attribute)
+GAUGES = {
+    "num_requests_running": ("Requests in the running batch.", "num_running"),
+    "num_requests_waiting": ("Requests queued, not yet scheduled.", "num_waiting"),
+    "kv_cache_usage_perc": ("Used KV blocks / all KV blocks, 0..1.", "kv_cache_usage"),
+    "prefill_tokens_pending": (
+        "Prompt tokens admitted but not yet prefilled.",
+        "prefill_tokens_pending",
+    ),
+}
+COUNTERS = {
+    "prompt_tokens": ("Prompt tokens processed.", "prompt_tokens_total"),
+    "generation_tokens": ("Output tokens produced.", "generation_tokens_total"),
+    "num_preemptions": ("Requests preempted (to be recomputed).", "num_preemptions_total"),
+    "prefix_cache_queries": ("Prompt tokens looked up.", "prefix_cache_queries_total"),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits_total"),
+}
+
+PREFIX = "phasefleet_"
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None], labels: list[str]) -> None:
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, (doc, attr) in GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(self._labels, float(getattr(stats, attr)) if stats else 0.0)
+            yield family
+        for name, (doc, attr) in COUNTERS.items():
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            counter.add_metric(self._labels, float(getattr(stats, attr)) if stats else 0.0)
+            yield counter
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str, role: str, stats: Callable[[], EngineStats | None]) -> None:
+        disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
+        self.registry = CollectorRegistry()
+        labels = [model_name, role]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry)
+            return family.labels(*labels)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Gap between consecutive output tokens (ITL).",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Per request: (last - first token time) / (output tokens - 1) (TPOT).",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
+        )
+        self.registry.register(_EngineStatsCollector(stats, labels))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""How a Generation reaches the client: Server-Sent Events, or one body once it finishes.
+
+Either way a client that goes away aborts its engine requests, which frees their KV blocks:
+a streaming response is cancelled by Starlette when the client disconnects (the generator's
+`finally` closes the Generation); a non-streaming one races collection against the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from phasefleet.server.errors import APIError
+from phasefleet.server.generation import Generation
+
+if TYPE_CHECKING:
+    from phasefleet.engine.llm_engine import RequestOutput
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk}\n\n"
+        except APIError as err:
+            # Headers (200) are gone already; report in-band, as OpenAI's API does.
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _final_outputs(gen: Generation) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(gen.prompts)
+    async for event in gen.events():
+        if event.output.finished:
+            finals[event.index] = event.output
+    return [out for out in finals if out is not None]
+
+
+async def _disconnected(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_or_abort(gen: Generation, raw: Request) -> list[RequestOutput]:
+    """Every choice's final output, or ClientDisconnected (after aborting) if the client left."""
+    collect = asyncio.ensure_future(_final_outputs(gen))
+    watch = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():
+            collect.cancel()
+            gen.close()
+    if not collect.done():
+        raise ClientDisconnected()
+    return collect.result()

@@ -1,0 +1,386 @@
+"""The worker's OpenAI API over real localhost HTTP, with the official openai client.
+
+One worker process (tiny random Llama) serves every test in this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.worker_proc import Worker, run_worker
+
+PROMPT = "The prefill worker reads the whole prompt"
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model: Path) -> Iterator[Worker]:
+    with run_worker(tiny_model) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def client(worker: Worker) -> openai.OpenAI:
+    return worker.client(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def extra(obj: Any, name: str) -> Any:
+    """A vLLM-style extension field of an openai response object."""
+    return (obj.model_extra or {})[name]
+
+
+def test_health_and_models(worker: Worker, client: openai.OpenAI) -> None:
+    health = httpx.get(f"{worker.base_url}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok"}
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert extra(models[0], "max_model_len") == 2048
+
+
+def test_completion_text_prompt(client: openai.OpenAI, tokenizer: Any) -> None:
+    res = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = res.choices[0]
+    assert res.object == "text_completion"
+    assert choice.finish_reason == "length"
+    assert choice.text
+    assert res.usage is not None
+    assert res.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert res.usage.completion_tokens == 7
+    assert res.usage.total_tokens == res.usage.prompt_tokens + 7
+
+
+def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI, tokenizer: Any) -> None:
+    ids = tokenizer.encode(PROMPT)
+    body = {"ignore_eos": True, "return_token_ids": True}
+    by_text = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body=body
+    )
+    by_ids = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=6, temperature=0, extra_body=body
+    )
+    assert extra(by_ids.choices[0], "prompt_token_ids") == ids
+    assert extra(by_text.choices[0], "prompt_token_ids") == ids
+    assert extra(by_ids.choices[0], "token_ids") == extra(by_text.choices[0], "token_ids")
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert len(extra(by_ids.choices[0], "token_ids")) == 6
+
+
+def test_greedy_matches_offline_engine(
+    client: openai.OpenAI, tokenizer: Any, tiny_model: Path
+) -> None:
+    from phasefleet.engine.config import EngineConfig
+    from phasefleet.engine.llm_engine import LLMEngine
+    from phasefleet.engine.sampling_params import SamplingParams
+
+    ids = tokenizer.encode(PROMPT)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=32))
+    [offline] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0))
+    res = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert extra(res.choices[0], "token_ids") == offline.output_token_ids
+    assert res.choices[0].text == offline.text
+    assert res.choices[0].finish_reason == offline.finish_reason
+
+
+def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> list[int]:
+        res = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=1.5,
+            seed=seed,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return list(extra(res.choices[0], "token_ids"))
+
+    first = sample(7)
+    assert sample(7) == first
+    others = [sample(seed) for seed in (8, 9, 10)]
+    assert any(other != first for other in others)
+
+
+def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
+    full = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    # A two-letter stop string that first occurs a few characters into the greedy text.
+    at = next(
+        i
+        for i in range(3, len(full.text) - 1)
+        if full.text[i : i + 2].isalpha() and full.text.find(full.text[i : i + 2]) == i
+    )
+    stop = full.text[at : at + 2]
+    cut = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop, "never-generated-zzz"],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert cut.text == full.text[:at]
+    assert cut.finish_reason == "stop"
+
+
+def test_chat_completion_uses_chat_template(client: openai.OpenAI, tokenizer: Any) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    plain = client.completions.create(
+        model="tiny", prompt=rendered, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.choices[0].finish_reason == "length"
+    assert extra(chat.choices[0], "prompt_token_ids") == list(rendered)
+    assert len(extra(chat.choices[0], "token_ids")) == 8
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == len(rendered)
+    assert chat.usage.completion_tokens == 8
+
+
+def test_streaming_completion_with_usage(client: openai.OpenAI) -> None:
+    body = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=9, temperature=0, extra_body=body
+    )
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=body,
+        )
+    )
+    *token_chunks, usage_chunk = chunks
+    assert all(c.usage is None for c in token_chunks)
+    assert "".join(c.choices[0].text for c in token_chunks) == whole.choices[0].text
+    streamed_ids = [t for c in token_chunks for t in extra(c.choices[0], "token_ids")]
+    assert streamed_ids == extra(whole.choices[0], "token_ids")
+    assert [c.choices[0].finish_reason for c in token_chunks][-1] == "length"
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None
+    assert whole.usage is not None
+    assert usage_chunk.usage.completion_tokens == 9
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Count from one to ten"}]
+    whole = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_choices_and_prompt_batches(client: openai.OpenAI) -> None:
+    res = client.completions.create(
+        model="tiny",
+        prompt=[PROMPT, "Blocks of sixteen tokens"],
+        n=2,
+        max_tokens=4,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in res.choices] == [0, 1, 2, 3]
+    assert res.usage is not None
+    assert res.usage.completion_tokens == 16
+    single = client.completions.create(
+        model="tiny",
+        prompt="Blocks of sixteen tokens",
+        max_tokens=4,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    # Choice i of a prompt samples with seed + i, whatever else is in the batch.
+    assert res.choices[2].text == single.choices[0].text
+
+
+TOO_LONG = "word " * 3000
+
+BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None]] = [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"prompt": "hi"}, 400, "model"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ({"model": "tiny", "prompt": TOO_LONG}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [1, 2, 100000]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": {"not": "a prompt"}}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 4000}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ({"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": "tiny", "prompt": "hi", "stop": ""}, 400, "stop"),
+    ({"model": "tiny", "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
+    ({"model": "tiny", "prompt": "hi", "seed": "abc"}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "stream_options": {}}, 400, "stream_options"),
+]  # fmt: skip
+
+HI = [{"role": "user", "content": "hi"}]
+
+BAD_CHATS: list[tuple[dict[str, Any], int, str | None]] = [
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": "tiny", "messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"model": "tiny", "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": HI, "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "messages": HI, "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "messages": HI, "logprobs": True}, 400, "logprobs"),
+    ({"model": "tiny", "messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
+]  # fmt: skip
+
+
+def assert_error_shape(response: httpx.Response, status: int, param: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert isinstance(error["message"], str)
+    assert error["message"]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
+def test_bad_completion_requests(
+    worker: Worker, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    response = httpx.post(f"{worker.base_url}/v1/completions", json=body, timeout=30)
+    assert_error_shape(response, status, param)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_CHATS)
+def test_bad_chat_requests(
+    worker: Worker, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    response = httpx.post(f"{worker.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert_error_shape(response, status, param)
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "tiny", "prompt": "hi",', b"", b"[1, 2"])
+def test_malformed_json_is_400(worker: Worker, raw: bytes) -> None:
+    response = httpx.post(
+        f"{worker.base_url}/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+    )
+    assert_error_shape(response, 400, None)
+
+
+def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="hi", top_p=2.0)
+    assert bad.value.status_code == 400
+    assert bad.value.param == "top_p"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.code == "model_not_found"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_after_traffic(worker: Worker, client: openai.OpenAI) -> None:
+    client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = httpx.get(f"{worker.base_url}/metrics").text
+    samples = parse_metrics(text)
+    labels = 'model_name="tiny",role="both"'
+
+    def value(name: str, extra_label: str = "") -> float:
+        return samples[f"{name}{{{extra_label}{labels}}}"]
+
+    for gauge in ("num_requests_running", "num_requests_waiting", "prefill_tokens_pending"):
+        assert value(f"phasefleet_{gauge}") == 0
+    assert value("phasefleet_kv_cache_usage_perc") == 0
+    assert value("phasefleet_prompt_tokens_total") >= len(PROMPT.split())
+    assert value("phasefleet_generation_tokens_total") >= 5
+    assert value("phasefleet_num_preemptions_total") == 0
+    queries = value("phasefleet_prefix_cache_queries_total")
+    assert 0 < value("phasefleet_prefix_cache_hits_total") <= queries  # PROMPT was sent before
+    for histogram, top in [
+        ("time_to_first_token_seconds", "2560.0"),
+        ("inter_token_latency_seconds", "80.0"),
+        ("time_per_output_token_seconds", "80.0"),
+        ("e2e_request_latency_seconds", "7680.0"),
+        ("request_queue_time_seconds", "7680.0"),
+    ]:
+        name = f"phasefleet_{histogram}"
+        count = value(f"{name}_count")
+        assert count > 0, name
+        assert value(f"{name}_bucket", f'le="{top}",') == count
+        assert value(f"{name}_bucket", 'le="+Inf",') == count
+        assert value(f"{name}_sum") > 0
+    assert "# TYPE phasefleet_time_to_first_token_seconds histogram" in text
+    assert "# TYPE phasefleet_prompt_tokens_total counter" in text

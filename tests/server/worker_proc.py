@@ -1,0 +1,116 @@
+"""Start a real `phasefleet worker` process on a free localhost port, and read its metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+STARTUP_TIMEOUT = 120.0  # seconds; the CPU is shared with other test processes
+# `phasefleet worker`, through the console script's own entry point.
+WORKER_COMMAND = [sys.executable, "-m", "phasefleet.cli", "worker"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    port: int
+    model: str
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, timeout: float = 60.0) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with labels) -> value, e.g. 'phasefleet_kv_cache_usage_perc{...}'."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled-by-le sample, by bare name."""
+        for key, value in self.metrics().items():
+            if key.split("{", 1)[0] == name:
+                return value
+        raise KeyError(name)
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"condition not met in {timeout}s; worker log:\n{self.log()[-3000:]}")
+
+
+@contextmanager
+def run_worker(
+    model: Path, *extra: str, served_name: str = "tiny", wait_healthy: bool = True
+) -> Iterator[Worker]:
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="phasefleet-worker-", suffix=".log")[1])
+    cmd = [
+        *WORKER_COMMAND,
+        "--model", str(model), "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    worker = Worker(proc, port, served_name, log_path)
+    try:
+        if wait_healthy:
+            _wait_healthy(worker)
+        yield worker
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log_path.unlink(missing_ok=True)
+
+
+def _wait_healthy(worker: Worker) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if worker.proc.poll() is not None:
+            raise AssertionError(f"worker exited with {worker.proc.returncode}:\n{worker.log()}")
+        try:
+            if httpx.get(f"{worker.base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT}s:\n{worker.log()}")
