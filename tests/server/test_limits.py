@@ -97,10 +97,16 @@ def test_full_queue_answers_429_with_retry_after(worker: Worker) -> None:
             model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
         )
 
-    running.close()
     thread.join(timeout=60)
-    # The queued request is admitted once the slot frees up.
-    next(iter(queued_stream[0]))
+    # A queued client that gives up leaves the queue; the running request is untouched.
     queued_stream[0].close()
+    worker.wait_until(lambda: gauge(worker, "num_requests_waiting") == 0)
+    assert gauge(worker, "num_requests_running") == 1
+    # With the queue free again, a new request is admitted and waits for the slot.
+    waiting = client.completions.create(
+        model="tiny", prompt="fourth", max_tokens=3, stream=True, extra_body=LONG
+    )
+    running.close()
+    assert [c.choices[0].finish_reason for c in waiting][-1] == "length"
     worker.wait_until(lambda: pool_is_free(worker))
     assert httpx.get(f"{worker.base_url}/health").status_code == 200

@@ -71,7 +71,7 @@ async def create_chat_completion(
     await gen.start()
     response_id = f"chatcmpl-{gen.request_id}"
     if req.stream:
-        return sse_response(_chunks(gen, req, prompt, response_id, int(time.time())))
+        return sse_response(gen, _chunks(gen, req, prompt, response_id, int(time.time())))
     finals = await collect_or_abort(gen, raw)
     ids = req.return_token_ids
     choices = [

@@ -65,7 +65,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return sse_response(
-            _chunks(gen, req, prompts, response_id, include_usage, int(time.time()))
+            gen, _chunks(gen, req, prompts, response_id, include_usage, int(time.time()))
         )
     finals = await collect_or_abort(gen, raw)
     choices = [

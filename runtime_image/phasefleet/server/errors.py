@@ -7,7 +7,7 @@ validation errors (422 by default), which become 400s that name the offending fi
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -120,16 +120,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    # Each handler is registered for one exception class, hence the casts.
     async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)  # registered for APIError only
-        return exc.response()
+        return cast(APIError, exc).response()
 
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        return validation_error(exc).response()
+        return validation_error(cast(RequestValidationError, exc)).response()
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
+    async def on_http_error(_: Request, error: Exception) -> JSONResponse:
+        exc = cast(StarletteHTTPException, error)
         error_type = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
         return APIError(
             exc.status_code, str(exc.detail), type=error_type, headers=dict(exc.headers or {})

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from phasefleet.server.errors import APIError
 from phasefleet.server.generation import Generation
@@ -26,7 +27,26 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 
 
-def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+class _GenerationStream(StreamingResponse):
+    """Closes its Generation however the response ends, even if the client left before the
+    first chunk (then the body generator never starts, and its `finally` would never run)."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
+def sse_response(gen: Generation, chunks: AsyncIterator[str]) -> StreamingResponse:
+    """`data: <chunk>` events, then `data: [DONE]`; an error after the 200 goes in-band."""
+
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -34,13 +54,9 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
         except APIError as err:
             # Headers (200) are gone already; report in-band, as OpenAI's API does.
             yield f"data: {json.dumps(err.body())}\n\n"
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return _GenerationStream(gen, events())
 
 
 async def _final_outputs(gen: Generation) -> list[RequestOutput]:
