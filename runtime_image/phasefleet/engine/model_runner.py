@@ -44,11 +44,15 @@ class ModelRunner:
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
         self.head_dim = head_dim(hf_config)
+        if getattr(hf_config, "use_sliding_window", False):
+            # Qwen2 slides only on some layers; not implemented, and its checkpoints leave it off.
+            raise ValueError(
+                f"{hf_config.model_type} with use_sliding_window=true is not supported"
+            )
         window = getattr(hf_config, "sliding_window", None)
-        use_window = hf_config.model_type == "mistral" or getattr(
-            hf_config, "use_sliding_window", False
+        self.sliding_window: int | None = (
+            window if hf_config.model_type == "mistral" and window else None
         )
-        self.sliding_window: int | None = window if use_window and window else None
         self.kv_caches: KVCache = []
 
     def block_bytes(self) -> int:

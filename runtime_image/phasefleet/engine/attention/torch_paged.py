@@ -40,10 +40,13 @@ def paged_attention(
     n_dec = meta.num_decode_tokens
     if n_dec:
         tables = meta.decode_block_tables
-        b, nb = tables.shape
+        b = tables.shape[0]
         kv_heads, head_dim = k.shape[1], k.shape[2]
-        keys = k_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        values = v_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool.
+        flat = tables.view(-1)
+        keys = k_cache.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        # keys, values: [B, Hkv, S, D]
         o = F.scaled_dot_product_attention(
             q[:n_dec].unsqueeze(2),  # [B, H, 1, D]
             keys,
@@ -58,8 +61,8 @@ def paged_attention(
         if seq.ctx_len == seq.q_len:
             keys, values = k[seq.start : end], v[seq.start : end]  # nothing cached before
         else:
-            keys = k_cache[seq.block_table].flatten(0, 1)[: seq.ctx_len]
-            values = v_cache[seq.block_table].flatten(0, 1)[: seq.ctx_len]
+            keys = k_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.ctx_len]
+            values = v_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.ctx_len]
         o = F.scaled_dot_product_attention(
             q[seq.start : end].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
             keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx_len, D]
