@@ -19,7 +19,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model: Path) -> Non
         stream = client.completions.create(
             model="tiny",
             prompt="drain me",
-            max_tokens=400,
+            max_tokens=600,
             stream=True,
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )
@@ -42,7 +42,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model: Path) -> Non
         reader.join(timeout=120)
         assert worker.proc.wait(timeout=60) == 0
         token_ids = [t for chunk in received for t in chunk.choices[0].model_extra["token_ids"]]
-        assert len(token_ids) == 400  # the in-flight request ran to the end
+        assert len(token_ids) == 600  # the in-flight request ran to the end
         assert received[-1].choices[0].finish_reason == "length"
 
 

@@ -161,11 +161,6 @@ class AsyncEngine:
         """The stats as of the engine thread's last step or command batch."""
         return self._shared.stats
 
-    def num_waiting(self) -> int:
-        with self._cond:
-            stats = self._shared.stats
-            return self._shared.pending_adds + (stats.num_waiting if stats else 0)
-
     def submit(
         self,
         request_ids: list[str],
