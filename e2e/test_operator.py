@@ -1,0 +1,331 @@
+"""The operator on the real control plane: examples, status and columns, rollout, drift,
+garbage collection, a missing PVC, restart idempotence. The operator runs as a process with
+the Helm chart's ServiceAccount, so these tests also prove the chart's RBAC is enough."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.harness.controlplane import ControlPlane
+from e2e.test_operator_support import (
+    Operator,
+    condition,
+    get,
+    install_chart,
+    is_ready,
+    service_account_kubeconfig,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+CHILD_KINDS = ("deployment", "service", "poddisruptionbudget")
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ControlPlane) -> Iterator[Operator]:
+    install_chart(cluster)
+    workdir = Path(tempfile.mkdtemp(prefix="phasefleet-operator-"))
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig")
+    op = Operator(cluster, kubeconfig, workdir)
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def wait(operator: Operator) -> Callable[..., Any]:
+    """wait_for, with the operator's log tail in the timeout message."""
+
+    def waiter(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        try:
+            return wait_for(predicate, timeout, what)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\noperator log tail:\n{operator.log()[-5000:]}") from None
+
+    return waiter
+
+
+def tiny(name: str = "tiny", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": {"image": {"path": "/models/tiny"}},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 1},
+    }
+    body.update(spec)
+    return {
+        "apiVersion": "serving.phasefleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def apply(cluster: ControlPlane, namespace: str, obj: dict[str, Any] | str) -> None:
+    text = obj if isinstance(obj, str) else json.dumps(obj)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=text)
+
+
+def children(cluster: ControlPlane, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    """ "kind/name" -> object, for every child labelled with the InferenceService's name."""
+    out = {}
+    for kind in CHILD_KINDS:
+        selector = f"phasefleet.dev/inferenceservice={name}"
+        items = get(cluster, kind, "-n", namespace, "-l", selector, "--show-managed-fields")
+        for item in (items or {}).get("items", []):
+            out[f"{kind}/{item['metadata']['name']}"] = item
+    return out
+
+
+def columns(table: str) -> list[dict[str, str]]:
+    """Rows of `kubectl get` output, cut at the header's column starts (cells may be blank)."""
+    header, *rows = table.splitlines()
+    names = header.split()
+    starts = [header.index(f"{n} " if i < len(names) - 1 else n) for i, n in enumerate(names)]
+    ends = [*starts[1:], None]
+    return [{n: r[a:b].strip() for n, a, b in zip(names, starts, ends, strict=True)} for r in rows]
+
+
+def bind_pvc(cluster: ControlPlane, namespace: str, claim: str) -> None:
+    """A static PersistentVolume for the claim: the scheduler waits for bound claims."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"{namespace}-{claim}"},
+        "spec": {
+            "capacity": {"storage": "100Gi"},
+            "accessModes": ["ReadOnlyMany", "ReadWriteOnce"],
+            "hostPath": {"path": f"/tmp/{namespace}-{claim}"},
+            "claimRef": {"namespace": namespace, "name": claim},
+            "persistentVolumeReclaimPolicy": "Delete",
+        },
+    }
+    apply(cluster, namespace, pv)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_gets_children_status_and_columns(
+    cluster: ControlPlane,
+    operator: Operator,
+    namespace: str,
+    wait: Callable[..., Any],
+    example: Path,
+) -> None:
+    docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    for doc in docs:
+        if doc["kind"] == "PersistentVolumeClaim":
+            bind_pvc(cluster, namespace, doc["metadata"]["name"])
+    apply(cluster, namespace, example.read_text())
+    (isvc,) = [d for d in docs if d["kind"] == "InferenceService"]
+    name, spec = isvc["metadata"]["name"], isvc["spec"]
+    roles = ["worker"] if spec.get("mode") == "aggregated" else ["prefill", "decode"]
+
+    wait(lambda: is_ready(cluster, namespace, name), 120, f"{name} Ready")
+    kids = children(cluster, namespace, name)
+    expected = {f"{k}/{name}-{r}" for k in CHILD_KINDS for r in [*roles, "router"]}
+    assert set(kids) == expected
+    for obj in kids.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["kind"] == "InferenceService" and ref["name"] == name and ref["controller"]
+        managers = {m["manager"] for m in obj["metadata"]["managedFields"]}
+        assert "phasefleet-operator" in managers
+    for role in roles:
+        dep = kids[f"deployment/{name}-{role}"]
+        pod = dep["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert dep["spec"]["replicas"] == spec[role].get("replicas", 1)
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        limits = spec[role].get("resources", {}).get("limits", {})
+        if "nvidia.com/gpu" in limits:
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == str(
+                limits["nvidia.com/gpu"]
+            )
+            assert pod["tolerations"] == spec[role]["tolerations"]
+            pods = get(cluster, "pods", "-n", namespace, "-l", f"phasefleet.dev/role={role}")
+            assert {p["spec"]["nodeName"] for p in pods["items"]} <= {"kwok-gpu-0", "kwok-gpu-1"}
+        hf = spec["model"].get("hf", {})
+        if "tokenSecret" in hf:
+            env = {e["name"]: e for e in container["env"]}
+            assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == hf["tokenSecret"]["name"]
+
+    stored = get(cluster, "inferenceservice", name, "-n", namespace)
+    status = stored["status"]
+    assert status["endpoint"] == f"http://{name}-router.{namespace}.svc:80"
+    assert status["observedGeneration"] == stored["metadata"]["generation"]
+    assert condition(stored, "Degraded")["status"] == "False"
+    assert condition(stored, "Progressing")["status"] == "False"
+    for role in roles:
+        want = spec[role].get("replicas", 1)
+        assert status["pools"][role] == {
+            "replicas": want,
+            "readyReplicas": want,
+            "desiredReplicas": want,
+        }
+    assert "secret" not in json.dumps(status).lower()
+
+    table = cluster.kubectl("get", "inferenceservices", "-n", namespace).stdout
+    row = columns(table)[0]
+    assert list(row) == ["NAME", "MODE", "PREFILL", "DECODE", "TTFT", "TPOT", "KV", "READY", "AGE"]
+    first = spec[roles[0]].get("replicas", 1)
+    last = spec[roles[-1]].get("replicas", 1)
+    assert row["NAME"] == name and row["MODE"] == spec.get("mode", "disaggregated")
+    assert (row["PREFILL"], row["DECODE"]) == (f"{first}/{first}", f"{last}/{last}")
+    assert row["TTFT"] in ("", "<none>")  # metrics come from the autoscaler, not running here
+    assert row["READY"] == "True"
+
+    events = get(
+        cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}"
+    )
+    assert "Created" in {e["reason"] for e in events["items"]}
+
+
+def test_spec_change_rolls_the_pods(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    apply(cluster, namespace, tiny())
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready")
+    before = get(cluster, "deployment", "tiny-decode", "-n", namespace)
+    old_pods = {
+        p["metadata"]["name"]
+        for p in get(cluster, "pods", "-n", namespace, "-l", "phasefleet.dev/role=decode")["items"]
+    }
+    cluster.kubectl(
+        "patch", "inferenceservice", "tiny", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"decode": {"maxNumSeqs": 8}}}),
+    )  # fmt: skip
+
+    def rolled() -> bool:
+        isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+        pods = get(cluster, "pods", "-n", namespace, "-l", "phasefleet.dev/role=decode")["items"]
+        names = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
+        return (
+            isvc["status"].get("observedGeneration") == 2
+            and condition(isvc, "Ready").get("status") == "True"
+            and bool(names)
+            and not names & old_pods
+        )
+
+    wait(rolled, 120, "decode pods replaced")
+    after = get(cluster, "deployment", "tiny-decode", "-n", namespace)
+    key = "phasefleet.dev/spec-hash"
+    tmpl_before = before["spec"]["template"]
+    tmpl_after = after["spec"]["template"]
+    assert tmpl_after["metadata"]["annotations"][key] != tmpl_before["metadata"]["annotations"][key]
+    args = tmpl_after["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "8"
+    prefill = get(cluster, "deployment", "tiny-prefill", "-n", namespace)
+    assert prefill["metadata"]["generation"] == 1  # the prefill pool did not change
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")
+    assert "Updated" in {e["reason"] for e in events["items"]}
+
+
+def test_hand_edits_are_restored(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    apply(cluster, namespace, tiny())
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready")
+    cluster.kubectl("scale", "deployment", "tiny-prefill", "-n", namespace, "--replicas=3")
+    cluster.kubectl(
+        "patch", "service", "tiny-router", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"selector": {"phasefleet.dev/role": "decode"}}}),
+    )  # fmt: skip
+    cluster.kubectl("delete", "pdb", "tiny-decode", "-n", namespace)
+
+    def restored() -> bool:
+        dep = get(cluster, "deployment", "tiny-prefill", "-n", namespace)
+        svc = get(cluster, "service", "tiny-router", "-n", namespace)
+        pdb = get(cluster, "pdb", "tiny-decode", "-n", namespace)
+        return bool(
+            dep and dep["spec"]["replicas"] == 1
+            and svc and svc["spec"]["selector"]["phasefleet.dev/role"] == "router"
+            and pdb is not None
+        )  # fmt: skip
+
+    wait(restored, 60, "hand edits undone")
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")
+    assert "DriftCorrected" in {e["reason"] for e in events["items"]}
+
+
+def test_delete_garbage_collects_children(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    apply(cluster, namespace, tiny())
+    wait(lambda: len(children(cluster, namespace, "tiny")) == 9, 60, "children created")
+    cluster.kubectl("delete", "inferenceservice", "tiny", "-n", namespace, "--wait=true")
+    wait(lambda: not children(cluster, namespace, "tiny"), 90, "children garbage-collected")
+    selector = "phasefleet.dev/inferenceservice=tiny"
+    wait(
+        lambda: not get(cluster, "pods", "-n", namespace, "-l", selector)["items"], 90, "pods gone"
+    )
+
+
+def test_missing_pvc_is_degraded_until_created(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    apply(cluster, namespace, tiny(model={"pvc": {"claimName": "weights", "path": "/m"}}))
+
+    def degraded() -> dict[str, Any]:
+        cond = condition(get(cluster, "inferenceservice", "tiny", "-n", namespace), "Degraded")
+        return cond if cond.get("status") == "True" else {}
+
+    cond = wait(degraded, 60, "Degraded condition")
+    assert cond["reason"] == "ModelVolumeMissing"
+    assert f"PersistentVolumeClaim {namespace}/weights not found" in cond["message"]
+    assert "spec.model.pvc.claimName" in cond["message"]
+    assert not children(cluster, namespace, "tiny")
+
+    bind_pvc(cluster, namespace, "weights")
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "weights"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    apply(cluster, namespace, pvc)
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 120, "Ready after the PVC appears")
+    isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+    assert condition(isvc, "Degraded")["status"] == "False"
+
+
+def _versions(cluster: ControlPlane, namespace: str, names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        for key, obj in children(cluster, namespace, name).items():
+            out[key] = obj["metadata"]["resourceVersion"]
+        isvc = get(cluster, "inferenceservice", name, "-n", namespace)
+        out[f"inferenceservice/{name}"] = isvc["metadata"]["resourceVersion"]
+    return out
+
+
+def test_restart_is_idempotent(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    names = ["svc-a", "svc-b"]
+    for name in names:
+        apply(cluster, namespace, tiny(name))
+    for name in names:
+        wait(lambda n=name: is_ready(cluster, namespace, n), 90, f"{name} Ready")
+    time.sleep(3)  # let trailing Deployment status updates settle
+    before = _versions(cluster, namespace, names)
+
+    operator.stop()
+    log_size = len(operator.log())
+    operator.start()
+
+    def resumed() -> bool:
+        return operator.log()[log_size:].count("reconciled (resume)") >= len(names)
+
+    wait(resumed, 60, "resume handlers to run")
+    time.sleep(3)
+    assert _versions(cluster, namespace, names) == before
+    for name in names:
+        assert len(children(cluster, namespace, name)) == 9  # no duplicates
