@@ -1,0 +1,173 @@
+"""The Helm chart: lint, values schema, rendering variants, and a real install whose RBAC is
+checked with `kubectl auth can-i` (least privilege) and whose PodMonitor appears only when
+the monitoring.coreos.com CRD exists."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.harness.controlplane import ControlPlane
+from e2e.test_operator_support import CHART, get, wait_for
+
+KUBE_VERSION = "--kube-version=1.33.0"
+PODMONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def render(cluster: ControlPlane, *args: str) -> list[dict[str, Any]]:
+    out = cluster.helm("template", "t", str(CHART), KUBE_VERSION, "-n", "pf", *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def test_lint_is_clean(cluster: ControlPlane) -> None:
+    result = cluster.helm("lint", "--strict", str(CHART), KUBE_VERSION)
+    assert "0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout
+
+
+def test_default_render_is_cluster_wide(cluster: ControlPlane) -> None:
+    docs = render(cluster)
+    assert kinds(docs) == [
+        "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
+        "Deployment", "ServiceAccount",
+    ]  # fmt: skip
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/phasefleet/phasefleet-operator:0.1.0"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PHASEFLEET_WATCH_NAMESPACES"] == ""
+
+
+def test_watched_namespaces_get_roles_not_a_cluster_role(cluster: ControlPlane) -> None:
+    docs = render(cluster, "--set", "watchNamespaces={team-a,team-b}", "--set", "logLevel=debug")
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert [c["metadata"]["name"] for c in cluster_roles] == ["t-phasefleet-crds"]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PHASEFLEET_WATCH_NAMESPACES"] == "team-a,team-b"
+    assert "--log-level=debug" in container["args"]
+
+
+def test_secrets_rule_can_be_dropped(cluster: ControlPlane) -> None:
+    def resources(*args: str) -> list[str]:
+        (role,) = [
+            d for d in render(cluster, *args)
+            if d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-crds")
+        ]  # fmt: skip
+        return [r for rule in role["rules"] for r in rule["resources"]]
+
+    assert "secrets" in resources()
+    assert "secrets" not in resources("--set", "rbac.readSecrets=false")
+
+
+def test_podmonitor_only_when_the_api_exists(cluster: ControlPlane) -> None:
+    assert "PodMonitor" not in kinds(render(cluster))
+    with_api = render(cluster, "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+    (monitor,) = [d for d in with_api if d["kind"] == "PodMonitor"]
+    relabel = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
+    assert relabel["targetLabel"] == "inferenceservice"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["replicaCount=3", "logLevel=loud", "image.pullPolicy=Sometimes", "watchNamespaces={Bad_NS}"],
+)
+def test_values_schema_rejects_bad_values(cluster: ControlPlane, bad: str) -> None:
+    result = cluster.helm("template", "t", str(CHART), KUBE_VERSION, "--set", bad, check=False)
+    assert result.returncode != 0 and "values don't meet the specifications" in result.stderr
+
+
+@pytest.fixture
+def podmonitor_crd(cluster: ControlPlane) -> Iterator[None]:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(PODMONITOR_CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/podmonitors.monitoring.coreos.com")
+    yield
+    cluster.kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--wait=false")
+
+
+def can_i(cluster: ControlPlane, sa: str, *args: str) -> bool:
+    result = cluster.kubectl("auth", "can-i", "--as", sa, *args, check=False)
+    return result.stdout.strip() == "yes"
+
+
+def test_install_namespaced_with_least_privilege(
+    cluster: ControlPlane, namespace: str, podmonitor_crd: None
+) -> None:
+    release = f"rel-{namespace[-8:]}"
+    watched = namespace
+    cluster.helm(
+        "install", release, str(CHART), "-n", namespace, "--wait", "--timeout", "120s",
+        "--set", f"watchNamespaces={{{watched}}}", "--set", "replicaCount=1",
+    )  # fmt: skip
+    try:
+        name = f"{release}-phasefleet"
+        dep = wait_for(
+            lambda: (
+                (d := get(cluster, "deployment", name, "-n", namespace))
+                and d.get("status", {}).get("readyReplicas") == 1
+                and d
+            ),
+            90,
+            "operator Deployment ready (on a KWOK node)",
+        )
+        assert dep["spec"]["strategy"]["type"] == "Recreate"
+        assert get(cluster, "podmonitor", f"{name}-engines", "-n", namespace) is not None
+        assert get(cluster, "crd", "inferenceservices.serving.phasefleet.dev") is not None
+
+        sa = f"system:serviceaccount:{namespace}:{name}"
+        ns = ["-n", watched]
+        assert can_i(cluster, sa, "patch", "deployments.apps", *ns)
+        assert can_i(cluster, sa, "create", "poddisruptionbudgets.policy", *ns)
+        assert can_i(cluster, sa, "patch", "inferenceservices.serving.phasefleet.dev/status", *ns)
+        assert can_i(cluster, sa, "get", "secrets", *ns)
+        assert not can_i(cluster, sa, "list", "secrets", *ns)
+        assert not can_i(cluster, sa, "update", "deployments.apps", *ns)
+        assert not can_i(cluster, sa, "delete", "inferenceservices.serving.phasefleet.dev", *ns)
+        assert not can_i(cluster, sa, "create", "pods", *ns)
+        assert not can_i(cluster, sa, "patch", "deployments.apps", "-n", "default")
+        assert can_i(cluster, sa, "list", "customresourcedefinitions.apiextensions.k8s.io")
+        assert not can_i(cluster, sa, "create", "customresourcedefinitions.apiextensions.k8s.io")
+
+        notes = cluster.helm("get", "notes", release, "-n", namespace).stdout
+        assert f"It manages InferenceServices in: {watched}." in notes
+    finally:
+        cluster.helm("uninstall", release, "-n", namespace, "--wait")
+    assert get(cluster, "deployment", f"{release}-phasefleet", "-n", namespace) is None
+    # CRDs from the chart's crds/ folder stay: Helm never deletes them (the data would go).
+    assert get(cluster, "crd", "inferenceservices.serving.phasefleet.dev") is not None
