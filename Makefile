@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
-.PHONY: all venv tools prometheus lint test test-unit test-e2e cluster-up cluster-down clean
+.PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean
 
 all: venv
 
@@ -42,6 +42,13 @@ cluster-up: venv tools
 
 cluster-down: venv
 	$(PY) -m e2e.harness.cli down
+
+TINY_MODEL := $(PHASEFLEET_CACHE)/models/tiny-llama
+
+# One worker on a tiny random model, in the foreground on port 8000 (Ctrl-C stops it).
+run: venv
+	test -f $(TINY_MODEL)/config.json || $(VENV)/bin/phasefleet make-tiny $(TINY_MODEL)
+	$(VENV)/bin/phasefleet worker --model $(TINY_MODEL) --served-model-name tiny --port 8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
