@@ -63,53 +63,24 @@ def test_extras_pin_the_versions_that_matter() -> None:
     assert project["scripts"]["phasefleet"] == "phasefleet.cli:main"
 
 
+def run_strict_pytest(directory: Path) -> subprocess.CompletedProcess[str]:
+    wrapper = str(REPO / "scripts/pytest-strict")
+    argv = [wrapper, sys.executable, str(directory), "-q", "-p", "no:cacheprovider"]
+    return subprocess.run(argv, capture_output=True, text=True)
+
+
 def test_pytest_wrapper_fails_when_no_tests_are_collected(tmp_path: Path) -> None:
     (tmp_path / "test_nothing.py").write_text("# no tests here\n")
-    run = subprocess.run(
-        [
-            str(REPO / "scripts/pytest-strict"),
-            sys.executable,
-            str(tmp_path),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    run = run_strict_pytest(tmp_path)
     assert run.returncode == 1
     assert "collected no tests" in run.stderr
 
 
 def test_pytest_wrapper_passes_through_results(tmp_path: Path) -> None:
     (tmp_path / "test_one.py").write_text("def test_ok():\n    assert True\n")
-    ok = subprocess.run(
-        [
-            str(REPO / "scripts/pytest-strict"),
-            sys.executable,
-            str(tmp_path),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert ok.returncode == 0
+    assert run_strict_pytest(tmp_path).returncode == 0
     (tmp_path / "test_one.py").write_text("def test_bad():\n    assert False\n")
-    bad = subprocess.run(
-        [
-            str(REPO / "scripts/pytest-strict"),
-            sys.executable,
-            str(tmp_path),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 1
+    assert run_strict_pytest(tmp_path).returncode == 1
 
 
 def test_ci_runs_make_test() -> None:
