@@ -33,6 +33,7 @@ def load_model(
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model = model.to(device=device, dtype=dtype).eval()
+    model.fuse()
     cos, sin = rope_tables(config, max_positions)
     model.rope_cos = cos.to(device=device, dtype=dtype)
     model.rope_sin = sin.to(device=device, dtype=dtype)
