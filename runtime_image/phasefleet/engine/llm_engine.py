@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
+
+MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
 
 
 class LLMEngine:
@@ -46,6 +49,12 @@ class LLMEngine:
             config.max_num_seqs, self.max_model_len
         )
         self.runner.allocate_kv(num_blocks)
+        if (
+            self.device.type == "cuda"
+            and self.runner.decode_backend == "triton"
+            and os.environ.get("PHASEFLEET_CUDA_GRAPHS", "1") != "0"
+        ):
+            self.runner.enable_decode_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,

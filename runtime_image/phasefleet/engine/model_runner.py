@@ -3,12 +3,15 @@ batched tensors, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from phasefleet.engine.attention.metadata import AttentionMetadata, PrefillSeq
+from phasefleet.engine.attention import triton_decode
+from phasefleet.engine.attention.metadata import AttentionMetadata, PrefillSeq, decode_mask
+from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.sampler import SamplingRow, sample
@@ -17,6 +20,23 @@ from phasefleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30  # KV pool cap on CPU when num_kv_blocks is not given
 GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool may take
+
+
+def choose_decode_backend(device: torch.device, block_size: int) -> str:
+    """ "triton" on CUDA when Triton is installed and the block size suits the kernel, else
+    "torch"; PHASEFLEET_ATTENTION=torch|triton forces one."""
+    forced = os.environ.get("PHASEFLEET_ATTENTION", "auto")
+    if forced not in ("auto", "torch", "triton"):
+        raise ValueError(f"PHASEFLEET_ATTENTION must be auto, torch or triton, got {forced!r}")
+    usable = triton_decode.available() and triton_decode.supports(block_size)
+    if forced == "triton" and not usable:
+        raise ValueError(
+            "PHASEFLEET_ATTENTION=triton needs Triton and a power-of-two block_size, "
+            f"got block_size {block_size}"
+        )
+    if forced == "auto":
+        return "triton" if device.type == "cuda" and usable else "torch"
+    return forced
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,6 +61,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
         self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
+        self.max_model_len = max_model_len
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
         self.head_dim = head_dim(hf_config)
@@ -54,6 +75,8 @@ class ModelRunner:
             window if hf_config.model_type == "mistral" and window else None
         )
         self.kv_caches: KVCache = []
+        self.decode_backend = choose_decode_backend(device, block_size)
+        self.graphs: DecodeGraphs | None = None
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers, keys and values."""
@@ -80,10 +103,28 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
 
+    def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> None:
+        """Run decode-only steps of up to max_batch requests through fixed-shape buffers, captured
+        as CUDA graphs when `capture` (CUDA only); capture=False runs the same path eagerly."""
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            self.max_model_len,
+            max_batch,
+            self.decode_backend,
+            self.sliding_window,
+            self.device,
+        )
+        if capture:
+            self.graphs.capture()
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> dict[str, int]:
         """One forward pass over the scheduled tokens; returns request_id -> sampled token for
         the requests whose `sample` flag is set."""
+        if self.graphs is not None and self.graphs.fits(out):
+            return self._execute_graph(out, rows)
         # One-token queries first: they share one batched attention call.
         batch = [s for s in out.scheduled if s.num_tokens == 1]
         batch += [s for s in out.scheduled if s.num_tokens > 1]
@@ -101,6 +142,21 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
         return dict(zip(ids, sample(logits, sampled_rows), strict=True))
+
+    def _execute_graph(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> dict[str, int]:
+        if self.graphs is None:
+            raise RuntimeError("decode graphs are not enabled")
+        bs = self.block_size
+        reqs = [s.request for s in out.scheduled]
+        positions = [s.start for s in out.scheduled]
+        logits = self.graphs.run(
+            token_ids=[r.token_ids(p, p + 1)[0] for r, p in zip(reqs, positions, strict=True)],
+            positions=positions,
+            slots=[s.block_ids[s.start // bs] * bs + s.start % bs for s in out.scheduled],
+            block_tables=[s.block_ids[: s.start // bs + 1] for s in out.scheduled],
+        )
+        tokens = sample(logits, [rows[r.request_id] for r in reqs])
+        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _prepare(
         self, batch: list[ScheduledRequest]
@@ -139,19 +195,20 @@ class ModelRunner:
                 )
             )
         dev = self.device
-        ctx = torch.tensor(ctx_lens, dtype=torch.long).unsqueeze(1)  # [B_dec, 1]
-        key_pos = torch.arange(max_blocks * bs).unsqueeze(0)  # [1, S]
-        decode_mask = key_pos < ctx
-        if self.sliding_window is not None:
-            decode_mask &= key_pos > ctx - 1 - self.sliding_window
+        ctx = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
             decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev).view(
                 len(decodes), max_blocks
             ),
-            decode_mask=decode_mask[:, None, None, :].to(dev),
+            decode_context_lens=ctx,
+            decode_mask=None
+            if self.decode_backend == "triton"
+            else decode_mask(ctx, max_blocks * bs, self.sliding_window),
             prefills=prefills,
+            decode_backend=self.decode_backend,
+            sliding_window=self.sliding_window,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(pos, dtype=torch.long, device=dev), meta

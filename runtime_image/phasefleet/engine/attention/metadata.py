@@ -21,5 +21,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long, flat KV slot (block_id * block_size + offset) per token
     num_decode_tokens: int  # the first this-many tokens are one-token queries, one per request
     decode_block_tables: torch.Tensor  # [B_dec, max_blocks] long, padded with the null block
-    decode_mask: torch.Tensor  # [B_dec, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_context_lens: torch.Tensor  # [B_dec] long, tokens each decode attends to
+    decode_mask: torch.Tensor | None  # [B_dec, 1, 1, max_blocks * block_size] bool (torch path)
     prefills: list[PrefillSeq]  # the multi-token queries, in batch order after the decodes
+    decode_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (paged kernel)
+    sliding_window: int | None = None  # tokens a query may look back (Mistral); None: all
+
+
+def decode_mask(context_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """context_lens: [B] long -> [B, 1, 1, num_keys] bool: key j is visible to the query at
+    position ctx - 1 when j < ctx (and j > ctx - 1 - window with a sliding window)."""
+    ctx = context_lens.unsqueeze(1)  # [B, 1]
+    key_pos = torch.arange(num_keys, device=context_lens.device).unsqueeze(0)  # [1, S]
+    mask = key_pos < ctx
+    if window is not None:
+        mask &= key_pos > ctx - 1 - window
+    return mask[:, None, None, :]

@@ -1,4 +1,4 @@
-"""The pure-torch paged attention backend: runs on CPU and GPU.
+"""Paged attention. The pure-torch path runs on CPU and GPU; decodes can go to the Triton kernel.
 
 Keys and values of one layer live in a pool of blocks, k_cache/v_cache: [num_blocks, block_size,
 kv_heads, head_dim]. New keys are scattered into their slots, then each query gathers the blocks
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phasefleet.engine.attention import triton_decode
 from phasefleet.engine.attention.metadata import AttentionMetadata
 
 
@@ -38,7 +39,17 @@ def paged_attention(
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     n_dec = meta.num_decode_tokens
-    if n_dec:
+    if n_dec and meta.decode_backend == "triton":
+        out[:n_dec] = triton_decode.paged_decode(
+            q[:n_dec],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            meta.sliding_window,
+        )
+    elif n_dec:
         tables = meta.decode_block_tables
         b = tables.shape[0]
         kv_heads, head_dim = k.shape[1], k.shape[2]

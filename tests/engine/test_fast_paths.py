@@ -1,0 +1,123 @@
+"""The GPU fast paths, checked as far as a CPU allows: the Triton paged-decode kernel through
+Triton's interpreter and compiled to PTX/cubin for sm_90; the CUDA-graph decode path eagerly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from phasefleet.engine.attention import triton_decode
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.cuda_graphs import DecodeGraphs, batch_sizes
+from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.model_runner import choose_decode_backend
+from phasefleet.engine.sampling_params import SamplingParams
+from tests.engine.factories import random_prompts
+
+ModelPath = Callable[[str], Path]
+HFGreedy = Callable[[str, list[int], int], list[int]]
+
+
+def test_triton_kernel_in_the_interpreter_matches_torch(tiny_model: ModelPath) -> None:
+    script = Path(__file__).with_name("triton_interpret_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    models = [str(tiny_model("llama")), str(tiny_model("mistral_sw"))]
+    result = subprocess.run(
+        [sys.executable, str(script), *models], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_triton_kernel_compiles_for_sm90() -> None:
+    signature = {
+        "Q": "*bf16",
+        "K": "*bf16",
+        "V": "*bf16",
+        "Out": "*bf16",
+        "tables": "*i64",
+        "ctx_lens": "*i64",
+        "scale": "fp32",
+        "window": "i32",
+        **{
+            name: "i64"
+            for name in (
+                "stride_qb",
+                "stride_qh",
+                "stride_kn",
+                "stride_kt",
+                "stride_kh",
+                "stride_tb",
+                "stride_ob",
+                "stride_oh",
+            )
+        },
+        **{name: "constexpr" for name in ("GROUP", "BLOCK", "HEAD_DIM", "BLOCK_D")},
+    }
+    constexprs = {"GROUP": 4, "BLOCK": 16, "HEAD_DIM": 128, "BLOCK_D": 128}
+    source = ASTSource(triton_decode._build_kernel(), signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "ptx" in compiled.asm and compiled.asm["cubin"]
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_decode_backend(cpu, 16) == "torch"
+    assert choose_decode_backend(cuda, 16) == "triton"
+    assert choose_decode_backend(cuda, 12) == "torch"  # not a power of two
+    monkeypatch.setenv("PHASEFLEET_ATTENTION", "torch")
+    assert choose_decode_backend(cuda, 16) == "torch"
+    monkeypatch.setenv("PHASEFLEET_ATTENTION", "triton")
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        choose_decode_backend(cpu, 12)
+    monkeypatch.setenv("PHASEFLEET_ATTENTION", "cudnn")
+    with pytest.raises(ValueError, match="PHASEFLEET_ATTENTION must be"):
+        choose_decode_backend(cpu, 16)
+
+
+def test_graph_batch_sizes() -> None:
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(6) == [1, 2, 4, 6]
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral_sw"])
+def test_padded_decode_path_matches_transformers(
+    name: str, tiny_model: ModelPath, hf_greedy: HFGreedy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA-graph decode path (fixed-shape buffers, padded batches), run eagerly."""
+    config = EngineConfig(
+        model=str(tiny_model(name)),
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=32,
+        max_model_len=128,
+    )
+    eng = LLMEngine(config)
+    eng.runner.enable_decode_graphs(max_batch=6, capture=False)
+    calls: list[int] = []
+    run = DecodeGraphs.run
+
+    def counting_run(self: DecodeGraphs, **kwargs: list[int]) -> object:
+        calls.append(len(kwargs["token_ids"]))
+        return run(self, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeGraphs, "run", counting_run)
+    prompts = random_prompts([3, 17, 30, 9, 25, 4, 12], seed=21)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outputs = eng.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.output_token_ids == hf_greedy(name, prompt, params.max_tokens)
+    assert calls and max(calls) <= 6
+    assert set(calls) - set(batch_sizes(6))  # some steps were padded up to a captured size
+    assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
