@@ -171,6 +171,9 @@ def test_example_gets_children_status_and_columns(
             "desiredReplicas": want,
         }
     assert "secret" not in json.dumps(status).lower()
+    for doc in docs:  # Secret values never reach the operator's log
+        for value in (doc.get("stringData") or {}).values():
+            assert value not in operator.log()
 
     table = cluster.kubectl("get", "inferenceservices", "-n", namespace).stdout
     row = columns(table)[0]
@@ -228,6 +231,29 @@ def test_spec_change_rolls_the_pods(
     assert "Updated" in {e["reason"] for e in events["items"]}
 
 
+def test_mode_change_replaces_the_pools(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    apply(cluster, namespace, tiny())
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready")
+    patch = {"spec": {"mode": "aggregated", "prefill": None, "decode": None, "worker": {}}}
+    cluster.kubectl(
+        "patch",
+        "inferenceservice",
+        "tiny",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps(patch),
+    )
+    expected = {f"{k}/tiny-{r}" for k in CHILD_KINDS for r in ("worker", "router")}
+    wait(lambda: set(children(cluster, namespace, "tiny")) == expected, 60, "pools replaced")
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "aggregated tiny Ready")
+    isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+    assert set(isvc["status"]["pools"]) == {"worker", "router"}
+
+
 def test_hand_edits_are_restored(
     cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
 ) -> None:
@@ -282,6 +308,9 @@ def test_missing_pvc_is_degraded_until_created(
     assert f"PersistentVolumeClaim {namespace}/weights not found" in cond["message"]
     assert "spec.model.pvc.claimName" in cond["message"]
     assert not children(cluster, namespace, "tiny")
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")
+    warnings = {e["reason"] for e in events["items"] if e["type"] == "Warning"}
+    assert "ModelVolumeMissing" in warnings
 
     bind_pvc(cluster, namespace, "weights")
     pvc = {

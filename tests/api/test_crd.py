@@ -101,3 +101,10 @@ def test_yaml_has_no_anchors():
     text = crd_yaml()
     assert "&id" not in text and "*id" not in text
     assert yaml.safe_load(text) == build_crd()
+
+
+def test_console_script_crd_subcommand(capsys: pytest.CaptureFixture[str]):
+    from phasefleet.cli import main
+
+    assert main(["crd"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["kind"] == "CustomResourceDefinition"

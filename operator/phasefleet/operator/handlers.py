@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -68,6 +69,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 def reconcile_service(
     body: kopf.Body, reason: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
+    started = time.monotonic()
     try:
         outcome = reconcile(memo.api, plain(body), _now())
     except InvalidSpec as exc:
@@ -86,11 +88,9 @@ def reconcile_service(
         event_reason = "Created" if reason == "create" else "Updated"
         kopf.event(body, type="Normal", reason=event_reason, message=", ".join(changes))
     logger.info(
-        "reconciled (%s): %d changed, status written: %s",
-        reason,
-        len(changes),
-        outcome.status_written,
-    )
+        "reconciled (%s) in %.3fs: %d changed, status written: %s",
+        reason, time.monotonic() - started, len(changes), outcome.status_written,
+    )  # fmt: skip
 
 
 def child_event(

@@ -1,0 +1,182 @@
+"""Operator at scale: N InferenceServices on the real control plane (KWOK nodes), all Ready.
+
+Starts the e2e control plane, installs the chart (operator Deployment at 0) and runs
+`phasefleet operator` as a process with the chart's ServiceAccount, as the e2e tests do. Then:
+
+1. creates N small disaggregated InferenceServices at once and records, per object, the time
+   from `kubectl create` to Ready=True, and the operator's own reconcile time (from its log);
+2. waits while nothing changes and counts writes (resourceVersion changes) to children and
+   InferenceServices: a settled operator should make none;
+3. restarts the operator and counts writes again (resume must be idempotent);
+4. reports the operator's resident memory (steady and peak).
+
+    .venv/bin/python bench/operator_scale.py --count 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from e2e.harness.controlplane import ControlPlane, tools_bin_dir  # noqa: E402
+from e2e.test_operator_support import (  # noqa: E402
+    Operator,
+    install_chart,
+    service_account_kubeconfig,
+    wait_for,
+)
+
+NAMESPACE = "scale"
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def service(i: int) -> dict[str, Any]:
+    # No resource requests and a toleration: the workers spread over all three KWOK nodes
+    # (110 pods each), the routers land on the CPU node.
+    pool = {"replicas": 1, "tolerations": [GPU_TOLERATION]}
+    return {
+        "apiVersion": "serving.phasefleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": f"svc-{i:03d}"},
+        "spec": {"model": {"image": {"path": "/models/tiny"}}, "prefill": pool, "decode": pool},
+    }
+
+
+def versions(cluster: ControlPlane) -> dict[str, str]:
+    out = {}
+    for kind in ("inferenceservices", "deployments", "services", "poddisruptionbudgets"):
+        items = json.loads(cluster.kubectl("get", kind, "-n", NAMESPACE, "-o", "json").stdout)
+        for item in items["items"]:
+            out[f"{kind}/{item['metadata']['name']}"] = item["metadata"]["resourceVersion"]
+    return out
+
+
+def observed(cluster: ControlPlane) -> tuple[set[str], set[str]]:
+    """(names the operator has written status for, names that are Ready)."""
+    items = json.loads(
+        cluster.kubectl("get", "inferenceservices", "-n", NAMESPACE, "-o", "json").stdout
+    )["items"]
+    handled, ready = set(), set()
+    for item in items:
+        status = item.get("status") or {}
+        if "observedGeneration" in status:
+            handled.add(item["metadata"]["name"])
+        if any(
+            c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
+        ):
+            ready.add(item["metadata"]["name"])
+    return handled, ready
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=50)
+    parser.add_argument("--settle-seconds", type=float, default=30.0)
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="phasefleet-bench-"))
+    cluster = ControlPlane(workdir=workdir / "cluster", bin_dir=tools_bin_dir())
+    cluster.start()
+    try:
+        install_chart(cluster)
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
+        operator = Operator(cluster, kubeconfig, workdir)
+        operator.start()
+        idle_rss = operator.rss_mib()
+
+        created: dict[str, float] = {}
+        ready_at: dict[str, float] = {}
+        manifest = "\n---\n".join(json.dumps(service(i)) for i in range(args.count))
+        start = time.monotonic()
+        cluster.kubectl("create", "-n", NAMESPACE, "-f", "-", input=manifest)
+        for i in range(args.count):
+            created[f"svc-{i:03d}"] = start
+
+        handled_at: dict[str, float] = {}
+
+        def all_ready() -> bool:
+            now = time.monotonic()
+            handled, ready = observed(cluster)
+            for name in handled:
+                handled_at.setdefault(name, now)
+            for name in ready:
+                ready_at.setdefault(name, now)
+            return len(ready_at) == args.count
+
+        wait_for(all_ready, 900, f"{args.count} InferenceServices Ready")
+        total = time.monotonic() - start
+        to_ready = [ready_at[n] - created[n] for n in created]
+        to_handled = [handled_at.get(n, ready_at[n]) - created[n] for n in created]
+        loaded_rss = operator.rss_mib()
+        reconcile_times = [
+            float(m) for m in re.findall(r"reconciled \(create\) in ([0-9.]+)s", operator.log())
+        ]
+
+        time.sleep(5)
+        before = versions(cluster)
+        time.sleep(args.settle_seconds)
+        settled_writes = sum(1 for k, v in versions(cluster).items() if before.get(k) != v)
+
+        peak_rss = operator.peak_rss_mib()
+        log_size = len(operator.log())
+        operator.stop()
+        restart = time.monotonic()
+        operator.start()
+        wait_for(
+            lambda: operator.log()[log_size:].count("reconciled (resume)") >= args.count,
+            600,
+            "resume handlers",
+        )
+        resumed = time.monotonic() - restart
+        time.sleep(5)
+        restart_writes = sum(1 for k, v in versions(cluster).items() if before.get(k) != v)
+        restarted_rss = operator.rss_mib()
+        operator.stop()
+    finally:
+        cluster.destroy()
+
+    objects = len(before)
+    print(f"## Operator scale ({args.count} InferenceServices, {objects} objects watched)\n")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| all {args.count} Ready after create | {total:.1f} s |")
+    print(
+        f"| create -> children applied and first status, p50 / max | "
+        f"{statistics.median(to_handled):.1f} / {max(to_handled):.1f} s |"
+    )
+    print(
+        f"| create -> Ready per object, p50 / p95 / max | {statistics.median(to_ready):.1f} / "
+        f"{percentile(to_ready, 0.95):.1f} / {max(to_ready):.1f} s |"
+    )
+    if reconcile_times:
+        ms = [t * 1000 for t in reconcile_times]
+        print(
+            f"| operator reconcile (create handler) p50 / p95 / max | "
+            f"{statistics.median(ms):.0f} / {percentile(ms, 0.95):.0f} / {max(ms):.0f} ms |"
+        )
+    print(f"| writes while settled ({args.settle_seconds:.0f} s) | {settled_writes} |")
+    print(f"| operator restart: all {args.count} resumed after | {resumed:.1f} s |")
+    print(f"| writes caused by the restart | {restart_writes} |")
+    rss = f"{idle_rss:.0f} / {loaded_rss:.0f} / {peak_rss:.0f} / {restarted_rss:.0f}"
+    print(f"| operator RSS: idle / {args.count} Ready / peak / after restart | {rss} MiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
