@@ -1,18 +1,29 @@
-"""The Helm chart: lint, values schema, rendering variants, and a real install whose RBAC is
-checked with `kubectl auth can-i` (least privilege) and whose PodMonitor appears only when
-the monitoring.coreos.com CRD exists."""
+"""The Helm chart: lint, values schema, rendering variants, and a real namespaced install whose
+RBAC is checked with `kubectl auth can-i` (least privilege) and is enough for the operator to
+serve a model in that namespace; its PodMonitor appears only when the monitoring.coreos.com CRD
+exists."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane
-from e2e.test_operator_support import CHART, get, wait_for
+from e2e.test_operator_support import (
+    CHART,
+    ROOT,
+    Operator,
+    get,
+    is_ready,
+    service_account_kubeconfig,
+    wait_for,
+)
 
 KUBE_VERSION = "--kube-version=1.33.0"
 PODMONITOR_CRD = {
@@ -76,7 +87,7 @@ def test_watched_namespaces_get_roles_not_a_cluster_role(cluster: ControlPlane) 
     roles = [d for d in docs if d["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert [c["metadata"]["name"] for c in cluster_roles] == ["t-phasefleet-crds"]
+    assert [c["metadata"]["name"] for c in cluster_roles] == ["t-phasefleet-discovery"]
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -88,7 +99,7 @@ def test_secrets_rule_can_be_dropped(cluster: ControlPlane) -> None:
     def resources(*args: str) -> list[str]:
         (role,) = [
             d for d in render(cluster, *args)
-            if d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-crds")
+            if d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-discovery")
         ]  # fmt: skip
         return [r for rule in role["rules"] for r in rule["resources"]]
 
@@ -163,9 +174,23 @@ def test_install_namespaced_with_least_privilege(
         assert not can_i(cluster, sa, "patch", "deployments.apps", "-n", "default")
         assert can_i(cluster, sa, "list", "customresourcedefinitions.apiextensions.k8s.io")
         assert not can_i(cluster, sa, "create", "customresourcedefinitions.apiextensions.k8s.io")
+        assert not can_i(cluster, sa, "delete", "namespaces")
 
         notes = cluster.helm("get", "notes", release, "-n", namespace).stdout
         assert f"It manages InferenceServices in: {watched}." in notes
+
+        # The operator itself, limited to the Role in its one namespace, serves a model there.
+        workdir = Path(tempfile.mkdtemp(prefix="phasefleet-helm-"))
+        kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig", name, namespace)
+        operator = Operator(cluster, kubeconfig, workdir, "--namespace", watched)
+        operator.start()
+        try:
+            example = (ROOT / "examples" / "tiny-disaggregated.yaml").read_text()
+            cluster.kubectl("apply", "-n", watched, "-f", "-", input=example)
+            wait_for(lambda: is_ready(cluster, watched, "tiny"), 120, "tiny Ready")
+            assert "Forbidden" not in operator.log() and "403" not in operator.log()
+        finally:
+            operator.stop()
     finally:
         cluster.helm("uninstall", release, "-n", namespace, "--wait")
     assert get(cluster, "deployment", f"{release}-phasefleet", "-n", namespace) is None

@@ -48,10 +48,15 @@ def install_chart(cluster: ControlPlane, *set_args: str) -> None:
     )
 
 
-def service_account_kubeconfig(cluster: ControlPlane, path: Path) -> Path:
+def service_account_kubeconfig(
+    cluster: ControlPlane,
+    path: Path,
+    account: str = SERVICE_ACCOUNT,
+    namespace: str = SYSTEM_NAMESPACE,
+) -> Path:
     """A kubeconfig that authenticates as the chart's ServiceAccount."""
     token = cluster.kubectl(
-        "create", "token", SERVICE_ACCOUNT, "-n", SYSTEM_NAMESPACE, "--duration", "3h"
+        "create", "token", account, "-n", namespace, "--duration", "3h"
     ).stdout.strip()
     config = json.loads(cluster.kubeconfig.read_text())
     config["users"] = [{"name": "admin", "user": {"token": token}}]
