@@ -16,7 +16,7 @@ from typing import Any, cast
 import kopf
 
 from phasefleet.api.crd import GROUP, PLURAL, VERSION
-from phasefleet.operator.kube import Kube, Rejected, Transient
+from phasefleet.operator.kube import Kube, NamespaceTerminating, Rejected, Transient
 from phasefleet.operator.meta import ISVC_LABEL
 from phasefleet.operator.reconcile import (
     PROBLEM_RETRY_SECONDS,
@@ -98,6 +98,8 @@ def child_event(
 ) -> None:
     try:
         outcome = sync_child(memo.api, plain(body), type == "DELETED", _now())
+    except NamespaceTerminating:
+        return  # children go with their namespace; nothing to restore
     except (Transient, Rejected) as exc:
         # Event handlers are not retried; the next event or the owner's handler catches up.
         logger.warning("could not sync %s: %s", body.get("kind"), exc)

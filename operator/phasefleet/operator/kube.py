@@ -37,6 +37,10 @@ class Rejected(Exception):
     """The API server refused the request (invalid object, forbidden)."""
 
 
+class NamespaceTerminating(Rejected):
+    """The namespace is being deleted: nothing may be created in it any more."""
+
+
 class Api(Protocol):
     """What the reconciler needs from Kubernetes (a fake implements it in tests)."""
 
@@ -105,6 +109,8 @@ class Kube:
             what = f"{method} {path}: HTTP {exc.status} {exc.reason}: {exc.body}"
             if exc.status in RETRYABLE:
                 raise Transient(what) from exc
+            if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
+                raise NamespaceTerminating(what) from exc
             raise Rejected(what) from exc
         except (OSError, HTTPError) as exc:  # connection refused or reset, timeouts
             raise Transient(f"{method} {path}: {exc}") from exc
