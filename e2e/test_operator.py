@@ -236,7 +236,9 @@ def test_mode_change_replaces_the_pools(
 ) -> None:
     apply(cluster, namespace, tiny())
     wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready")
-    patch = {"spec": {"mode": "aggregated", "prefill": None, "decode": None, "worker": {}}}
+    patch: dict[str, Any] = {
+        "spec": {"mode": "aggregated", "prefill": None, "decode": None, "worker": {}}
+    }
     cluster.kubectl(
         "patch",
         "inferenceservice",
