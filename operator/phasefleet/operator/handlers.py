@@ -58,7 +58,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     settings.persistence.finalizer = f"{STORAGE_PREFIX}/finalizer"
     settings.posting.level = logging.WARNING  # Normal events are posted explicitly below
-    settings.execution.max_workers = 8
+    settings.execution.max_workers = 8  # reconciles at once (each is ~13 API calls)
+    # Restart watches every few minutes: a watch silently stalled by a network middlebox
+    # would otherwise stop all events without an error.
+    settings.watching.server_timeout = 300  # seconds
+    settings.watching.client_timeout = 330  # seconds
     if getattr(memo, "api", None) is None:
         memo.api = Kube.from_environment()
 
