@@ -41,6 +41,21 @@ def test_copy_sources_exist():
             assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
 
 
+def test_dockerignore_keeps_the_copied_sources():
+    ignored = [
+        line.strip()
+        for line in DOCKERFILE.with_name("Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ".venv" in ignored and ".git" in ignored
+    copies = [rest for word, rest in instructions() if word == "COPY" and "--from" not in rest]
+    for rest in copies:
+        *sources, _dest = shlex.split(rest)
+        for source in sources:
+            top = source.strip("/").split("/")[0]
+            assert top not in ignored, f"COPY {source} is excluded by the .dockerignore"
+
+
 def test_runs_as_a_numeric_non_root_user():
     users = [rest for word, rest in final_stage() if word == "USER"]
     assert users, "no USER in the final stage"
