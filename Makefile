@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
-.PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean
+.PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean \
+	crds bench-operator operator-image
 
 all: venv
 
@@ -42,6 +43,18 @@ cluster-up: venv tools
 
 cluster-down: venv
 	$(PY) -m e2e.harness.cli down
+
+# The InferenceService CRD, generated from phasefleet.api (a unit test fails when stale).
+crds: venv
+	$(PY) -m phasefleet.cli crd -o crds/serving.phasefleet.dev_inferenceservices.yaml \
+	  -o helm/phasefleet/crds/serving.phasefleet.dev_inferenceservices.yaml
+
+# 50 InferenceServices on the e2e control plane; results go in bench/RESULTS.md by hand.
+bench-operator: venv tools
+	$(PY) bench/operator_scale.py --count 50
+
+operator-image:
+	docker build -f operator/Dockerfile -t ghcr.io/phasefleet/phasefleet-operator:0.1.0 .
 
 TINY_MODEL := $(PHASEFLEET_CACHE)/models/tiny-llama
 
