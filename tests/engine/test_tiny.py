@@ -37,6 +37,23 @@ def test_cli_writes_a_model_with_the_given_sizes(tmp_path: Path) -> None:
     assert (tmp_path / "m" / "model.safetensors").is_file()
 
 
+def test_phasefleet_make_tiny_console_command(tmp_path: Path) -> None:
+    """The real entry point, `phasefleet make-tiny`, writes a folder our engine serves."""
+    from phasefleet.engine.config import EngineConfig
+    from phasefleet.engine.llm_engine import LLMEngine
+    from phasefleet.engine.sampling_params import SamplingParams
+
+    folder = tmp_path / "cli-model"
+    command = [sys.executable, "-m", "phasefleet.cli", "make-tiny", str(folder), "--arch", "qwen2"]
+    result = subprocess.run(command + ["--num-layers", "1"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote a random qwen2 model" in result.stdout
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu"))
+    prompt = engine.tokenizer.encode("Hello there")
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, seed=1))
+    assert len(out.output_token_ids) == 4
+
+
 def test_tokenizer_round_trips_and_has_specials_and_chat_template(
     tiny_model: Callable[[str], Path],
 ) -> None:
