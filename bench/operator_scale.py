@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir  # noqa: E402
+from e2e.harness.wait import wait_for  # noqa: E402
 from e2e.test_operator_support import (  # noqa: E402
     Operator,
     install_chart,
     service_account_kubeconfig,
-    wait_for,
 )
 
 NAMESPACE = "scale"

@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 from e2e.harness.controlplane import ControlPlane
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+from e2e.harness.wait import wait_for
 
 
 def gpu_deployment(name: str, tolerate: bool, replicas: int = 2) -> str:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane
+from e2e.harness.wait import wait_for
 from e2e.test_operator_support import (
     CHART,
     ROOT,
@@ -23,7 +24,6 @@ from e2e.test_operator_support import (
     get,
     is_ready,
     service_account_kubeconfig,
-    wait_for,
 )
 
 KUBE_VERSION = "--kube-version=1.33.0"

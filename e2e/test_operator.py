@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane
+from e2e.harness.wait import wait_for
 from e2e.test_operator_support import (
     Operator,
     condition,
@@ -23,7 +24,6 @@ from e2e.test_operator_support import (
     install_chart,
     is_ready,
     service_account_kubeconfig,
-    wait_for,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

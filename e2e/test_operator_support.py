@@ -9,31 +9,19 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.process import Component, free_port
+from e2e.harness.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "phasefleet"
 RELEASE = "pf"
 SYSTEM_NAMESPACE = "phasefleet-system"
 SERVICE_ACCOUNT = f"{RELEASE}-phasefleet"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.3)
 
 
 def install_chart(cluster: ControlPlane, *set_args: str) -> None:
