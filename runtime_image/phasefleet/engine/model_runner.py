@@ -23,8 +23,8 @@ GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool may take
 
 
 def choose_decode_backend(device: torch.device, block_size: int) -> str:
-    """ "triton" on CUDA when Triton is installed and the block size suits the kernel, else
-    "torch"; PHASEFLEET_ATTENTION=torch|triton forces one."""
+    """The decode attention backend: Triton on CUDA when Triton is installed and the block size
+    suits the kernel, else torch; PHASEFLEET_ATTENTION=torch|triton forces one."""
     forced = os.environ.get("PHASEFLEET_ATTENTION", "auto")
     if forced not in ("auto", "torch", "triton"):
         raise ValueError(f"PHASEFLEET_ATTENTION must be auto, torch or triton, got {forced!r}")
@@ -60,16 +60,16 @@ class ModelRunner:
         self.device = device
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
-        self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
-        self.max_model_len = max_model_len
-        self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
-        self.head_dim = head_dim(hf_config)
         if getattr(hf_config, "use_sliding_window", False):
             # Qwen2 slides only on some layers; not implemented, and its checkpoints leave it off.
             raise ValueError(
                 f"{hf_config.model_type} with use_sliding_window=true is not supported"
             )
+        self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
+        self.max_model_len = max_model_len
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
+        self.head_dim = head_dim(hf_config)
         window = getattr(hf_config, "sliding_window", None)
         self.sliding_window: int | None = (
             window if hf_config.model_type == "mistral" and window else None
