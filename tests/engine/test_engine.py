@@ -187,3 +187,17 @@ def test_half_precision_runs(tiny_model: ModelPath, dtype: str) -> None:
 def test_bad_model_folder_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="config.json"):
         LLMEngine(EngineConfig(model=str(tmp_path)))
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(eng: LLMEngine) -> None:
+    prompt = random_prompts([12], seed=9)[0]
+    (full,) = eng.generate([prompt], greedy(30, ignore_eos=True))
+    text = full.text
+    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]
+    tokens = full.output_token_ids
+    k = next(k for k in range(1, 31) if stop in eng.tokenizer.decode(tokens[:k]))
+    (out,) = eng.generate([prompt], greedy(k, ignore_eos=True, stop=[stop]))
+    assert out.output_token_ids == tokens[:k]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]

@@ -133,13 +133,13 @@ class LLMEngine:
             new = req.output_token_ids[-1:]
             detok = self._detok[req.request_id]
             detok.update(new)
+            if req.is_finished:
+                detok.flush()  # the held-back tail may still hold a stop string
             if detok.stopped:
                 if req.is_finished:
                     req.finish_reason = "stop"
                 else:
                     self.scheduler.finish_request(req.request_id, "stop")
-            if req.is_finished:
-                detok.flush()
             outputs.append(self._output(req, new))
             if req.is_finished:
                 self._forget(req.request_id)
