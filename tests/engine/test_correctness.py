@@ -97,3 +97,16 @@ def test_preemption_without_prefix_caching(tiny_model: ModelPath, hf_greedy: HFG
     stats = eng.stats()
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hits_total == 0
+
+
+def test_decodes_are_grouped_by_context_length(tiny_model: ModelPath) -> None:
+    import torch
+
+    eng = engine(tiny_model("llama"), block_size=4)
+    ctx = [4, 5, 30, 31, 100]  # blocks 1, 2, 8, 8, 25
+    tables = torch.arange(1, 5 * 25 + 1).view(5, 25)
+    groups = eng.runner._decode_groups(tables, ctx)
+    assert [(g.start, g.size) for g in groups] == [(0, 1), (1, 1), (2, 2), (4, 1)]
+    assert [tuple(g.block_tables.shape) for g in groups] == [(1, 1), (1, 2), (2, 8), (1, 25)]
+    assert groups[2].mask.shape == (2, 1, 1, 32)
+    assert groups[2].mask[0, 0, 0].sum() == 30

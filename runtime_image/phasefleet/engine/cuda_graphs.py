@@ -14,7 +14,7 @@ import bisect
 
 import torch
 
-from phasefleet.engine.attention.metadata import AttentionMetadata, decode_mask
+from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup, decode_mask
 from phasefleet.engine.models.llama import CausalLM, KVCache
 from phasefleet.engine.scheduler import SchedulerOutput
 
@@ -67,9 +67,16 @@ class DecodeGraphs:
             num_decode_tokens=b,
             decode_block_tables=self.tables[:b],
             decode_context_lens=ctx,
-            decode_mask=None
+            decode_groups=[]
             if self.backend == "triton"
-            else decode_mask(ctx, self.tables.shape[1] * self.block_size, self.sliding_window),
+            else [
+                DecodeGroup(
+                    0,
+                    b,
+                    self.tables[:b],
+                    decode_mask(ctx, self.tables.shape[1] * self.block_size, self.sliding_window),
+                )
+            ],
             prefills=[],
             decode_backend=self.backend,
             sliding_window=self.sliding_window,

@@ -10,7 +10,12 @@ from typing import Any
 import torch
 
 from phasefleet.engine.attention import triton_decode
-from phasefleet.engine.attention.metadata import AttentionMetadata, PrefillSeq, decode_mask
+from phasefleet.engine.attention.metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSeq,
+    decode_mask,
+)
 from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
@@ -20,6 +25,7 @@ from phasefleet.engine.scheduler import ScheduledRequest, SchedulerOutput
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30  # KV pool cap on CPU when num_kv_blocks is not given
 GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool may take
+DECODE_PAD_SLACK = 1.25  # torch path: a decode group may gather this much more than it needs
 
 
 def choose_decode_backend(device: torch.device, block_size: int) -> str:
@@ -125,8 +131,8 @@ class ModelRunner:
         the requests whose `sample` flag is set."""
         if self.graphs is not None and self.graphs.fits(out):
             return self._execute_graph(out, rows)
-        # One-token queries first: they share one batched attention call.
-        batch = [s for s in out.scheduled if s.num_tokens == 1]
+        # One-token queries first, shortest context first (decode groups are runs of them).
+        batch = sorted((s for s in out.scheduled if s.num_tokens == 1), key=lambda s: s.start)
         batch += [s for s in out.scheduled if s.num_tokens > 1]
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -196,22 +202,48 @@ class ModelRunner:
             )
         dev = self.device
         ctx = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
+        block_tables = torch.tensor(tables, dtype=torch.long).view(len(decodes), max_blocks)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
-            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev).view(
-                len(decodes), max_blocks
-            ),
+            decode_block_tables=block_tables.to(dev),
             decode_context_lens=ctx,
-            decode_mask=None
+            decode_groups=[]
             if self.decode_backend == "triton"
-            else decode_mask(ctx, max_blocks * bs, self.sliding_window),
+            else self._decode_groups(block_tables, ctx_lens),
             prefills=prefills,
             decode_backend=self.decode_backend,
             sliding_window=self.sliding_window,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(pos, dtype=torch.long, device=dev), meta
+
+    def _decode_groups(self, tables: torch.Tensor, ctx_lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted by context length) into runs whose padded gather stays within
+        DECODE_PAD_SLACK of what they actually need; tables: [B_dec, max_blocks] on the CPU."""
+        bs = self.block_size
+        blocks = [-(-c // bs) for c in ctx_lens]
+        groups = []
+        i = 0
+        while i < len(blocks):
+            j, needed = i + 1, blocks[i]
+            while j < len(blocks) and (j - i + 1) * blocks[j] <= DECODE_PAD_SLACK * (
+                needed + blocks[j]
+            ):
+                needed += blocks[j]
+                j += 1
+            width = blocks[j - 1]
+            ctx = torch.tensor(ctx_lens[i:j], dtype=torch.long)
+            groups.append(
+                DecodeGroup(
+                    start=i,
+                    size=j - i,
+                    block_tables=tables[i:j, :width].contiguous().to(self.device),
+                    mask=decode_mask(ctx, width * bs, self.sliding_window).to(self.device),
+                )
+            )
+            i = j
+        return groups
 
     def _prefill_mask(self, start: int, end: int) -> torch.Tensor | None:
         """[q_len, end] causal mask aligned to the bottom right (the chunk's queries are the last

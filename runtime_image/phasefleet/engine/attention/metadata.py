@@ -17,12 +17,20 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    start: int  # index of its first request among the decodes (= in the flat batch)
+    size: int  # requests in the group
+    block_tables: torch.Tensor  # [size, max_blocks] long, padded with the null block
+    mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long, flat KV slot (block_id * block_size + offset) per token
     num_decode_tokens: int  # the first this-many tokens are one-token queries, one per request
     decode_block_tables: torch.Tensor  # [B_dec, max_blocks] long, padded with the null block
     decode_context_lens: torch.Tensor  # [B_dec] long, tokens each decode attends to
-    decode_mask: torch.Tensor | None  # [B_dec, 1, 1, max_blocks * block_size] bool (torch path)
+    decode_groups: list[DecodeGroup]  # torch path: decodes of similar length, one SDPA call each
     prefills: list[PrefillSeq]  # the multi-token queries, in batch order after the decodes
     decode_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (paged kernel)
     sliding_window: int | None = None  # tokens a query may look back (Mistral); None: all

@@ -2,7 +2,9 @@
 
 Keys and values of one layer live in a pool of blocks, k_cache/v_cache: [num_blocks, block_size,
 kv_heads, head_dim]. New keys are scattered into their slots, then each query gathers the blocks
-of its request through its block table and runs scaled_dot_product_attention.
+of its request through its block table and runs scaled_dot_product_attention. Decodes run in
+groups of similar context length, so padding every gather to the longest one in the batch does
+not multiply the bytes copied.
 """
 
 from __future__ import annotations
@@ -50,23 +52,23 @@ def paged_attention(
             meta.sliding_window,
         )
     elif n_dec:
-        tables = meta.decode_block_tables
-        b = tables.shape[0]
         kv_heads, head_dim = k.shape[1], k.shape[2]
-        # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool.
-        flat = tables.view(-1)
-        keys = k_cache.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        # keys, values: [B, Hkv, S, D]
-        o = F.scaled_dot_product_attention(
-            q[:n_dec].unsqueeze(2),  # [B, H, 1, D]
-            keys,
-            values,
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[:n_dec] = o.squeeze(2)
+        for group in meta.decode_groups:
+            end = group.start + group.size
+            # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool.
+            flat = group.block_tables.reshape(-1)
+            shape = (group.size, -1, kv_heads, head_dim)
+            keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
+            values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
+                keys,
+                values,
+                attn_mask=group.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[group.start : end] = o.squeeze(2)
     for seq in meta.prefills:
         end = seq.start + seq.q_len
         if seq.ctx_len == seq.q_len:
