@@ -110,3 +110,7 @@ def test_decodes_are_grouped_by_context_length(tiny_model: ModelPath) -> None:
     assert [tuple(g.block_tables.shape) for g in groups] == [(1, 1), (1, 2), (2, 8), (1, 25)]
     assert groups[2].mask.shape == (2, 1, 1, 32)
     assert groups[2].mask[0, 0, 0].sum() == 30
+    # A lone request whose blocks are consecutive in the pool is read as a view, not gathered.
+    assert [g.first_block for g in groups] == [1, 26, None, 101]
+    tables[4, 3] = 7
+    assert eng.runner._decode_groups(tables, ctx)[3].first_block is None

@@ -234,12 +234,18 @@ class ModelRunner:
                 j += 1
             width = blocks[j - 1]
             ctx = torch.tensor(ctx_lens[i:j], dtype=torch.long)
+            first = None
+            if j - i == 1:
+                row = tables[i, :width].tolist()
+                if row == list(range(row[0], row[0] + width)):
+                    first = row[0]
             groups.append(
                 DecodeGroup(
                     start=i,
                     size=j - i,
                     block_tables=tables[i:j, :width].contiguous().to(self.device),
                     mask=decode_mask(ctx, width * bs, self.sliding_window).to(self.device),
+                    first_block=first,
                 )
             )
             i = j

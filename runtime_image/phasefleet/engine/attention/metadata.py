@@ -22,6 +22,7 @@ class DecodeGroup:
     size: int  # requests in the group
     block_tables: torch.Tensor  # [size, max_blocks] long, padded with the null block
     mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] bool, True = attend
+    first_block: int | None = None  # size 1 with consecutive block ids: read a view, no gather
 
 
 @dataclass

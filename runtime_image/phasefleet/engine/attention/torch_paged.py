@@ -55,11 +55,16 @@ def paged_attention(
         kv_heads, head_dim = k.shape[1], k.shape[2]
         for group in meta.decode_groups:
             end = group.start + group.size
-            # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool.
-            flat = group.block_tables.reshape(-1)
             shape = (group.size, -1, kv_heads, head_dim)
-            keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
-            values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+            if group.first_block is not None:
+                blocks = slice(group.first_block, group.first_block + group.block_tables.shape[1])
+                keys = k_cache[blocks].view(shape).transpose(1, 2)  # [1, Hkv, S, D], a view
+                values = v_cache[blocks].view(shape).transpose(1, 2)
+            else:
+                # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool
+                flat = group.block_tables.reshape(-1)
+                keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
+                values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
                 keys,
