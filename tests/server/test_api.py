@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.worker_proc import Worker, run_worker
+from tests.server.worker_proc import Worker, parse_metrics, run_worker
 
 PROMPT = "The prefill worker reads the whole prompt"
 
@@ -339,15 +339,6 @@ def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert missing.value.code == "model_not_found"
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def test_metrics_after_traffic(worker: Worker, client: openai.OpenAI) -> None:

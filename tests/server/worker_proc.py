@@ -22,6 +22,16 @@ STARTUP_TIMEOUT = 120.0  # seconds; the CPU is shared with other test processes
 WORKER_COMMAND = [sys.executable, "-m", "phasefleet.cli", "worker"]
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {sample name with labels: value}."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,13 +59,7 @@ class Worker:
 
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, e.g. 'phasefleet_kv_cache_usage_perc{...}'."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled-by-le sample, by bare name."""
