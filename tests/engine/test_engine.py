@@ -32,6 +32,16 @@ def run_one(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> list[R
     return outs
 
 
+def stop_string_case(eng: LLMEngine) -> tuple[list[int], RequestOutput, str]:
+    """A prompt, its 30-token greedy output, and a 3-character stop string taken from inside
+    that output (past the first 8 characters, clear of partial UTF-8)."""
+    prompt = random_prompts([12], seed=9)[0]
+    (full,) = eng.generate([prompt], greedy(30, ignore_eos=True))
+    text = full.text
+    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    return prompt, full, text[start : start + 3]
+
+
 def test_engine_identity(eng: LLMEngine, tiny_model: ModelPath) -> None:
     assert eng.model_name == tiny_model("llama").name
     assert eng.max_model_len == 2048
@@ -70,15 +80,11 @@ def test_eos_stops_unless_ignored(eng: LLMEngine) -> None:
 
 
 def test_stop_string_cuts_the_text_and_text_only_grows(eng: LLMEngine) -> None:
-    prompt = random_prompts([12], seed=9)[0]
-    (full,) = eng.generate([prompt], greedy(30, ignore_eos=True))
-    text = full.text
-    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
-    stop = text[start : start + 3]
+    prompt, full, stop = stop_string_case(eng)
     outs = run_one(eng, prompt, greedy(30, ignore_eos=True, stop=[stop]))
     final = outs[-1]
     assert final.finished and final.finish_reason == "stop"
-    assert final.text == text[: text.index(stop)]
+    assert final.text == full.text[: full.text.index(stop)]
     for before, after in zip(outs, outs[1:], strict=False):
         assert after.text.startswith(before.text)
         assert stop not in after.text
@@ -190,14 +196,10 @@ def test_bad_model_folder_is_rejected(tmp_path: Path) -> None:
 
 
 def test_stop_string_on_the_last_allowed_token_reports_stop(eng: LLMEngine) -> None:
-    prompt = random_prompts([12], seed=9)[0]
-    (full,) = eng.generate([prompt], greedy(30, ignore_eos=True))
-    text = full.text
-    start = next(i for i in range(8, len(text) - 3) if "\ufffd" not in text[i : i + 3])
-    stop = text[start : start + 3]
+    prompt, full, stop = stop_string_case(eng)
     tokens = full.output_token_ids
     k = next(k for k in range(1, 31) if stop in eng.tokenizer.decode(tokens[:k]))
     (out,) = eng.generate([prompt], greedy(k, ignore_eos=True, stop=[stop]))
     assert out.output_token_ids == tokens[:k]
     assert out.finish_reason == "stop"
-    assert out.text == text[: text.index(stop)]
+    assert out.text == full.text[: full.text.index(stop)]
