@@ -170,11 +170,14 @@ def main() -> None:
     vocab = eng.hf_config.vocab_size
     prompts = [random_prompt(p, vocab, rng) for p, _ in lengths]
     outs = [o for _, o in lengths]
-    n_params = sum(p.numel() for p in eng.runner.model.parameters())
     hf: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     hf = hf.to(eng.device).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
     pad = eng.tokenizer.pad_token_id
-    print(f"model {args.model.name}: {n_params / 1e6:.0f}M parameters, {args.dtype}, {eng.device}")
+    print(
+        f"model {args.model.name}: {n_params / 1e6:.0f}M parameters, {args.dtype}, {eng.device}, "
+        f"our linears: {eng.runner.model.linear_backend}"
+    )
     print(
         f"machine: {platform.processor() or platform.machine()}, torch threads "
         f"{torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M %Z')}"

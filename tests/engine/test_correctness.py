@@ -52,6 +52,22 @@ def test_mixed_batch_through_chunked_prefill_matches_transformers(
     assert eng.stats().generation_tokens_total == 6 * GREEDY.max_tokens
 
 
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_both_cpu_linear_paths_match_transformers(
+    name: str,
+    backend: str,
+    tiny_model: ModelPath,
+    hf_greedy: HFGreedy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "torch" (F.linear) is the path CUDA runs; "onednn" the CPU default. qwen2: bias, tied.
+    monkeypatch.setenv("PHASEFLEET_CPU_LINEAR", backend)
+    eng = engine(tiny_model(name), block_size=4, max_num_batched_tokens=24, num_kv_blocks=128)
+    assert eng.runner.model.linear_backend == backend
+    check(eng, name, random_prompts([3, 17, 40, 9], seed=3), hf_greedy)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_prefix_cache_hits_give_the_same_tokens(
     name: str, tiny_model: ModelPath, hf_greedy: HFGreedy

@@ -14,6 +14,7 @@ from torch import nn
 
 from phasefleet.engine.attention.metadata import AttentionMetadata
 from phasefleet.engine.attention.torch_paged import paged_attention
+from phasefleet.engine.models.cpu_linear import PackedLinear, pack_linears
 from phasefleet.engine.models.rope import apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -155,8 +156,11 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Tied: None until pack_for_cpu(), and compute_logits reads the embedding.
+        self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.linear_backend = "torch"  # or "onednn" after pack_for_cpu()
         self.rope_cos: torch.Tensor | None = None  # [max_positions, head_dim], set by the loader
         self.rope_sin: torch.Tensor | None = None
 
@@ -183,7 +187,16 @@ class CausalLM(nn.Module):
             decoder.self_attn.fuse()
             decoder.mlp.fuse()
 
+    def pack_for_cpu(self) -> None:
+        """Every linear, the output projection included, to oneDNN's packed layout (CPU only;
+        see cpu_linear.py). A tied output projection gets its own packed copy."""
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+        pack_linears(self)
+        self.linear_backend = "onednn"
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] -> logits [B, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return cast(torch.Tensor, self.lm_head(hidden)).float()

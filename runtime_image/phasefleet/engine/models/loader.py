@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from phasefleet.engine.models.cpu_linear import choose_cpu_linear
 from phasefleet.engine.models.llama import CausalLM
 from phasefleet.engine.models.rope import rope_tables
 
@@ -34,6 +35,8 @@ def load_model(
         )
     model = model.to(device=device, dtype=dtype).eval()
     model.fuse()
+    if choose_cpu_linear(device, dtype) == "onednn":
+        model.pack_for_cpu()
     cos, sin = rope_tables(config, max_positions)
     model.rope_cos = cos.to(device=device, dtype=dtype)
     model.rope_sin = sin.to(device=device, dtype=dtype)
