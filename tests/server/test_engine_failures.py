@@ -94,6 +94,15 @@ def complete(worker: InProcessWorker, **kwargs: Any) -> Any:
     )
 
 
+def wait_until_idle(worker: InProcessWorker) -> None:
+    """After a failed step the engine steps once more to hand out the abort outputs; a fault
+    armed before that step would be spent on it instead of on the next request."""
+    deadline = time.monotonic() + 10
+    while worker.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+
+
 def test_failed_step_fails_its_requests_with_500_and_the_worker_recovers(
     worker: InProcessWorker,
 ) -> None:
@@ -105,6 +114,7 @@ def test_failed_step_fails_its_requests_with_500_and_the_worker_recovers(
     assert "injected fault" in err.value.message
 
     # Streaming: the 200 headers are out, so the error arrives in-band, then [DONE].
+    wait_until_idle(worker)
     worker.engine.fail_steps = 1
     with httpx.stream(
         "POST",
