@@ -6,9 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
+from phasefleet.engine.model_runner import resolve_dtype
 from phasefleet.engine.sampling_params import SamplingParams
 from tests.engine.factories import random_prompts
 
@@ -203,3 +205,21 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(eng: LLMEngine) -> N
     assert out.output_token_ids == tokens[:k]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
+
+
+def test_dtype_auto_is_float32_on_cpu_and_16_bit_on_cuda(
+    tiny_model: ModelPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", torch.bfloat16, cpu) == "float32"
+    assert resolve_dtype("auto", torch.bfloat16, cuda) == "bfloat16"
+    assert resolve_dtype("auto", "float16", cuda) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", torch.float32, cuda) == "bfloat16"
+    assert resolve_dtype("auto", None, cuda) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", torch.float32, cuda) == "float16"
+    assert resolve_dtype("bfloat16", torch.float32, cpu) == "bfloat16"  # explicit wins
+    eng = LLMEngine(EngineConfig(model=str(tiny_model("llama")), device="cpu"))
+    assert eng.dtype == "float32"
+    assert eng.runner.dtype == torch.float32

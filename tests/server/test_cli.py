@@ -42,7 +42,7 @@ def test_flags_and_defaults() -> None:
     assert args.run is cli.run
     defaults = parse("--model", "m")
     assert (defaults.role, defaults.port, defaults.host, defaults.dtype) == (
-        "both", 8000, "0.0.0.0", "float32",
+        "both", 8000, "0.0.0.0", "auto",
     )  # fmt: skip
 
 

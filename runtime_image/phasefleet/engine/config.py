@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -13,8 +13,9 @@ class EngineConfig:
     # -- model --
     model: str
     """Path to a Hugging Face model folder (config.json, *.safetensors, tokenizer files)."""
-    dtype: str = "float32"
-    """Weight and activation dtype: float32 | bfloat16 | float16."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto | float32 | bfloat16 | float16. auto: float32 on CPU;
+    on CUDA the checkpoint's 16-bit dtype, or bfloat16 for a float32 checkpoint."""
     device: str = "auto"
     """cpu | cuda | auto (cuda when available, else cpu)."""
     max_model_len: int | None = None

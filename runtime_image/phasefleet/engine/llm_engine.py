@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer
 from phasefleet.engine.kv_cache_manager import KVCacheManager
-from phasefleet.engine.model_runner import ModelRunner, resolve_device
+from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampler import SamplingRow, make_generator
@@ -42,8 +42,12 @@ class LLMEngine:
             )
         self.max_model_len: int = config.max_model_len or limit
         self.device = resolve_device(config.device)
+        checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(
+            self.hf_config, "torch_dtype", None
+        )
+        self.dtype = resolve_dtype(config.dtype, checkpoint_dtype, self.device)
         self.runner = ModelRunner(
-            folder, self.hf_config, config.dtype, self.device, config.block_size, self.max_model_len
+            folder, self.hf_config, self.dtype, self.device, config.block_size, self.max_model_len
         )
         num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
             config.max_num_seqs, self.max_model_len

@@ -45,6 +45,20 @@ def choose_decode_backend(device: torch.device, block_size: int) -> str:
     return forced
 
 
+def resolve_dtype(name: str, checkpoint_dtype: Any, device: torch.device) -> str:
+    """The dtype `auto` stands for: float32 on CPU (every CPU runs it at full accuracy); on CUDA
+    the checkpoint's dtype (config.json) if it is 16-bit, else bfloat16, or float16 on a GPU
+    without bfloat16. Any other name is returned as is."""
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "float32"
+    saved = str(checkpoint_dtype).removeprefix("torch.")
+    if saved in ("bfloat16", "float16"):
+        return saved
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -239,12 +253,13 @@ class ModelRunner:
                 row = tables[i, :width].tolist()
                 if row == list(range(row[0], row[0] + width)):
                     first = row[0]
+            mask = decode_mask(ctx, width * bs, self.sliding_window).to(self.device)
             groups.append(
                 DecodeGroup(
                     start=i,
                     size=j - i,
                     block_tables=tables[i:j, :width].contiguous().to(self.device),
-                    mask=decode_mask(ctx, width * bs, self.sliding_window).to(self.device),
+                    mask=mask,
                     first_block=first,
                 )
             )

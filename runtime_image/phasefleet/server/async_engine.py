@@ -214,7 +214,10 @@ class AsyncEngine:
         with self._cond:
             self._shared.stats = engine.stats()
         self.ready = True
-        logger.info("engine ready: %s, max_model_len=%d", engine.model_name, engine.max_model_len)
+        logger.info(
+            "engine ready: %s, %s on %s, linears %s, max_model_len=%d", engine.model_name,
+            engine.dtype, engine.device, engine.runner.model.linear_backend, engine.max_model_len,
+        )  # fmt: skip
         failures = 0
         while True:
             with self._cond:

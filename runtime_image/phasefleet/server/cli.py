@@ -31,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients send as `model` (default: the --model value)",
     )
-    model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16",
+    )
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     model.add_argument("--max-model-len", type=int, default=None, help="tokens, prompt plus output")
 
