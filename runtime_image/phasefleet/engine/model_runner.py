@@ -15,6 +15,7 @@ from phasefleet.engine.attention.metadata import (
     DecodeGroup,
     PrefillSeq,
     decode_mask,
+    mask_to_bias,
 )
 from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.models.llama import KVCache, head_dim
@@ -96,6 +97,8 @@ class ModelRunner:
         )
         self.kv_caches: KVCache = []
         self.decode_backend = choose_decode_backend(device, block_size)
+        # SDPA's CPU kernel is slow for 16-bit one-token queries: decode groups run as matmuls.
+        self.decode_as_matmuls = device.type == "cpu" and self.dtype != torch.float32
         self.graphs: DecodeGraphs | None = None
 
     def block_bytes(self) -> int:
@@ -261,6 +264,7 @@ class ModelRunner:
                     block_tables=tables[i:j, :width].contiguous().to(self.device),
                     mask=mask,
                     first_block=first,
+                    bias=mask_to_bias(mask) if self.decode_as_matmuls else None,
                 )
             )
             i = j

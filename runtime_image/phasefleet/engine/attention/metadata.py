@@ -23,6 +23,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [size, max_blocks] long, padded with the null block
     mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] bool, True = attend
     first_block: int | None = None  # size 1 with consecutive block ids: read a view, no gather
+    # [size, 1, 1, max_blocks * block_size] float32, 0 = attend, -inf = not: set when the group
+    # runs as two matmuls instead of SDPA (CPU, 16-bit dtypes; see torch_paged.py)
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -35,6 +38,13 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]  # the multi-token queries, in batch order after the decodes
     decode_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (paged kernel)
     sliding_window: int | None = None  # tokens a query may look back (Mistral); None: all
+
+
+def mask_to_bias(mask: torch.Tensor) -> torch.Tensor:
+    """bool mask (True = attend) -> float32 additive mask, 0 where True and -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
 
 
 def decode_mask(context_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:

@@ -4,7 +4,9 @@ Keys and values of one layer live in a pool of blocks, k_cache/v_cache: [num_blo
 kv_heads, head_dim]. New keys are scattered into their slots, then each query gathers the blocks
 of its request through its block table and runs scaled_dot_product_attention. Decodes run in
 groups of similar context length, so padding every gather to the longest one in the batch does
-not multiply the bytes copied.
+not multiply the bytes copied. On the CPU, SDPA is slow for bfloat16/float16 one-token queries
+(its flash kernel runs 4-7x longer than float32), so there a group with a `bias` runs as two
+batched matmuls with a float32 softmax instead, the arithmetic of transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -26,6 +28,20 @@ def write_kv(
     """k, v: [T, kv_heads, head_dim] into their slots ([T] long) of the layer's pool."""
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def grouped_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per request as two batched matmuls. q: [n, H, D]; keys, values: [n, Hkv, S, D];
+    bias: [n, 1, 1, S] float32 additive mask -> [n, H, D]. Query head h reads kv head
+    h // (H / Hkv), as in SDPA's enable_gqa."""
+    n, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(n, kv_heads, heads // kv_heads, dim)  # [n, Hkv, G, D]
+    scores = torch.matmul(grouped, keys.contiguous().transpose(-1, -2)).float() * scale + bias
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [n, Hkv, G, S]
+    return torch.matmul(probs, values.contiguous()).reshape(n, heads, dim)
 
 
 def paged_attention(
@@ -65,6 +81,11 @@ def paged_attention(
                 flat = group.block_tables.reshape(-1)
                 keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
                 values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+            if group.bias is not None:
+                out[group.start : end] = grouped_decode_attention(
+                    q[group.start : end], keys, values, group.bias, scale
+                )
+                continue
             o = F.scaled_dot_product_attention(
                 q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
                 keys,
