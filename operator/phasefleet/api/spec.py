@@ -76,7 +76,11 @@ class ModelSpec(ApiModel):
         default=None, ge=16, le=1048576, description="Maximum tokens per sequence (tokens)."
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        default="auto", description="Weight and activation dtype."
+        default="auto",
+        description=(
+            "Weight and activation dtype. auto: on GPU the checkpoint's 16-bit dtype "
+            "(bfloat16 for a float32 checkpoint), on CPU float32."
+        ),
     )
 
     rules = (
