@@ -7,7 +7,7 @@ same work our engine does), at every --hf-batch-sizes value, with batches in arr
 grouped by output length (an oracle: it needs the output lengths in advance); the best of each
 is reported. Then one request alone on each side: decode tokens/s after the first token.
 
-    .venv/bin/python bench/engine_throughput.py --num-requests 24 --hf-batch-sizes 8,24
+    .venv/bin/python bench/engine_throughput.py --num-requests 24 --hf-batch-sizes 4,8,16
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="our engine's batch cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our token budget")
-    p.add_argument("--hf-batch-sizes", default="8,32", help="comma-separated batch sizes")
+    p.add_argument("--hf-batch-sizes", default="4,8,16", help="comma-separated batch sizes")
     p.add_argument("--single-output", type=int, default=64, help="tokens in the 1-request run")
     p.add_argument(
         "--hf-order",
