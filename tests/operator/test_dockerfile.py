@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from pathlib import Path
 
 import yaml
 
 from phasefleet.cli import build_parser
+from tests.dockerfile import instructions as dockerfile_instructions
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "operator" / "Dockerfile"
 
 
 def instructions() -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
+    return dockerfile_instructions(DOCKERFILE)
 
 
 def final_stage() -> list[tuple[str, str]]:

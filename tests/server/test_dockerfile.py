@@ -11,20 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.dockerfile import instructions as dockerfile_instructions
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "runtime_image" / "Dockerfile"
 
 
 def instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
-    joined = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    result = []
-    for line in joined.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keyword, _, rest = line.partition(" ")
-            result.append((keyword.upper(), rest.strip()))
-    return result
+    return dockerfile_instructions(DOCKERFILE)
 
 
 def last(keyword: str) -> str:
