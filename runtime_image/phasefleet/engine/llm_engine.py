@@ -42,9 +42,7 @@ class LLMEngine:
             )
         self.max_model_len: int = config.max_model_len or limit
         self.device = resolve_device(config.device)
-        checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(
-            self.hf_config, "torch_dtype", None
-        )
+        checkpoint_dtype = getattr(self.hf_config, "dtype", None)  # config.json's, may be absent
         self.dtype = resolve_dtype(config.dtype, checkpoint_dtype, self.device)
         self.runner = ModelRunner(
             folder, self.hf_config, self.dtype, self.device, config.block_size, self.max_model_len

@@ -10,10 +10,8 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
@@ -34,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPES,
         help="auto: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16",
     )
-    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    model.add_argument("--device", default="auto", choices=DEVICES)
     model.add_argument("--max-model-len", type=int, default=None, help="tokens, prompt plus output")
 
     engine = parser.add_argument_group("engine")
@@ -79,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from phasefleet.engine.config import EngineConfig
-
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
