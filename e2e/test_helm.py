@@ -25,6 +25,7 @@ from e2e.test_operator_support import (
     is_ready,
     service_account_kubeconfig,
 )
+from phasefleet.api.contract import CHILD_KINDS
 
 KUBE_VERSION = "--kube-version=1.33.0"
 PODMONITOR_CRD = {
@@ -164,8 +165,11 @@ def test_install_namespaced_with_least_privilege(
 
         sa = f"system:serviceaccount:{namespace}:{name}"
         ns = ["-n", watched]
-        assert can_i(cluster, sa, "patch", "deployments.apps", *ns)
-        assert can_i(cluster, sa, "create", "poddisruptionbudgets.policy", *ns)
+        for child in CHILD_KINDS:  # the contract's list of child kinds drives this check
+            resource = f"{child.plural}.{child.group}" if child.group else child.plural
+            for verb in ("get", "list", "watch", "create", "patch", "delete"):
+                assert can_i(cluster, sa, verb, resource, *ns), (verb, resource)
+            assert not can_i(cluster, sa, "patch", resource, "-n", "default"), resource
         assert can_i(cluster, sa, "patch", "inferenceservices.serving.phasefleet.dev/status", *ns)
         assert can_i(cluster, sa, "get", "secrets", *ns)
         assert not can_i(cluster, sa, "list", "secrets", *ns)

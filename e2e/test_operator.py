@@ -25,10 +25,11 @@ from e2e.test_operator_support import (
     is_ready,
     service_account_kubeconfig,
 )
+from phasefleet.api import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-CHILD_KINDS = ("deployment", "service", "poddisruptionbudget")
+CHILD_KINDS = tuple(child.kind.lower() for child in contract.CHILD_KINDS)
 
 
 @pytest.fixture(scope="module")

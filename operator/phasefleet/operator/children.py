@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from phasefleet.api.contract import WORKER_PORT
 from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
 from phasefleet.operator.meta import ROUTER, Owner, child_name, metadata, selector
-from phasefleet.operator.workloads import WORKER_PORT, router_deployment, worker_deployment
+from phasefleet.operator.workloads import router_deployment, worker_deployment
 
 ROUTER_SERVICE_PORT = 80
-
-# (apiVersion, kind) of every child kind, in apply order.
-CHILD_KINDS = (
-    ("v1", "Service"),
-    ("apps/v1", "Deployment"),
-    ("policy/v1", "PodDisruptionBudget"),
-)
 
 
 def endpoint(owner: Owner) -> str:

@@ -15,9 +15,9 @@ from typing import Any, cast
 
 import kopf
 
+from phasefleet.api.contract import CHILD_KINDS, ISVC_LABEL
 from phasefleet.api.crd import GROUP, PLURAL, VERSION
 from phasefleet.operator.kube import Kube, NamespaceTerminating, Rejected, Transient
-from phasefleet.operator.meta import ISVC_LABEL
 from phasefleet.operator.reconcile import (
     PROBLEM_RETRY_SECONDS,
     Blocked,
@@ -27,11 +27,6 @@ from phasefleet.operator.reconcile import (
 )
 
 TRANSIENT_RETRY_SECONDS = 5
-CHILD_RESOURCES = (
-    ("v1", "services"),
-    ("apps", "v1", "deployments"),
-    ("policy", "v1", "poddisruptionbudgets"),
-)
 STORAGE_PREFIX = "phasefleet.dev"
 
 
@@ -119,5 +114,7 @@ def child_event(
         logger.info(message)
 
 
-for _resource in CHILD_RESOURCES:
-    kopf.on.event(*_resource, labels={ISVC_LABEL: kopf.PRESENT})(child_event)
+for _child in CHILD_KINDS:
+    kopf.on.event(_child.group, _child.version, _child.plural, labels={ISVC_LABEL: kopf.PRESENT})(
+        child_event
+    )

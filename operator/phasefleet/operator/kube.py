@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
+from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.crd import GROUP, PLURAL, VERSION
 from phasefleet.operator.meta import FIELD_MANAGER
 
@@ -18,11 +19,12 @@ if TYPE_CHECKING:
 
 # kind -> (API path prefix, plural)
 RESOURCES = {
-    "Service": ("/api/v1", "services"),
+    **{
+        child.kind: ("/api/v1" if not child.group else f"/apis/{child.api_version}", child.plural)
+        for child in CHILD_KINDS
+    },
     "Secret": ("/api/v1", "secrets"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 APPLY = "application/apply-patch+yaml"

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL, ROUTER_ROLE
 from phasefleet.api.crd import API_VERSION, KIND
 
 FIELD_MANAGER = "phasefleet-operator"
-ISVC_LABEL = "phasefleet.dev/inferenceservice"  # on every child and pod: the owner's name
-ROLE_LABEL = "phasefleet.dev/role"  # prefill, decode, worker or router
 SPEC_HASH_ANNOTATION = "phasefleet.dev/spec-hash"  # on pod templates: inputs of the template
-ROUTER = "router"
+ROUTER = ROUTER_ROLE
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.crd import API_VERSION, KIND
 from phasefleet.api.spec import InferenceServiceSpec, parse_spec
-from phasefleet.operator.children import CHILD_KINDS, desired_children, key
+from phasefleet.operator.children import desired_children, key
 from phasefleet.operator.compare import contains
 from phasefleet.operator.kube import Api, Rejected
 from phasefleet.operator.meta import ISVC_LABEL, Owner, is_owned_by
@@ -86,7 +87,7 @@ def preflight(api: Api, owner: Owner, spec: InferenceServiceSpec) -> Problem | N
     return None
 
 
-ALL_KINDS = tuple(kind for _, kind in CHILD_KINDS)
+ALL_KINDS = tuple(child.kind for child in CHILD_KINDS)
 
 
 def live_children(

@@ -7,6 +7,14 @@ import json
 import math
 from typing import Any
 
+from phasefleet.api.contract import (
+    HEALTH_PATH,
+    POOL_ENGINE_ROLE,
+    ROUTER_PORT,
+    WORKER_PORT,
+    RouterFlag,
+    WorkerFlag,
+)
 from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
 from phasefleet.operator.meta import (
     ROUTER,
@@ -18,15 +26,11 @@ from phasefleet.operator.meta import (
     selector,
 )
 
-WORKER_PORT = 8000  # the worker's HTTP port: OpenAI API, /health, /metrics, /internal/*
-ROUTER_PORT = 8000
 MODEL_MOUNT = "/models"  # where a PVC source is mounted, read-only
 CACHE_DIR = "/cache"  # emptyDir: Hugging Face downloads, Triton and inductor caches
 PRESTOP_SLEEP_SECONDS = 5  # endpoints and the router drop the pod before SIGTERM arrives
 DRAIN_MARGIN_SECONDS = 5  # between the worker giving up on requests and SIGKILL
 RUN_AS = 1000  # numeric uid/gid so runAsNonRoot can be checked without the image's passwd
-
-ENGINE_ROLE = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.WORKER: "both"}
 
 POD_SECURITY_CONTEXT = {
     "runAsNonRoot": True,
@@ -73,21 +77,21 @@ def drain_timeout(pool: PoolSpec) -> int:
 def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpec) -> list[str]:
     args = [
         "worker",
-        "--model", model_argument(spec),
-        "--served-model-name", served_name(name, spec),
-        "--role", ENGINE_ROLE[role],
-        "--port", str(WORKER_PORT),
-        "--max-num-batched-tokens", str(pool.max_num_batched_tokens),
-        "--max-num-seqs", str(pool.max_num_seqs),
-        "--block-size", str(spec.runtime.block_size),
-        "--drain-timeout", str(drain_timeout(pool)),
+        WorkerFlag.MODEL, model_argument(spec),
+        WorkerFlag.SERVED_MODEL_NAME, served_name(name, spec),
+        WorkerFlag.ROLE, POOL_ENGINE_ROLE[role.value].value,
+        WorkerFlag.PORT, str(WORKER_PORT),
+        WorkerFlag.MAX_NUM_BATCHED_TOKENS, str(pool.max_num_batched_tokens),
+        WorkerFlag.MAX_NUM_SEQS, str(pool.max_num_seqs),
+        WorkerFlag.BLOCK_SIZE, str(spec.runtime.block_size),
+        WorkerFlag.DRAIN_TIMEOUT, str(drain_timeout(pool)),
     ]  # fmt: skip
     if spec.model.dtype != "auto":
-        args += ["--dtype", spec.model.dtype]
+        args += [WorkerFlag.DTYPE, spec.model.dtype]
     if spec.model.max_model_len is not None:
-        args += ["--max-model-len", str(spec.model.max_model_len)]
+        args += [WorkerFlag.MAX_MODEL_LEN, str(spec.model.max_model_len)]
     if not spec.runtime.enable_prefix_caching:
-        args.append("--no-prefix-caching")
+        args.append(WorkerFlag.NO_PREFIX_CACHING)
     return args + list(spec.runtime.extra_args)
 
 
@@ -129,7 +133,7 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dic
 
 
 def _probes(grace_seconds: int) -> dict[str, Any]:
-    http = {"path": "/health", "port": "http"}
+    http = {"path": HEALTH_PATH, "port": "http"}
     return {
         # Loading weights can take minutes; liveness starts only once this passes.
         "startupProbe": {"httpGet": http, "periodSeconds": 10, "failureThreshold": 90},
@@ -240,12 +244,12 @@ def worker_service_address(owner: Owner, role: Role) -> str:
 def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     args = [
         "router",
-        "--port", str(ROUTER_PORT),
-        "--served-model-name", served_name(owner.name, spec),
-        "--policy", spec.router.policy,
+        RouterFlag.PORT, str(ROUTER_PORT),
+        RouterFlag.SERVED_MODEL_NAME, served_name(owner.name, spec),
+        RouterFlag.POLICY, spec.router.policy,
     ]  # fmt: skip
     for role in spec.pools():
-        args += [f"--{role.value}-service", worker_service_address(owner, role)]
+        args += [RouterFlag.pool_service(role.value), worker_service_address(owner, role)]
     return args
 
 

@@ -11,9 +11,9 @@ import logging
 import sys
 from pathlib import Path
 
+from phasefleet.api.contract import WORKER_PORT, EngineRole, WorkerFlag
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 
-DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
 DEFAULT_DRAIN_TIMEOUT = 25.0  # seconds; under Kubernetes' default 30 s grace period
 GRACEFUL_SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for open connections after a drain
@@ -23,41 +23,45 @@ logger = logging.getLogger("phasefleet.worker")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--model", required=True, help="Hugging Face model folder")
+    model.add_argument(WorkerFlag.MODEL, required=True, help="Hugging Face model folder")
     model.add_argument(
-        "--served-model-name",
+        WorkerFlag.SERVED_MODEL_NAME,
         default=None,
         help="the name clients send as `model` (default: the --model value)",
     )
     model.add_argument(
-        "--dtype",
+        WorkerFlag.DTYPE,
         default="auto",
         choices=DTYPES,
         help="auto: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16",
     )
     model.add_argument("--device", default="auto", choices=DEVICES)
-    model.add_argument("--max-model-len", type=int, default=None, help="tokens, prompt plus output")
+    model.add_argument(
+        WorkerFlag.MAX_MODEL_LEN, type=int, default=None, help="tokens, prompt plus output"
+    )
 
     engine = parser.add_argument_group("engine")
     engine.add_argument(
-        "--role",
-        default="both",
-        choices=("both", "prefill", "decode"),
+        WorkerFlag.ROLE,
+        default=EngineRole.BOTH.value,
+        choices=[role.value for role in EngineRole],
         help="this worker's phase (the `role` label of its metrics)",
     )
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
+    engine.add_argument(WorkerFlag.MAX_NUM_SEQS, type=int, default=64, help="requests in one batch")
     engine.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+        WorkerFlag.MAX_NUM_BATCHED_TOKENS, type=int, default=2048, help="token budget of one step"
     )
     engine.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)"
     )
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument(WorkerFlag.BLOCK_SIZE, type=int, default=16, help="tokens per KV block")
+    engine.add_argument(
+        WorkerFlag.NO_PREFIX_CACHING, action="store_true", help="disable prefix caching"
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
-    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument(WorkerFlag.PORT, type=int, default=WORKER_PORT)
     server.add_argument(
         "--max-queue-len",
         type=int,
@@ -65,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests waiting to be scheduled; more are answered 429 with Retry-After",
     )
     server.add_argument(
-        "--drain-timeout",
+        WorkerFlag.DRAIN_TIMEOUT,
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT,
         help="seconds in-flight requests get to finish after SIGTERM",

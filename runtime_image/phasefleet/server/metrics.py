@@ -20,10 +20,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from phasefleet.api.contract import Metric as M
+
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import EngineStats
 
-LABELS = ("model_name", "role")
+LABELS = M.LABELS
 
 # vLLM's bucket boundaries (seconds) for the same quantities.
 TTFT_BUCKETS = (
@@ -39,25 +41,26 @@ REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
-# name (without prefix) -> (help, EngineStats attribute)
+# name -> (help, EngineStats attribute)
 GAUGES = {
-    "num_requests_running": ("Requests in the running batch.", "num_running"),
-    "num_requests_waiting": ("Requests queued, not yet scheduled.", "num_waiting"),
-    "kv_cache_usage_perc": ("Used KV blocks / all KV blocks, 0..1.", "kv_cache_usage"),
-    "prefill_tokens_pending": (
+    M.NUM_REQUESTS_RUNNING: ("Requests in the running batch.", "num_running"),
+    M.NUM_REQUESTS_WAITING: ("Requests queued, not yet scheduled.", "num_waiting"),
+    M.KV_CACHE_USAGE_PERC: ("Used KV blocks / all KV blocks, 0..1.", "kv_cache_usage"),
+    M.PREFILL_TOKENS_PENDING: (
         "Prompt tokens admitted but not yet prefilled.",
         "prefill_tokens_pending",
     ),
 }
 COUNTERS = {
-    "prompt_tokens": ("Prompt tokens processed.", "prompt_tokens_total"),
-    "generation_tokens": ("Output tokens produced.", "generation_tokens_total"),
-    "num_preemptions": ("Requests preempted (to be recomputed).", "num_preemptions_total"),
-    "prefix_cache_queries": ("Prompt tokens looked up.", "prefix_cache_queries_total"),
-    "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits_total"),
+    M.PROMPT_TOKENS_TOTAL: ("Prompt tokens processed.", "prompt_tokens_total"),
+    M.GENERATION_TOKENS_TOTAL: ("Output tokens produced.", "generation_tokens_total"),
+    M.NUM_PREEMPTIONS_TOTAL: ("Requests preempted (to be recomputed).", "num_preemptions_total"),
+    M.PREFIX_CACHE_QUERIES_TOTAL: ("Prompt tokens looked up.", "prefix_cache_queries_total"),
+    M.PREFIX_CACHE_HITS_TOTAL: (
+        "Prompt tokens found in the prefix cache.",
+        "prefix_cache_hits_total",
+    ),
 }
-
-PREFIX = "phasefleet_"
 
 
 class _EngineStatsCollector(Collector):
@@ -68,11 +71,11 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for name, (doc, attr) in GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
             family.add_metric(self._labels, float(getattr(stats, attr)) if stats else 0.0)
             yield family
         for name, (doc, attr) in COUNTERS.items():
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self._labels, float(getattr(stats, attr)) if stats else 0.0)
             yield counter
 
@@ -84,27 +87,27 @@ class WorkerMetrics:
         labels = [model_name, role]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            family = Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry)
+            family = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
             return family.labels(*labels)
 
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+            M.TIME_TO_FIRST_TOKEN, "Arrival to first token.", TTFT_BUCKETS
         )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
+            M.INTER_TOKEN_LATENCY,
             "Gap between consecutive output tokens (ITL).",
             TOKEN_LATENCY_BUCKETS,
         )
         self.time_per_output_token = histogram(
-            "time_per_output_token_seconds",
+            M.TIME_PER_OUTPUT_TOKEN,
             "Per request: (last - first token time) / (output tokens - 1) (TPOT).",
             TOKEN_LATENCY_BUCKETS,
         )
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_LATENCY_BUCKETS
+            M.E2E_REQUEST_LATENCY, "Arrival to last token.", REQUEST_LATENCY_BUCKETS
         )
         self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
+            M.REQUEST_QUEUE_TIME, "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
         )
         self.registry.register(_EngineStatsCollector(stats, labels))
 

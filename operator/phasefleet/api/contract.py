@@ -1,0 +1,112 @@
+"""The contract between the operator and the runtime, written once and imported by both.
+
+The operator builds pod templates from these names; the worker and router CLIs and the
+worker's metrics are defined with them. Importable without torch, kopf or kubernetes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+WORKER_PORT = 8000  # the worker's HTTP port: OpenAI API, /health, /metrics, /internal/*
+ROUTER_PORT = 8000  # the router's HTTP port: OpenAI API, /health, /metrics
+HEALTH_PATH = "/health"  # 200 when ready for new work; 503 while loading or draining
+METRICS_PATH = "/metrics"  # Prometheus text format
+
+# Labels on every child object and pod of an InferenceService.
+ISVC_LABEL = "phasefleet.dev/inferenceservice"  # the owning InferenceService's name
+ROLE_LABEL = "phasefleet.dev/role"  # the pool: prefill, decode, worker, or router
+
+
+class EngineRole(StrEnum):
+    """A worker's phase: its `--role` and the `role` label of its metrics."""
+
+    BOTH = "both"  # aggregated: prefill and decode in one worker
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ROUTER_ROLE = "router"  # the `role` label of the router's metrics and its pods' role label
+
+# The pool a pod belongs to (its `phasefleet.dev/role` label) -> the engine role it runs.
+POOL_ENGINE_ROLE = {
+    "prefill": EngineRole.PREFILL,
+    "decode": EngineRole.DECODE,
+    "worker": EngineRole.BOTH,
+}
+
+
+class WorkerFlag:
+    """`phasefleet worker` flags the operator sets."""
+
+    MODEL = "--model"
+    SERVED_MODEL_NAME = "--served-model-name"
+    DTYPE = "--dtype"
+    MAX_MODEL_LEN = "--max-model-len"
+    ROLE = "--role"
+    MAX_NUM_SEQS = "--max-num-seqs"
+    MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
+    BLOCK_SIZE = "--block-size"
+    NO_PREFIX_CACHING = "--no-prefix-caching"
+    PORT = "--port"
+    DRAIN_TIMEOUT = "--drain-timeout"
+
+
+class RouterFlag:
+    """`phasefleet router` flags the operator sets."""
+
+    PORT = "--port"
+    SERVED_MODEL_NAME = "--served-model-name"
+    POLICY = "--policy"
+
+    @staticmethod
+    def pool_service(pool: str) -> str:
+        """The flag naming a pool's headless Service, e.g. `--decode-service`."""
+        return f"--{pool}-service"
+
+
+class Metric:
+    """Prometheus names shared by the worker, the router and the autoscaler (DESIGN "Metrics")."""
+
+    PREFIX = "phasefleet_"
+    NUM_REQUESTS_RUNNING = "phasefleet_num_requests_running"
+    NUM_REQUESTS_WAITING = "phasefleet_num_requests_waiting"
+    KV_CACHE_USAGE_PERC = "phasefleet_kv_cache_usage_perc"
+    PREFILL_TOKENS_PENDING = "phasefleet_prefill_tokens_pending"
+    TIME_TO_FIRST_TOKEN = "phasefleet_time_to_first_token_seconds"
+    INTER_TOKEN_LATENCY = "phasefleet_inter_token_latency_seconds"
+    TIME_PER_OUTPUT_TOKEN = "phasefleet_time_per_output_token_seconds"
+    E2E_REQUEST_LATENCY = "phasefleet_e2e_request_latency_seconds"
+    REQUEST_QUEUE_TIME = "phasefleet_request_queue_time_seconds"
+    PROMPT_TOKENS_TOTAL = "phasefleet_prompt_tokens_total"
+    GENERATION_TOKENS_TOTAL = "phasefleet_generation_tokens_total"
+    NUM_PREEMPTIONS_TOTAL = "phasefleet_num_preemptions_total"
+    PREFIX_CACHE_QUERIES_TOTAL = "phasefleet_prefix_cache_queries_total"
+    PREFIX_CACHE_HITS_TOTAL = "phasefleet_prefix_cache_hits_total"
+    LABELS = ("model_name", "role")
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of object the operator creates for an InferenceService."""
+
+    api_version: str  # "v1" or "group/version"
+    kind: str
+    plural: str  # the REST resource name, as RBAC rules and watches name it
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+
+# Every child kind, in apply order: drives apply, watches and the RBAC the chart must grant.
+CHILD_KINDS = (
+    ChildKind("v1", "Service", "services"),
+    ChildKind("apps/v1", "Deployment", "deployments"),
+    ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+)

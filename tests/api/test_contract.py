@@ -1,0 +1,49 @@
+"""The operator/runtime contract: one definition, used by the operator and the worker alike."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from phasefleet.api import contract
+from phasefleet.api.spec import Role
+from phasefleet.operator.kube import RESOURCES
+
+
+def test_contract_imports_without_torch_kopf_or_kubernetes():
+    code = (
+        "import sys, phasefleet.api.contract\n"
+        "heavy = [m for m in ('torch', 'kopf', 'kubernetes', 'transformers') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_every_pool_role_maps_to_an_engine_role():
+    assert set(contract.POOL_ENGINE_ROLE) == {role.value for role in Role}
+    assert contract.POOL_ENGINE_ROLE[Role.WORKER.value] is contract.EngineRole.BOTH
+
+
+def test_child_kinds_have_rest_paths():
+    for child in contract.CHILD_KINDS:
+        prefix, plural = RESOURCES[child.kind]
+        assert plural == child.plural
+        assert prefix.endswith(child.api_version)
+    assert contract.CHILD_KINDS[1].group == "apps"
+    assert contract.CHILD_KINDS[0].group == ""
+
+
+def test_worker_metrics_expose_every_contract_name():
+    from phasefleet.server.metrics import WorkerMetrics
+
+    text = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: None).render().decode()
+    names = [
+        value
+        for attr, value in vars(contract.Metric).items()
+        if attr.isupper() and attr != "PREFIX" and isinstance(value, str)
+    ]
+    assert len(names) == 14
+    for name in names:
+        series = [line for line in text.splitlines() if line.startswith(name)]
+        assert series, name
