@@ -25,10 +25,18 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-def invalid_cases() -> list[tuple[str, dict[str, Any], str]]:
-    """(name, spec, field the error must name) for every invalid case."""
+def invalid_cases() -> list[tuple[str, str, dict[str, Any], str]]:
+    """(case, metadata.name, spec, field the error must name) for every invalid case."""
     data = yaml.safe_load(INVALID_CASES.read_text())
-    return [(c["name"], merge_patch(data["base"], c["patch"]), c["field"]) for c in data["cases"]]
+    return [
+        (
+            c["name"],
+            c.get("metadataName", c["name"]),
+            merge_patch(data["base"], c["patch"]),
+            c["field"],
+        )
+        for c in data["cases"]
+    ]
 
 
 def example_services() -> list[tuple[str, dict[str, Any]]]:

@@ -2,22 +2,62 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from phasefleet.api.names import (
+    CHILD_SUFFIXES,
+    MAX_NAME_LENGTH,
+    InvalidService,
+    name_problem,
+    validate_service,
+)
 from phasefleet.api.spec import InferenceServiceSpec, Mode, Role, parse_spec
 from tests.api.cases import example_services, invalid_cases
 
 
-@pytest.mark.parametrize(("name", "spec", "field"), invalid_cases(), ids=lambda v: str(v)[:40])
-def test_invalid_spec_is_rejected_naming_the_field(name: str, spec: dict[str, Any], field: str):
-    with pytest.raises(ValidationError) as info:
-        parse_spec(spec)
+@pytest.mark.parametrize(
+    ("case", "name", "spec", "field"), invalid_cases(), ids=lambda v: str(v)[:40]
+)
+def test_invalid_service_is_rejected_naming_the_field(
+    case: str, name: str, spec: dict[str, Any], field: str
+):
+    with pytest.raises(InvalidService) as info:
+        validate_service(name, spec)
     text = str(info.value)
+    if field.startswith("metadata."):
+        assert field in text and name in text, f"{case}: error does not name {field}: {text}"
     for part in field.removeprefix("spec.").split("."):
-        assert part in text, f"{name}: error does not name {field}: {text}"
+        assert part in text, f"{case}: error does not name {field}: {text}"
+
+
+@pytest.mark.parametrize("name", ["llama-3-1-8b", "a", "x" * MAX_NAME_LENGTH, "m2"])
+def test_names_whose_children_are_valid_service_names_are_accepted(name: str):
+    assert name_problem(name) is None
+    for suffix in CHILD_SUFFIXES:
+        child = name + suffix
+        assert len(child) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", child), child
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "Llama", "8b-model", "x" * (MAX_NAME_LENGTH + 1)])
+def test_names_that_make_invalid_children_are_rejected_saying_why(name: str):
+    problem = name_problem(name)
+    assert problem is not None and "Service" in problem and repr(name) in problem
+
+
+def test_runtime_env_may_set_other_variables():
+    spec = parse_spec(
+        {
+            "model": {"image": {"path": "/m"}},
+            "prefill": {},
+            "decode": {},
+            "runtime": {"env": [{"name": "LOG_LEVEL", "value": "debug"}]},
+        }
+    )
+    assert spec.runtime.env[0].name == "LOG_LEVEL"
 
 
 @pytest.mark.parametrize(("filename", "obj"), example_services(), ids=lambda v: str(v)[:30])

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from phasefleet.api.names import NAME_RULES
 from phasefleet.api.spec import InferenceServiceSpec
 from phasefleet.api.status import InferenceServiceStatus
 
@@ -89,14 +90,6 @@ def _schema(model: type[InferenceServiceSpec] | type[InferenceServiceStatus]) ->
     return structural(raw, raw.get("$defs", {}))
 
 
-# Children are named <name>-prefill and so on; Service names must stay <= 63 characters.
-MAX_NAME_LENGTH = 55
-NAME_RULE = {
-    "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-    "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters"
-    " (children are named <name>-prefill, <name>-decode, ...)",
-}
-
 _POOL_READY = "Ready replicas / desired replicas"
 
 PRINTER_COLUMNS = [
@@ -155,7 +148,7 @@ def build_crd() -> dict[str, Any]:
                                 "prefill and decode pools behind a router."
                             ),
                             "required": ["spec"],
-                            "x-kubernetes-validations": [NAME_RULE],
+                            "x-kubernetes-validations": [r.to_schema() for r in NAME_RULES],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

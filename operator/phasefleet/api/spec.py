@@ -95,10 +95,24 @@ class ModelSpec(ApiModel):
         return "pvc" if self.pvc else "image" if self.image else "hf"
 
 
+# Variables the operator sets in the worker containers itself; spec.runtime.env may not set
+# them (a second entry with the same name would silently win or lose).
+OPERATOR_ENV = (
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "POD_NAME",
+    "HF_REVISION",
+    "HF_TOKEN",
+)
+
+
 class EnvVar(ApiModel):
     """An environment variable for the worker containers."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256)
     value: str | None = None
     value_from: FreeForm | None = Field(default=None, description="As in a core/v1 EnvVar.")
 
@@ -113,6 +127,23 @@ class RuntimeSpec(ApiModel):
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV of shared prefixes.")
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="Appended to `phasefleet worker`."
+    )
+
+    rules = (
+        Rule(
+            cel=(
+                "!has(self.env) || self.env.all(e, !(e.name in ["
+                + ", ".join(f"'{n}'" for n in OPERATOR_ENV)
+                + "]))"
+            ),
+            message=(
+                f"spec.runtime.env may not set {', '.join(OPERATOR_ENV)}: the operator sets them"
+                " (HF_TOKEN comes from spec.model.hf.tokenSecret, HF_REVISION from"
+                " spec.model.hf.revision, the cache folders are emptyDirs it mounts)"
+            ),
+            check=lambda r: not any(e.name in OPERATOR_ENV for e in r.env),
+            field_path=".env",
+        ),
     )
 
 
