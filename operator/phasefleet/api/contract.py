@@ -67,7 +67,7 @@ class RouterFlag:
 
 
 class Metric:
-    """Prometheus names shared by the worker, the router and the autoscaler (DESIGN "Metrics")."""
+    """Prometheus names of the worker, the router and the autoscaler (docs/architecture.md)."""
 
     PREFIX = "phasefleet_"
     NUM_REQUESTS_RUNNING = "phasefleet_num_requests_running"

@@ -1,4 +1,4 @@
-"""The worker's Prometheus metrics: names, meanings and buckets from DESIGN.md "Metrics".
+"""The worker's Prometheus metrics: names, meanings and buckets as in docs/architecture.md.
 
 Gauges and counters are read from the engine's latest stats at scrape time (the engine keeps the
 running totals); latency histograms are observed by the server as each request's tokens arrive.
