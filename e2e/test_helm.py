@@ -97,7 +97,7 @@ def test_watched_namespaces_get_roles_not_a_cluster_role(cluster: ControlPlane) 
     assert "--log-level=debug" in container["args"]
 
 
-def test_secrets_rule_can_be_dropped(cluster: ControlPlane) -> None:
+def test_reading_secrets_is_opt_in(cluster: ControlPlane) -> None:
     def resources(*args: str) -> list[str]:
         (role,) = [
             d for d in render(cluster, *args)
@@ -105,8 +105,29 @@ def test_secrets_rule_can_be_dropped(cluster: ControlPlane) -> None:
         ]  # fmt: skip
         return [r for rule in role["rules"] for r in rule["resources"]]
 
-    assert "secrets" in resources()
-    assert "secrets" not in resources("--set", "rbac.readSecrets=false")
+    assert "secrets" not in resources()
+    assert "pods" in resources()  # a missing token Secret is read from the pods' state instead
+    assert "secrets" in resources("--set", "rbac.readSecrets=true")
+
+
+def test_rights_never_go_to_the_default_service_account(cluster: ControlPlane) -> None:
+    for bad in (["serviceAccount.create=false"], ["serviceAccount.name=default"]):
+        args = [a for b in bad for a in ("--set", b)]
+        result = cluster.helm("template", "t", str(CHART), KUBE_VERSION, *args, check=False)
+        assert result.returncode != 0, bad
+    result = cluster.helm(
+        "template", "t", str(CHART), KUBE_VERSION, "--set", "serviceAccount.create=false",
+        check=False,
+    )  # fmt: skip
+    assert "never binds rights to the namespace's default ServiceAccount" in result.stderr
+    docs = render(
+        cluster, "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"
+    )
+    assert "ServiceAccount" not in kinds(docs)
+    for binding in (d for d in docs if d["kind"].endswith("Binding")):
+        assert [s["name"] for s in binding["subjects"]] == ["ops"]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
 def test_podmonitor_only_when_the_api_exists(cluster: ControlPlane) -> None:
@@ -171,8 +192,10 @@ def test_install_namespaced_with_least_privilege(
                 assert can_i(cluster, sa, verb, resource, *ns), (verb, resource)
             assert not can_i(cluster, sa, "patch", resource, "-n", "default"), resource
         assert can_i(cluster, sa, "patch", "inferenceservices.serving.phasefleet.dev/status", *ns)
-        assert can_i(cluster, sa, "get", "secrets", *ns)
+        assert not can_i(cluster, sa, "get", "secrets", *ns)
         assert not can_i(cluster, sa, "list", "secrets", *ns)
+        assert can_i(cluster, sa, "list", "pods", *ns)
+        assert not can_i(cluster, sa, "list", "pods", "-n", "default")
         assert not can_i(cluster, sa, "update", "deployments.apps", *ns)
         assert not can_i(cluster, sa, "delete", "inferenceservices.serving.phasefleet.dev", *ns)
         assert not can_i(cluster, sa, "create", "pods", *ns)

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 from phasefleet.operator.compare import contains
+from phasefleet.operator.kube import Rejected
 
 
 def _merge(live: Any, desired: Any) -> Any:
@@ -21,6 +22,10 @@ class FakeApi:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) of each change
+        self.applies: list[tuple[str, str]] = []  # (kind, name) of every apply call
+        self.refuse: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, name) -> HTTP error
+        self.events: list[dict[str, Any]] = []
+        self.refuse_gets: set[str] = set()  # kinds the operator may not read (RBAC)
         self._version = 0
 
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -36,6 +41,8 @@ class FakeApi:
         return obj
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        if kind in self.refuse_gets:
+            raise Rejected(f"GET {kind}/{name}", 403, f"{kind.lower()}s is forbidden")
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
@@ -49,6 +56,10 @@ class FakeApi:
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         k = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.applies.append((obj["kind"], obj["metadata"]["name"]))
+        if (obj["kind"], obj["metadata"]["name"]) in self.refuse:
+            code, message = self.refuse[(obj["kind"], obj["metadata"]["name"])]
+            raise Rejected(f"PATCH {obj['kind']}/{obj['metadata']['name']}", code, message)
         live = self.objects.get(k)
         if live is not None and contains(live, obj):
             return copy.deepcopy(live)
@@ -72,6 +83,9 @@ class FakeApi:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         if self.objects.pop((kind, namespace, name), None) is not None:
             self.writes.append(("delete", kind, name))
+
+    def create_event(self, event: dict[str, Any]) -> None:
+        self.events.append(copy.deepcopy(event))
 
     def set_ready(self, namespace: str) -> None:
         """What the Deployment controller and kubelets would do: every pod up to date, ready."""

@@ -78,3 +78,17 @@ def test_errors_map_to_retry_or_reject(status: int, body: str, error: type[Excep
     obj = {"kind": "Service", "metadata": {"name": "s", "namespace": "ns"}}
     with pytest.raises(error):
         kube(FakeClient(status=status, body=body)).apply(obj)
+
+
+def test_rejection_carries_the_status_message_not_the_raw_body():
+    body = (
+        '{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Service'
+        ' \\"a.b-prefill\\" is invalid: metadata.name: Invalid value","reason":"Invalid",'
+        '"code":422}'
+    )
+    obj = {"kind": "Service", "metadata": {"name": "a.b-prefill", "namespace": "ns"}}
+    with pytest.raises(Rejected) as info:
+        kube(FakeClient(status=422, body=body)).apply(obj)
+    assert info.value.code == 422
+    assert info.value.message == 'Service "a.b-prefill" is invalid: metadata.name: Invalid value'
+    assert "kind" not in str(info.value) and "Failure" not in str(info.value)

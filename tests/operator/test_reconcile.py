@@ -101,18 +101,30 @@ def test_invalid_spec_is_permanent():
         reconcile(api, body, NOW)
 
 
-def test_mode_change_prunes_the_old_pools():
+def test_mode_change_keeps_the_old_pools_serving_until_the_new_one_is_ready():
     api, body = setup()
     reconcile(api, body, NOW)
+    api.set_ready(NAMESPACE)
     body = fresh(api)
     body["spec"] = {"model": body["spec"]["model"], "mode": "aggregated", "worker": {"replicas": 1}}
     body["metadata"]["generation"] = 2
+    api.objects[("InferenceService", NAMESPACE, "llm")] = body
     outcome = reconcile(api, body, LATER)
-    assert (
-        "Deployment/llm-prefill" in outcome.deleted and "Deployment/llm-decode" in outcome.deleted
-    )
+    assert outcome.deleted == []
+    names = {name for kind, _, name in api.objects if kind == "Deployment"}
+    assert names == {"llm-prefill", "llm-decode", "llm-worker", "llm-router"}
+    progressing = condition(fresh(api), "Progressing")
+    assert progressing["status"] == "True"
+    assert "old pools decode, prefill keep serving until worker" in progressing["message"]
+    assert fresh(api)["status"]["observedGeneration"] == 2
+
+    api.set_ready(NAMESPACE)  # the worker pool's pods come up; its Deployment's event arrives
+    synced = sync_child(api, api.get("Deployment", NAMESPACE, "llm-worker") or {}, LATER)
+    assert synced is not None and synced.applied == []
+    assert "Deployment/llm-prefill" in synced.deleted and "Deployment/llm-decode" in synced.deleted
     names = {name for kind, _, name in api.objects if kind == "Deployment"}
     assert names == {"llm-worker", "llm-router"}
+    assert condition(fresh(api), "Ready")["status"] == "True"
 
 
 def test_spec_change_changes_the_pod_template():
@@ -135,13 +147,13 @@ def test_child_drift_is_restored_and_deleted_child_recreated():
     reconcile(api, body, NOW)
     dep = api.objects[("Deployment", NAMESPACE, "llm-decode")]
     dep["spec"]["replicas"] = 7
-    outcome = sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, False, LATER)
+    outcome = sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, LATER)
     assert outcome is not None and outcome.applied == ["Deployment/llm-decode"]
     assert api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] == 2
 
     svc = api.get("Service", NAMESPACE, "llm-router") or {}
     api.delete("Service", NAMESPACE, "llm-router")
-    outcome = sync_child(api, svc, True, LATER)
+    outcome = sync_child(api, svc, LATER)
     assert outcome is not None and outcome.applied == ["Service/llm-router"]
     assert ("Service", NAMESPACE, "llm-router") in api.objects
 
@@ -150,12 +162,13 @@ def test_child_event_with_nothing_changed_writes_nothing():
     api, body = setup()
     reconcile(api, body, NOW)
     api.writes.clear()
+    api.applies.clear()
     for (kind, _, name), _obj in list(api.objects.items()):
         if kind != "InferenceService":
             child = api.get(kind, NAMESPACE, name) or {}
-            outcome = sync_child(api, child, False, LATER)
+            outcome = sync_child(api, child, LATER)
             assert outcome is not None and outcome.applied == []
-    assert api.writes == []
+    assert api.writes == [] and api.applies == []
 
 
 def test_child_of_a_deleted_owner_is_left_alone():
@@ -163,7 +176,7 @@ def test_child_of_a_deleted_owner_is_left_alone():
     reconcile(api, body, NOW)
     child = api.get("Deployment", NAMESPACE, "llm-decode") or {}
     api.delete("InferenceService", NAMESPACE, "llm")
-    assert sync_child(api, child, True, LATER) is None
+    assert sync_child(api, child, LATER) is None
 
 
 def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds():
@@ -172,10 +185,126 @@ def test_autoscaled_pool_keeps_the_autoscalers_replicas_within_bounds():
     )
     reconcile(api, body, NOW)
     api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] = 3  # the autoscaler
-    outcome = sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, False, LATER)
+    outcome = sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, LATER)
     assert outcome is not None and outcome.applied == []
     reconcile(api, fresh(api), LATER)
     assert api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] == 3
     api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] = 10
     reconcile(api, fresh(api), LATER)
     assert api.objects[("Deployment", NAMESPACE, "llm-decode")]["spec"]["replicas"] == 4
+
+
+REFUSED = (
+    'Service "llm-prefill" is invalid: spec.ports[0].port: Invalid value: 0:'
+    " must be between 1 and 65535, inclusive"
+)
+
+
+def test_a_generation_whose_child_was_refused_is_neither_observed_nor_ready():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    api.set_ready(NAMESPACE)
+    reconcile(api, fresh(api), NOW)
+    assert condition(fresh(api), "Ready")["status"] == "True"
+
+    body = fresh(api)
+    body["spec"]["decode"]["maxNumSeqs"] = 8
+    body["metadata"]["generation"] = 2
+    api.objects[("InferenceService", NAMESPACE, "llm")] = body
+    api.refuse[("Deployment", "llm-decode")] = (422, REFUSED)
+    with pytest.raises(Blocked) as info:
+        reconcile(api, body, LATER)
+    status = fresh(api)["status"]
+    assert status["observedGeneration"] == 1
+    ready, degraded = condition(fresh(api), "Ready"), condition(fresh(api), "Degraded")
+    assert ready["status"] == "False" and ready["reason"] == "ChildRejected"
+    assert degraded["status"] == "True" and degraded["message"] == info.value.problem.message
+    message = degraded["message"]
+    assert message.startswith("The API server refused Deployment team-a/llm-decode (")
+    assert "must be between 1 and 65535" in message and "change InferenceService" in message
+    assert "HTTP" not in message and "{" not in message and "\n" not in message
+
+    # Deployment events keep arriving (the old pods are still running): they change nothing.
+    api.writes.clear()
+    for name in ("llm-prefill", "llm-decode", "llm-router"):
+        assert sync_child(api, api.get("Deployment", NAMESPACE, name) or {}, LATER) is None
+    assert api.writes == []
+    assert condition(fresh(api), "Degraded")["message"] == message
+
+    del api.refuse[("Deployment", "llm-decode")]  # the kopf handler's retry succeeds
+    reconcile(api, fresh(api), LATER)
+    assert fresh(api)["status"]["observedGeneration"] == 2
+    assert condition(fresh(api), "Degraded")["status"] == "False"
+
+
+def test_refusal_after_the_generation_was_observed_is_kept_by_child_events():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    api.objects[("Service", NAMESPACE, "llm-router")]["spec"]["ports"] = []  # a hand edit
+    api.refuse[("Service", "llm-router")] = (403, "services is forbidden: User cannot patch")
+    for _ in range(2):  # every event runs the one reconcile pass, which fails the same way
+        with pytest.raises(Blocked, match="grant the operator's ServiceAccount"):
+            sync_child(api, api.get("Deployment", NAMESPACE, "llm-decode") or {}, LATER)
+        degraded = condition(fresh(api), "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "ChildRejected"
+
+
+def test_a_pool_scaled_to_zero_on_purpose_is_ready():
+    api, body = setup(prefill={"replicas": 0})
+    reconcile(api, body, NOW)
+    api.set_ready(NAMESPACE)
+    reconcile(api, fresh(api), LATER)
+    ready = condition(fresh(api), "Ready")
+    assert ready["status"] == "True" and "prefill scaled to 0" in ready["message"]
+    assert fresh(api)["status"]["prefillReady"] == "0/0"
+
+
+def test_a_pod_that_cannot_start_is_reported_with_the_fix():
+    api, body = setup(
+        model={"hf": {"repoId": "o/m", "tokenSecret": {"name": "hf", "key": "token"}}}
+    )
+    api.refuse_gets = {"Secret"}
+    reconcile(api, body, NOW)
+    api.add(
+        {
+            "kind": "Pod",
+            "metadata": {
+                "name": "llm-decode-7d9-x2",
+                "namespace": NAMESPACE,
+                "labels": {
+                    "phasefleet.dev/inferenceservice": "llm",
+                    "phasefleet.dev/role": "decode",
+                },
+            },
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "state": {
+                            "waiting": {
+                                "reason": "CreateContainerConfigError",
+                                "message": 'secret "hf" not found',
+                            }
+                        },
+                    }
+                ]
+            },
+        }
+    )
+    reconcile(api, fresh(api), LATER)
+    degraded = condition(fresh(api), "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "PodCannotStart"
+    assert degraded["message"] == (
+        "Pod team-a/llm-decode-7d9-x2 (decode) cannot start (CreateContainerConfigError:"
+        ' secret "hf" not found); create the Secret or ConfigMap it names'
+        " (spec.model.hf.tokenSecret, spec.runtime.env), or change the spec"
+    )
+    assert condition(fresh(api), "Ready")["reason"] == "PodsNotReady"
+    assert fresh(api)["status"]["observedGeneration"] == 1
+
+
+def test_invalid_name_is_permanent_and_says_why():
+    api, body = setup()
+    body["metadata"]["name"] = "llama-3.1-8b"
+    with pytest.raises(InvalidSpec, match="no dots"):
+        reconcile(api, body, NOW)

@@ -19,12 +19,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/*
+The operator's ServiceAccount. Never the namespace's `default` one: the chart's RBAC would
+then also go to every pod in the namespace that runs without a ServiceAccount of its own.
+*/}}
 {{- define "phasefleet.serviceAccountName" -}}
+{{- $name := .Values.serviceAccount.name -}}
 {{- if .Values.serviceAccount.create -}}
-{{- default (include "phasefleet.fullname" .) .Values.serviceAccount.name -}}
-{{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- $name = default (include "phasefleet.fullname" .) $name -}}
+{{- else if empty $name -}}
+{{- fail "serviceAccount.name is required when serviceAccount.create is false: name an existing ServiceAccount for the operator (the chart never binds rights to the namespace's default ServiceAccount)" -}}
 {{- end -}}
+{{- if eq $name "default" -}}
+{{- fail "serviceAccount.name may not be \"default\": the chart's RBAC would go to every pod in the namespace that has no ServiceAccount of its own; pick another name" -}}
+{{- end -}}
+{{- $name -}}
 {{- end -}}
 
 {{/*
@@ -58,8 +67,13 @@ Roles. docs/operator.md explains each rule.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get]
+# Read why a pool's pods cannot start (e.g. a missing token Secret), by label, for status.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
 {{- if .Values.rbac.readSecrets }}
-# Check that the Hugging Face token Secret and key exist (get by name only; no list/watch).
+# Opt-in: check that the Hugging Face token Secret and key exist before creating pods (get by
+# name only; no list/watch). With a ClusterRole this is every Secret in the cluster.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]

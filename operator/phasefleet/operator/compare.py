@@ -23,3 +23,8 @@ def contains(live: Any, desired: Any) -> bool:
     if isinstance(desired, bool) or isinstance(live, bool):
         return desired is live
     return str(live) == str(desired)
+
+
+def in_sync(live: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """Whether applying `desired` over `live` would change nothing the operator owns."""
+    return contains(live, desired)

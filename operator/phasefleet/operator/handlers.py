@@ -22,6 +22,7 @@ from phasefleet.operator.reconcile import (
     PROBLEM_RETRY_SECONDS,
     Blocked,
     InvalidSpec,
+    one_at_a_time,
     reconcile,
     sync_child,
 )
@@ -70,15 +71,16 @@ def reconcile_service(
 ) -> None:
     started = time.monotonic()
     try:
-        outcome = reconcile(memo.api, plain(body), _now())
+        with one_at_a_time(body.metadata.namespace or "", body.metadata.name or ""):
+            outcome = reconcile(memo.api, plain(body), _now())
     except InvalidSpec as exc:
         kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc)[:1024])
         raise kopf.PermanentError(str(exc)) from exc
     except Blocked as exc:
         kopf.event(body, type="Warning", reason=exc.problem.reason, message=exc.problem.message)
         raise kopf.TemporaryError(exc.problem.message, delay=PROBLEM_RETRY_SECONDS) from exc
-    except Rejected as exc:
-        kopf.event(body, type="Warning", reason="ChildRejected", message=str(exc)[:1024])
+    except Rejected as exc:  # not a child: e.g. the status subresource, or a forbidden list
+        kopf.event(body, type="Warning", reason="RequestRejected", message=str(exc)[:1024])
         raise kopf.TemporaryError(str(exc), delay=PROBLEM_RETRY_SECONDS) from exc
     except Transient as exc:
         raise kopf.TemporaryError(str(exc), delay=TRANSIENT_RETRY_SECONDS) from exc
@@ -95,23 +97,28 @@ def reconcile_service(
 def child_event(
     body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
+    owner = (body.metadata.labels or {}).get(ISVC_LABEL, "")
     try:
-        outcome = sync_child(memo.api, plain(body), type == "DELETED", _now())
+        with one_at_a_time(body.metadata.namespace or "", owner):
+            outcome = sync_child(memo.api, plain(body), _now())
     except NamespaceTerminating:
         return  # children go with their namespace; nothing to restore
+    except (InvalidSpec, Blocked):
+        return  # written to the owner's status by the pass; its own handler retries
     except (Transient, Rejected) as exc:
         # Event handlers are not retried; the next event or the owner's handler catches up.
         logger.warning("could not sync %s: %s", body.get("kind"), exc)
         return
-    if outcome is not None and outcome.applied and outcome.parent is not None:
+    if outcome is None or outcome.parent is None:
+        return
+    parent = kopf.Body(cast(Any, outcome.parent))
+    if outcome.applied:
         message = f"restored {', '.join(outcome.applied)} (edited or deleted outside the operator)"
-        kopf.event(
-            kopf.Body(cast(Any, outcome.parent)),
-            type="Normal",
-            reason="DriftCorrected",
-            message=message,
-        )
+        kopf.event(parent, type="Normal", reason="DriftCorrected", message=message)
         logger.info(message)
+    if outcome.deleted:
+        message = f"deleted {', '.join(outcome.deleted)}: the pools replacing them are ready"
+        kopf.event(parent, type="Normal", reason="Updated", message=message)
 
 
 for _child in CHILD_KINDS:

@@ -8,6 +8,7 @@ the generated typed methods of this client version cannot send. Errors become tw
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phasefleet.api.contract import CHILD_KINDS
@@ -24,6 +25,7 @@ RESOURCES = {
         for child in CHILD_KINDS
     },
     "Secret": ("/api/v1", "secrets"),
+    "Pod": ("/api/v1", "pods"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
@@ -31,11 +33,21 @@ APPLY = "application/apply-patch+yaml"
 RETRYABLE = {409, 429, 500, 502, 503, 504}
 
 
-class Transient(Exception):
+class ApiError(Exception):
+    """An API server error, with its Status message instead of the raw HTTP body."""
+
+    def __init__(self, request: str, code: int, message: str) -> None:
+        super().__init__(f"{request}: HTTP {code}: {message}")
+        self.request = request  # "PATCH /apis/apps/v1/namespaces/ns/deployments/x"
+        self.code = code  # HTTP status
+        self.message = message  # the Status object's message: what the API server objected to
+
+
+class Transient(ApiError):
     """The API server could not do it now (conflict, throttling, unavailable)."""
 
 
-class Rejected(Exception):
+class Rejected(ApiError):
     """The API server refused the request (invalid object, forbidden)."""
 
 
@@ -55,6 +67,19 @@ class Api(Protocol):
     def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]: ...
 
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
+
+    def create_event(self, event: dict[str, Any]) -> None: ...
+
+
+def status_message(exc: Any) -> str:
+    """The `message` of the metav1.Status an API error carries (its reason if there is none)."""
+    try:
+        status = json.loads(exc.body or "")
+    except ValueError:
+        status = None
+    if isinstance(status, dict) and status.get("message"):
+        return str(status["message"])
+    return str(exc.reason or "no reason given")
 
 
 def _path(kind: str, namespace: str, name: str | None = None) -> str:
@@ -108,14 +133,14 @@ class Kube:
         except ApiException as exc:
             if exc.status == 404:
                 raise
-            what = f"{method} {path}: HTTP {exc.status} {exc.reason}: {exc.body}"
-            if exc.status in RETRYABLE:
-                raise Transient(what) from exc
-            if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
-                raise NamespaceTerminating(what) from exc
-            raise Rejected(what) from exc
+            request, code, message = f"{method} {path}", int(exc.status), status_message(exc)
+            if code in RETRYABLE:
+                raise Transient(request, code, message) from exc
+            if code == 403 and "NamespaceTerminating" in str(exc.body):
+                raise NamespaceTerminating(request, code, message) from exc
+            raise Rejected(request, code, message) from exc
         except (OSError, HTTPError) as exc:  # connection refused or reset, timeouts
-            raise Transient(f"{method} {path}: {exc}") from exc
+            raise Transient(f"{method} {path}", 0, str(exc)) from exc
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         from kubernetes.client.exceptions import ApiException
@@ -153,3 +178,7 @@ class Kube:
             self._call(
                 "DELETE", _path(kind, namespace, name), body={"propagationPolicy": "Background"}
             )
+
+    def create_event(self, event: dict[str, Any]) -> None:
+        path = f"/api/v1/namespaces/{event['metadata']['namespace']}/events"
+        self._call("POST", path, body=event)

@@ -1,26 +1,48 @@
-"""One reconcile pass over an InferenceService, and the cheaper pass for one child's event.
+"""One reconcile pass over an InferenceService: the only path that writes children or status.
 
 Plain functions over `kube.Api`, so tests drive them with an in-memory fake. The kopf
-handlers map the exceptions here onto kopf's retry taxonomy.
+handlers map the exceptions here onto kopf's retry taxonomy. A child's event runs the same
+pass over its owner (`sync_child`), so an event can never report a state the owner's own
+reconcile would not, and `one_at_a_time` keeps two passes over one owner from interleaving.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.crd import API_VERSION, KIND
-from phasefleet.api.spec import InferenceServiceSpec, parse_spec
+from phasefleet.api.names import InvalidService, validate_service
+from phasefleet.api.spec import InferenceServiceSpec
 from phasefleet.operator.children import desired_children, key
-from phasefleet.operator.compare import contains
+from phasefleet.operator.compare import in_sync
 from phasefleet.operator.kube import Api, Rejected
-from phasefleet.operator.meta import ISVC_LABEL, Owner, is_owned_by
-from phasefleet.operator.status import Problem, compute_status, status_changed
+from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, Owner, child_name, is_owned_by
+from phasefleet.operator.status import (
+    MAX_CAUSE,
+    Problem,
+    compute_status,
+    pool_ready,
+    status_changed,
+)
 
-PROBLEM_RETRY_SECONDS = 20  # how soon a missing PVC or Secret is looked for again
+PROBLEM_RETRY_SECONDS = 20  # how soon a missing PVC or Secret, or a rejected child, is retried
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def one_at_a_time(namespace: str, name: str) -> Iterator[None]:
+    """Serialises reconcile passes over one InferenceService (handlers run in threads)."""
+    with _locks_guard:
+        lock = _locks.setdefault((namespace, name), threading.Lock())
+    with lock:
+        yield
 
 
 class InvalidSpec(Exception):
@@ -28,7 +50,7 @@ class InvalidSpec(Exception):
 
 
 class Blocked(Exception):
-    """A referenced object is missing; reported in status and retried."""
+    """A referenced object is missing or a child was refused; reported in status and retried."""
 
     def __init__(self, problem: Problem) -> None:
         super().__init__(problem.message)
@@ -48,11 +70,29 @@ def _ref(obj: dict[str, Any]) -> str:
 
 
 def parse(body: dict[str, Any]) -> InferenceServiceSpec:
+    meta = body["metadata"]
     try:
-        return parse_spec(dict(body.get("spec") or {}))
-    except ValidationError as exc:
-        name = body["metadata"]["name"]
-        raise InvalidSpec(f"InferenceService {name}: invalid spec: {exc}") from exc
+        return validate_service(meta["name"], dict(body.get("spec") or {}))
+    except InvalidService as exc:
+        where = f"InferenceService {meta.get('namespace')}/{meta['name']}"
+        raise InvalidSpec(f"{where} is invalid, change it: {exc}") from exc
+
+
+def rejected_problem(owner: Owner, obj: dict[str, Any], exc: Rejected) -> Problem:
+    """A child the API server refused, as one sentence: the child, the cause, the fix."""
+    ref = f"{obj['kind']} {owner.namespace}/{obj['metadata']['name']}"
+    cause = " ".join(exc.message.split())[:MAX_CAUSE]
+    if exc.code in (401, 403):
+        fix = (
+            "grant the operator's ServiceAccount this right (the chart's RBAC, and"
+            f" watchNamespaces must include {owner.namespace})"
+        )
+    else:
+        fix = (
+            f"change InferenceService {owner.namespace}/{owner.name} so this child is valid;"
+            f" the operator retries every {PROBLEM_RETRY_SECONDS} s"
+        )
+    return Problem("ChildRejected", f"The API server refused {ref} ({cause}); {fix}")
 
 
 def preflight(api: Api, owner: Owner, spec: InferenceServiceSpec) -> Problem | None:
@@ -106,6 +146,15 @@ def _deployments(live: dict[tuple[str, str], dict[str, Any]]) -> dict[str, dict[
     return {name: obj for (kind, name), obj in live.items() if kind == "Deployment"}
 
 
+def _pods(api: Api, owner: Owner, deployments: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The service's pods, read only while some Deployment has fewer ready pods than wanted."""
+    short = any(
+        int((d.get("status") or {}).get("readyReplicas") or 0) < int(d["spec"].get("replicas") or 0)
+        for d in deployments.values()
+    )
+    return api.list("Pod", owner.namespace, f"{ISVC_LABEL}={owner.name}") if short else []
+
+
 def write_status(
     api: Api,
     body: dict[str, Any],
@@ -113,12 +162,20 @@ def write_status(
     deployments: dict[str, dict[str, Any]],
     now: str,
     problem: Problem | None = None,
+    retiring: tuple[str, ...] = (),
 ) -> bool:
-    """Applies the operator's status fields if they changed; True when it wrote."""
+    """Applies the operator's status fields if they changed; True when it wrote.
+
+    With a `problem`, this generation's children were not all applied: it is not observed.
+    """
     owner = Owner.from_body(body)
     previous = dict(body.get("status") or {})
     generation = int(body["metadata"].get("generation") or 0)
-    status = compute_status(owner, generation, spec, deployments, previous, now, problem)
+    pods = _pods(api, owner, deployments) if problem is None else []
+    status = compute_status(
+        owner, generation, spec, deployments, previous, now, problem,
+        applied=problem is None, retiring=retiring, pods=pods,
+    )  # fmt: skip
     if not status_changed(status, previous):
         return False
     api.apply_status(
@@ -133,9 +190,12 @@ def write_status(
 
 
 def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
-    """Applies every child, deletes children no longer wanted, writes status.
+    """Applies the children that differ from the spec, retires unwanted ones, writes status.
 
-    Raises InvalidSpec, Blocked (after writing a Degraded status), kube.Transient, kube.Rejected.
+    Children already holding what the spec asks for are not applied again. Children no
+    longer wanted (the old pools after a mode switch) are deleted once every new pool is
+    ready, so the service keeps serving meanwhile. Raises InvalidSpec, Blocked (after writing
+    a Degraded status that leaves the generation unobserved), kube.Transient, kube.Rejected.
     """
     owner = Owner.from_body(body)
     spec = parse(body)
@@ -146,62 +206,59 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
         write_status(api, body, spec, deployments, now, problem)
         raise Blocked(problem)
 
-    outcome = Outcome()
+    outcome = Outcome(parent=body)
     live_replicas = {name: int(d["spec"].get("replicas") or 0) for name, d in deployments.items()}
     desired = desired_children(owner, spec, live_replicas)
     for obj in desired:
         before = live.get(key(obj))
+        if before is not None and in_sync(before, obj):
+            continue
         try:
             after = api.apply(obj)
         except Rejected as exc:
-            problem = Problem("ChildRejected", f"{_ref(obj)} was rejected; check the spec: {exc}")
+            problem = rejected_problem(owner, obj, exc)
             write_status(api, body, spec, deployments, now, problem)
-            raise
+            raise Blocked(problem) from exc
         version = after["metadata"].get("resourceVersion")
         if before is None or before["metadata"].get("resourceVersion") != version:
             outcome.applied.append(_ref(obj))
         if obj["kind"] == "Deployment":
             deployments[obj["metadata"]["name"]] = after
+
     wanted = {key(obj) for obj in desired}
-    for (kind, name), obj in live.items():
-        if (kind, name) not in wanted:
+    unwanted = {k: obj for k, obj in live.items() if k not in wanted}
+    new_pools = [deployments.get(child_name(owner.name, role.value)) for role in spec.pools()]
+    retiring: tuple[str, ...] = ()
+    if unwanted and not all(pool_ready(d) for d in new_pools):
+        roles = {
+            (o["metadata"].get("labels") or {}).get(ROLE_LABEL, "?") for o in unwanted.values()
+        }
+        retiring = tuple(sorted(roles))
+    else:
+        for (kind, name), obj in unwanted.items():
             api.delete(kind, owner.namespace, name)
             if kind == "Deployment":
                 deployments.pop(name, None)
             outcome.deleted.append(_ref(obj))
-    outcome.status_written = write_status(api, body, spec, deployments, now)
+    outcome.status_written = write_status(api, body, spec, deployments, now, retiring=retiring)
     return outcome
 
 
-def sync_child(api: Api, child: dict[str, Any], deleted: bool, now: str) -> Outcome | None:
-    """After an event on one child: restore it if it drifted or was deleted, refresh status.
+def sync_child(api: Api, child: dict[str, Any], now: str) -> Outcome | None:
+    """After an event on one child: the owner's reconcile pass, if this generation is settled.
 
-    Returns None when the child's owner is gone, being deleted, or not ours to manage.
+    Returns None when the owner is gone, being deleted, not the child's controller, or its
+    current generation is still with its own handler (not yet observed: being applied, or
+    retried after a problem). Otherwise the Outcome's `applied` lists what drifted.
     """
     meta = child["metadata"]
-    parent = api.get(KIND, meta["namespace"], meta["labels"][ISVC_LABEL])
+    name = (meta.get("labels") or {}).get(ISVC_LABEL)
+    parent = api.get(KIND, meta["namespace"], name) if name else None
     if parent is None or parent["metadata"].get("deletionTimestamp"):
         return None
-    owner = Owner.from_body(parent)
-    if not is_owned_by(child, owner):
+    if not is_owned_by(child, Owner.from_body(parent)):
         return None
-    try:
-        spec = parse(parent)
-    except InvalidSpec:
-        return None  # the InferenceService's own handler reports it
-    if preflight(api, owner, spec) is not None:
-        return None  # the InferenceService's own handler reports and retries it
-
-    outcome = Outcome(parent=parent)
-    live_replicas = {} if deleted else {meta["name"]: int(child["spec"].get("replicas") or 0)}
-    wanted = {key(o): o for o in desired_children(owner, spec, live_replicas)}
-    desired = wanted.get(key(child))
-    if desired is None:
-        return outcome  # no longer wanted: the next full reconcile deletes it
-    if deleted or not contains(child, desired):
-        api.apply(desired)
-        outcome.applied.append(_ref(desired))
-    if child["kind"] == "Deployment":
-        deployments = _deployments(live_children(api, owner, ("Deployment",)))
-        outcome.status_written = write_status(api, parent, spec, deployments, now)
-    return outcome
+    observed = (parent.get("status") or {}).get("observedGeneration")
+    if observed != parent["metadata"].get("generation"):
+        return None
+    return reconcile(api, parent, now)

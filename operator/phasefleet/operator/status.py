@@ -15,10 +15,24 @@ from phasefleet.api.spec import InferenceServiceSpec, Role
 from phasefleet.api.status import DEGRADED, PROGRESSING, READY
 from phasefleet.operator.children import endpoint
 from phasefleet.operator.compare import contains
-from phasefleet.operator.meta import ROUTER, Owner, child_name
+from phasefleet.operator.meta import ROLE_LABEL, ROUTER, Owner, child_name
 
 OWNED_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 STUCK_REASONS = {"ProgressDeadlineExceeded", "ReplicaFailure"}
+MAX_CAUSE = 300  # characters of an API server or kubelet message quoted in a condition
+
+# Why a container cannot start (kubelet's waiting reasons), and what the user can do about it.
+POD_FIXES = {
+    "CreateContainerConfigError": (
+        "create the Secret or ConfigMap it names (spec.model.hf.tokenSecret, spec.runtime.env),"
+        " or change the spec"
+    ),
+    "CreateContainerError": "check spec.runtime.env and spec.runtime.extraArgs",
+    "ErrImagePull": "check spec.runtime.image and the node's pull access",
+    "ImagePullBackOff": "check spec.runtime.image and the node's pull access",
+    "InvalidImageName": "fix spec.runtime.image",
+    "CrashLoopBackOff": "read the pod's log (kubectl logs --previous) for the engine's error",
+}
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,33 @@ class Problem:
 
     reason: str  # CamelCase, e.g. ModelVolumeMissing
     message: str  # names the object and the fix
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 3] + "..."
+
+
+def pod_problem(pods: list[dict[str, Any]]) -> Problem | None:
+    """The first pod whose container cannot start, as a Problem naming the pod and the fix.
+
+    This is how a missing token Secret shows up when the operator may not read Secrets: the
+    kubelet reports CreateContainerConfigError with `secret "NAME" not found`.
+    """
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        meta, status = pod["metadata"], pod.get("status") or {}
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            fix = POD_FIXES.get(waiting.get("reason", ""))
+            if fix is None:
+                continue
+            role = (meta.get("labels") or {}).get(ROLE_LABEL, "?")
+            cause = _cut(f"{waiting['reason']}: {waiting.get('message') or 'no message'}")
+            return Problem(
+                "PodCannotStart",
+                f"Pod {meta['namespace']}/{meta['name']} ({role}) cannot start ({cause}); {fix}",
+            )
+    return None
 
 
 def _pool(deployment: dict[str, Any] | None) -> dict[str, int]:
@@ -48,6 +89,14 @@ def _rolled_out(deployment: dict[str, Any]) -> bool:
         and int(status.get("updatedReplicas") or 0) >= desired
         and int(status.get("replicas") or 0) == desired
     )
+
+
+def pool_ready(deployment: dict[str, Any] | None) -> bool:
+    """A Deployment rolled out to its current template with every wanted pod ready."""
+    if deployment is None:
+        return False
+    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    return _rolled_out(deployment) and ready >= int(deployment["spec"].get("replicas") or 0)
 
 
 def _stuck(deployment: dict[str, Any]) -> str | None:
@@ -77,11 +126,17 @@ def compute_status(
     previous: dict[str, Any],
     now: str,
     problem: Problem | None = None,
+    applied: bool = True,
+    retiring: tuple[str, ...] = (),
+    pods: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status fields (camelCase), ready to apply to the status subresource.
 
     `deployments` maps Deployment name -> live object; `previous` is the live status, used to
-    keep lastTransitionTime when a condition's status did not change.
+    keep lastTransitionTime when a condition's status did not change. `applied` is False when
+    this generation's children could not all be applied (`problem` says why): the generation
+    is then neither observed nor Ready. `retiring` names old pools kept serving until the new
+    ones are ready (a mode switch); `pods` are the service's pods, read when a pool is short.
     """
     roles = [r.value for r in spec.pools()] + [ROUTER]
     pools = {role: _pool(deployments.get(child_name(owner.name, role))) for role in roles}
@@ -93,14 +148,22 @@ def compute_status(
         if dep is None:
             missing.append(role)
             continue
-        if p["desiredReplicas"] == 0 or p["readyReplicas"] < p["desiredReplicas"]:
+        # A pool scaled to 0 is what its owner asked for, not a pool that is failing.
+        if p["readyReplicas"] < p["desiredReplicas"]:
             not_ready.append(f"{role} {p['readyReplicas']}/{p['desiredReplicas']} ready")
         if not _rolled_out(dep):
             rolling.append(role)
         if (why := _stuck(dep)) is not None:
-            stuck.append(f"{role}: {why}")
+            stuck.append(
+                f"Deployment {owner.namespace}/{dep['metadata']['name']} ({role}) stopped"
+                f" progressing ({_cut(why)}); kubectl describe its pods for the cause"
+            )
 
-    if problem is not None:
+    if problem is None and not_ready and pods:
+        problem = pod_problem(pods)
+    scaled_to_zero = [r for r in roles if r not in missing and pools[r]["desiredReplicas"] == 0]
+
+    if problem is not None and not applied:
         ready = _condition(READY, False, problem.reason, problem.message, generation)
     elif missing:
         ready = _condition(
@@ -109,17 +172,24 @@ def compute_status(
     elif not_ready:
         ready = _condition(READY, False, "PodsNotReady", "; ".join(not_ready), generation)
     else:
+        zero = f" ({', '.join(scaled_to_zero)} scaled to 0)" if scaled_to_zero else ""
         ready = _condition(
-            READY, True, "AllPodsReady", "all pools and the router are ready", generation
+            READY, True, "AllPodsReady", f"all pools and the router are ready{zero}", generation
         )
 
+    moving = rolling + missing
+    if retiring:
+        message = (
+            f"old pools {', '.join(retiring)} keep serving until"
+            f" {', '.join(r for r in roles if r != ROUTER)} are ready"
+        )
+    else:
+        message = f"rolling out: {', '.join(moving)}" if moving else "rollout complete"
     progressing = _condition(
         PROGRESSING,
-        bool(rolling or missing) and problem is None,
-        "RollingOut" if rolling or missing else "Complete",
-        f"rolling out: {', '.join(rolling + missing)}"
-        if rolling or missing
-        else "rollout complete",
+        bool(moving or retiring) and applied,
+        "RollingOut" if moving or retiring else "Complete",
+        message,
         generation,
     )
     if problem is not None:
@@ -141,8 +211,9 @@ def compute_status(
         return f"{pools[role]['readyReplicas']}/{pools[role]['desiredReplicas']}"
 
     worker = Role.WORKER.value
+    observed = generation if applied else previous.get("observedGeneration")
     return {
-        "observedGeneration": generation,
+        **({"observedGeneration": observed} if observed is not None else {}),
         "conditions": conditions,
         "pools": pools,
         "prefillReady": summary(worker if worker in pools else Role.PREFILL.value),
