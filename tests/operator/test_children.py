@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from phasefleet.api.spec import Role
+from phasefleet.api.spec import OPERATOR_ENV, Role
 from phasefleet.operator.children import desired_children, endpoint, key, pool_replicas
 from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, SPEC_HASH_ANNOTATION
 from phasefleet.operator.workloads import worker_deployment
@@ -78,8 +79,13 @@ def test_worker_pod_template():
     )
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[name]["timeoutSeconds"] >= 1, name
     live = container["livenessProbe"]
-    assert live["periodSeconds"] * live["failureThreshold"] > 90  # outlasts a drain
+    assert live["periodSeconds"] * live["failureThreshold"] == 30  # not stretched by the grace
+    startup = container["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert dep["spec"]["progressDeadlineSeconds"] > budget  # a slow load is not "stuck"
     assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
     assert pod["terminationGracePeriodSeconds"] == 90
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -101,6 +107,7 @@ def test_security_context_is_locked_down():
             continue
         pod = _pod(child)
         assert pod["securityContext"]["runAsNonRoot"] is True
+        assert "runAsUser" not in pod["securityContext"]  # the image's own user
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         (container,) = pod["containers"]
         sc = container["securityContext"]
@@ -200,3 +207,54 @@ def test_worker_args_parse_with_the_worker_cli():
     aggregated = make_spec(mode="aggregated", prefill=None, decode=None, worker={})
     dep = worker_deployment(make_owner(), aggregated, Role.WORKER, replicas=1)
     assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"
+
+
+def test_engine_image_user_satisfies_run_as_non_root():
+    """Pods set runAsNonRoot and no uid, so the image's USER must be numeric and not root."""
+    from tests.dockerfile import instructions
+
+    steps = instructions(Path(__file__).resolve().parents[2] / "runtime_image" / "Dockerfile")
+    user = [rest for word, rest in steps if word == "USER"][-1]
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, user
+
+
+def test_disruption_budgets_let_unhealthy_pods_be_evicted():
+    for child in desired_children(make_owner(), make_spec()):
+        if child["kind"] == "PodDisruptionBudget":
+            assert child["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+            assert child["spec"]["maxUnavailable"] == 1
+
+
+def test_gpu_pools_roll_without_a_spare_gpu_by_default():
+    gpu = {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+
+    def strategy(**pool: Any) -> dict[str, Any]:
+        spec = make_spec(decode={**gpu, **pool}, prefill={"replicas": 1})
+        dep = worker_deployment(make_owner(), spec, Role.DECODE, 2)
+        return dep["spec"]["strategy"]["rollingUpdate"]
+
+    assert strategy() == {"maxSurge": 0, "maxUnavailable": 1}
+    assert strategy(maxSurge=1) == {"maxSurge": 1, "maxUnavailable": 0}
+    assert strategy(maxSurge=1, maxUnavailable=1) == {"maxSurge": 1, "maxUnavailable": 1}
+    assert strategy(maxUnavailable=0) == {"maxSurge": 1, "maxUnavailable": 0}
+    cpu = worker_deployment(make_owner(), make_spec(), Role.PREFILL, 1)
+    assert cpu["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_rollout_settings_do_not_roll_the_pods():
+    def digest(**pool: Any) -> str:
+        dep = worker_deployment(make_owner(), make_spec(decode=pool), Role.DECODE, 1)
+        return dep["spec"]["template"]["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+
+    assert digest(replicas=1) == digest(replicas=1, maxSurge=2, maxUnavailable=1)
+
+
+def test_runtime_env_cannot_shadow_the_operators_variables():
+    spec = make_spec(
+        model={"hf": {"repoId": "o/m", "revision": "v1", "tokenSecret": {"name": "s"}}}
+    )
+    env = worker_deployment(make_owner(), spec, Role.DECODE, 1)["spec"]["template"]["spec"][
+        "containers"
+    ][0]["env"]
+    assert {e["name"] for e in env} == set(OPERATOR_ENV)  # every one the CRD forbids to users

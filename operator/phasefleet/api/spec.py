@@ -176,6 +176,10 @@ def pool_gpus(pool: PoolSpec | None) -> int:
     return int(value) if _whole(value) else 0
 
 
+def _can_roll(surge: int | None, unavailable: int | None) -> bool:
+    return surge is None or unavailable is None or surge + unavailable >= 1
+
+
 def _cel_pool_gpus(pool: str) -> str:
     limit = f"self.{pool}.resources.limits['{GPU_RESOURCE}']"
     return (
@@ -207,6 +211,24 @@ class PoolSpec(ApiModel):
     termination_grace_period_seconds: int = Field(
         default=60, ge=0, le=3600, description="Drain time before a worker is killed (seconds)."
     )
+    max_surge: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description=(
+            "Extra pods a rollout may start (default: 0 for GPU pools, so a full cluster can"
+            " roll; 1 otherwise)."
+        ),
+    )
+    max_unavailable: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description=(
+            "Pods a rollout may take down before their replacements are ready (default: 1 for"
+            " GPU pools, 0 otherwise)."
+        ),
+    )
 
     rules = (
         Rule(
@@ -231,7 +253,30 @@ class PoolSpec(ApiModel):
             check=lambda p: _whole(p.resources.limits.get(GPU_RESOURCE, 0)),
             field_path=".resources.limits",
         ),
+        Rule(
+            cel="!has(self.maxSurge) || !has(self.maxUnavailable)"
+            " || self.maxSurge + self.maxUnavailable >= 1",
+            message="maxSurge and maxUnavailable may not both be 0: a rollout could never start",
+            check=lambda p: _can_roll(p.max_surge, p.max_unavailable),
+            field_path=".maxUnavailable",
+        ),
     )
+
+    def rollout(self) -> tuple[int, int]:
+        """(maxSurge, maxUnavailable) for the Deployment.
+
+        A GPU pool replaces pods in place by default (0, 1): surging needs a spare GPU, and on
+        a full cluster the surge pod would stay Pending and stall the rollout for good.
+        """
+        default = (0, 1) if pool_gpus(self) > 0 else (1, 0)
+        surge, unavailable = self.max_surge, self.max_unavailable
+        if surge is None and unavailable is None:
+            return default
+        if surge is None:
+            return (0 if unavailable else 1), int(unavailable or 0)
+        if unavailable is None:
+            return surge, (0 if surge else 1)
+        return surge, unavailable
 
     @property
     def min_size(self) -> int:

@@ -56,12 +56,20 @@ def router_service(owner: Owner) -> dict[str, Any]:
 
 
 def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
-    """At most one pod of a pool is evicted at a time (node drains, upgrades)."""
+    """At most one healthy pod of a pool is evicted at a time (node drains, upgrades).
+
+    Pods that are not ready (crash-looping, never started) may always be evicted: they serve
+    nothing, and counting them would block a node drain for good.
+    """
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(owner, child_name(owner.name, role), role),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name, role)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": selector(owner.name, role)},
+        },
     }
 
 

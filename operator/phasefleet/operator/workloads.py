@@ -30,13 +30,19 @@ MODEL_MOUNT = "/models"  # where a PVC source is mounted, read-only
 CACHE_DIR = "/cache"  # emptyDir: Hugging Face downloads, Triton and inductor caches
 PRESTOP_SLEEP_SECONDS = 5  # endpoints and the router drop the pod before SIGTERM arrives
 DRAIN_MARGIN_SECONDS = 5  # between the worker giving up on requests and SIGKILL
-RUN_AS = 1000  # numeric uid/gid so runAsNonRoot can be checked without the image's passwd
+WORKER_STARTUP_SECONDS = 900  # weights may take minutes to download and load
+ROUTER_STARTUP_SECONDS = 60
+IMAGE_PULL_SECONDS = 600  # allowance for pulling a CUDA-sized image before the startup probe
+PROBE_PERIOD_SECONDS = 10  # startup and liveness
+PROBE_TIMEOUT_SECONDS = 5  # an engine busy with a long step still answers /health within this
+READINESS_PERIOD_SECONDS = 5
+READINESS_TIMEOUT_SECONDS = 3
+ROUTER_GRACE_SECONDS = 30
 
+# Runs as the image's own user (runtime_image/Dockerfile: USER 10001:10001, numeric so the
+# kubelet can check runAsNonRoot); setting a uid here would have to be kept in step with it.
 POD_SECURITY_CONTEXT = {
     "runAsNonRoot": True,
-    "runAsUser": RUN_AS,
-    "runAsGroup": RUN_AS,
-    "fsGroup": RUN_AS,
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY_CONTEXT = {
@@ -132,19 +138,45 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dic
     return volumes, mounts
 
 
-def _probes(grace_seconds: int) -> dict[str, Any]:
-    http = {"path": HEALTH_PATH, "port": "http"}
+# Each probe's path: all are HEALTH_PATH until the worker serves a separate liveness endpoint.
+STARTUP_PATH = READINESS_PATH = LIVENESS_PATH = HEALTH_PATH
+
+
+def _probes(startup_seconds: int) -> dict[str, Any]:
+    """Startup, readiness and liveness probes, each with an explicit timeout.
+
+    Liveness starts once the startup probe passes and is not stretched by the grace period:
+    the kubelet stops liveness probes once a pod is terminating, so a draining worker (503 on
+    /health) is never restarted; a wedged one is restarted after 3 x 10 s.
+    """
+
+    def probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": path, "port": "http"},
+            "periodSeconds": period,
+            "timeoutSeconds": timeout,
+            "failureThreshold": failures,
+        }
+
+    startup_failures = math.ceil(startup_seconds / PROBE_PERIOD_SECONDS)
     return {
-        # Loading weights can take minutes; liveness starts only once this passes.
-        "startupProbe": {"httpGet": http, "periodSeconds": 10, "failureThreshold": 90},
-        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 2},
-        # /health is 503 while draining: liveness must outlast the grace period.
-        "livenessProbe": {
-            "httpGet": http,
-            "periodSeconds": 10,
-            "failureThreshold": max(3, math.ceil(grace_seconds / 10) + 1),
-        },
+        "startupProbe": probe(
+            STARTUP_PATH, PROBE_PERIOD_SECONDS, PROBE_TIMEOUT_SECONDS, startup_failures
+        ),
+        "readinessProbe": probe(
+            READINESS_PATH, READINESS_PERIOD_SECONDS, READINESS_TIMEOUT_SECONDS, 2
+        ),
+        "livenessProbe": probe(LIVENESS_PATH, PROBE_PERIOD_SECONDS, PROBE_TIMEOUT_SECONDS, 3),
     }
+
+
+def progress_deadline(startup_seconds: int) -> int:
+    """Seconds before a rollout counts as stuck: an image pull plus the whole startup budget.
+
+    Kubernetes' default (600 s) is shorter than a worker's startup probe allows, so a slow
+    but healthy model load would be reported as ProgressDeadlineExceeded.
+    """
+    return IMAGE_PULL_SECONDS + startup_seconds
 
 
 def _pod_template(
@@ -179,7 +211,14 @@ def _pod_template(
     }
 
 
-def _deployment(owner: Owner, role: str, replicas: int, template: dict[str, Any]) -> dict[str, Any]:
+def _deployment(
+    owner: Owner,
+    role: str,
+    replicas: int,
+    template: dict[str, Any],
+    rollout: tuple[int, int],
+    startup_seconds: int,
+) -> dict[str, Any]:
     name = child_name(owner.name, role)
     meta = metadata(owner, name, role)
     meta["annotations"] = {
@@ -192,9 +231,10 @@ def _deployment(owner: Owner, role: str, replicas: int, template: dict[str, Any]
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector(owner.name, role)},
+            "progressDeadlineSeconds": progress_deadline(startup_seconds),
             "strategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                "rollingUpdate": {"maxSurge": rollout[0], "maxUnavailable": rollout[1]},
             },
             "template": template,
         },
@@ -218,7 +258,7 @@ def worker_deployment(
         "resources": {k: v for k, v in resources.items() if v},
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        **_probes(pool.termination_grace_period_seconds),
+        **_probes(WORKER_STARTUP_SECONDS),
     }
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
@@ -230,10 +270,14 @@ def worker_deployment(
         pod_spec["tolerations"] = [t.to_wire() for t in pool.tolerations]
     if pool.affinity:
         pod_spec["affinity"] = pool.affinity
-    pool_inputs = pool.model_dump(exclude={"replicas", "min_replicas", "max_replicas"})
+    pool_inputs = pool.model_dump(
+        exclude={"replicas", "min_replicas", "max_replicas", "max_surge", "max_unavailable"}
+    )
     digest = spec_hash(spec.model.model_dump(), spec.runtime.model_dump(), pool_inputs)
     template = _pod_template(owner, role.value, container, pod_spec, digest, WORKER_PORT)
-    return _deployment(owner, role.value, replicas, template)
+    return _deployment(
+        owner, role.value, replicas, template, pool.rollout(), WORKER_STARTUP_SECONDS
+    )
 
 
 def worker_service_address(owner: Owner, role: Role) -> str:
@@ -267,9 +311,14 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any
         },
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        **_probes(30),
+        **_probes(ROUTER_STARTUP_SECONDS),
     }
-    pod_spec = {"terminationGracePeriodSeconds": 30, "volumes": [{"name": "tmp", "emptyDir": {}}]}
+    pod_spec = {
+        "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
     digest = spec_hash(container)
     template = _pod_template(owner, ROUTER, container, pod_spec, digest, ROUTER_PORT)
-    return _deployment(owner, ROUTER, spec.router.replicas, template)
+    return _deployment(
+        owner, ROUTER, spec.router.replicas, template, (1, 0), ROUTER_STARTUP_SECONDS
+    )
