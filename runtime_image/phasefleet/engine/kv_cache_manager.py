@@ -28,6 +28,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}  # request_id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request_id -> leading blocks already cached
+        self.held: dict[str, list[int]] = {}  # request_id -> blocks kept after a hand-off
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -102,6 +103,22 @@ class KVCacheManager:
         self._num_registered.pop(request.request_id, None)
         if table is not None:
             self.pool.free(list(reversed(table)))
+
+    def hold(self, request: Request) -> list[int]:
+        """Keep a finished request's blocks (referenced, cached blocks still shared) until
+        `release`; the prefill side of a hand-off."""
+        table = self.block_tables.pop(request.request_id)
+        self._num_registered.pop(request.request_id, None)
+        self.held[request.request_id] = table
+        return table
+
+    def release(self, request_id: str) -> bool:
+        """Free blocks kept by `hold`; False when none are held for the id."""
+        table = self.held.pop(request_id, None)
+        if table is None:
+            return False
+        self.pool.free(list(reversed(table)))
+        return True
 
     def forget(self, request: Request) -> None:
         """Drop the request's cached hashes once it is finished for good."""

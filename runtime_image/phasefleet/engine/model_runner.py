@@ -4,6 +4,7 @@ batched tensors, runs the forward pass and samples."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from phasefleet.engine.attention.metadata import (
     mask_to_bias,
 )
 from phasefleet.engine.cuda_graphs import DecodeGraphs
+from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.sampler import SamplingRow, sample
@@ -125,6 +127,33 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+
+    def kv_layout(self) -> KVLayout:
+        dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype)
+
+    @torch.inference_mode()
+    def read_kv(self, block_ids: list[int]) -> Iterator[memoryview]:
+        """The blocks' KV as raw bytes, layer-major (kv_transfer's wire order), one layer's keys
+        or values per chunk. The caller keeps the blocks from being reused meanwhile."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for keys, values in self.kv_caches:
+            for cache in (keys, values):
+                chunk = cache.index_select(0, index).cpu()  # [n, block_size, kv_heads, head_dim]
+                yield chunk.view(torch.uint8).numpy().data.cast("B")
+
+    @torch.inference_mode()
+    def write_kv(self, block_ids: list[int], payload: torch.Tensor, first_block: int = 0) -> None:
+        """Loads a pulled payload (uint8, wire order, covering `len(block_ids)` blocks from block
+        `first_block` of the sender's list on) into our blocks."""
+        n = len(block_ids)
+        shape = (self.num_layers, 2, -1, self.block_size, self.num_kv_heads, self.head_dim)
+        blocks = payload.view(self.dtype).view(shape)  # [layers, k/v, sent blocks, bs, H, D]
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, (keys, values) in enumerate(self.kv_caches):
+            for which, cache in enumerate((keys, values)):
+                part = blocks[layer, which, first_block : first_block + n]
+                cache.index_copy_(0, index, part.to(self.device, non_blocking=True))
 
     def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> None:
         """Run decode-only steps of up to max_batch requests through fixed-shape buffers, captured

@@ -29,8 +29,12 @@ class Request:
     first_scheduled_time: float | None = None
     """time.monotonic() of the first admission."""
     finish_reason: str | None = None
-    """'stop' | 'length' | 'abort' once finished."""
+    """'stop' | 'length' | 'abort' | 'error' once finished."""
     num_preemptions: int = 0
+    prefill_only: bool = False
+    """Prefill role: finish with 'handoff' after the first token, its KV blocks held."""
+    num_imported_tokens: int = 0
+    """Decode role: prompt tokens whose KV came with the request (loaded at admission)."""
 
     @property
     def num_prompt_tokens(self) -> int:

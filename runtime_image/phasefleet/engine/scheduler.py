@@ -34,6 +34,9 @@ class SchedulerOutput:
     num_batched_tokens: int  # sum of num_tokens over scheduled, <= max_num_batched_tokens
     preempted: list[str] = field(default_factory=list)  # ids evicted this step (recompute later)
     admitted: list[str] = field(default_factory=list)  # ids admitted from waiting this step
+    # (request, first block to load) for admitted requests whose KV came with them: the engine
+    # loads it into those blocks before the forward pass (earlier blocks were prefix-cache hits)
+    imports: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -115,13 +118,15 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.admit(req, hit)
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = hit.num_tokens
+            req.num_computed_tokens = max(hit.num_tokens, req.num_imported_tokens)
+            if req.num_imported_tokens > hit.num_tokens:
+                out.imports.append((req, len(hit.block_ids)))
             self.prefix_cache_queries_total += req.num_tokens
             self.prefix_cache_hits_total += hit.num_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
                 req.num_cached_tokens = hit.num_tokens
-                self.prompt_tokens_total += req.num_prompt_tokens
+                self.prompt_tokens_total += req.num_prompt_tokens - req.num_imported_tokens
             self.running.append(req)
             out.admitted.append(req.request_id)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -158,6 +163,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.num_imported_tokens = 0  # the imported KV went with the blocks: recompute it
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
@@ -191,17 +197,22 @@ class Scheduler:
             return "stop"
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
+        if req.prefill_only:
+            return "handoff"
         return None
 
     def finish_request(self, request_id: str, reason: str) -> Request | None:
-        """Finish a request wherever it is (stop string, abort); frees its blocks. Unknown id:
-        None."""
+        """Finish a request wherever it is (stop string, abort); frees its blocks, or holds them
+        for a 'handoff' (see KVCacheManager.hold). Unknown id: None."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.free(req)
+            if reason == "handoff":
+                self.kv.hold(req)
+            else:
+                self.kv.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

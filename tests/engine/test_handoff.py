@@ -1,0 +1,162 @@
+"""The KV hand-off's engine parts: held blocks on the prefill side, imported KV on the decode
+side, leases, and the wire layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from phasefleet.engine.kv_transfer import KVLayout, LeaseTable
+from phasefleet.engine.request import Request, RequestStatus
+from phasefleet.engine.scheduler import Scheduler
+from tests.engine.factories import make_requests, make_scheduler
+
+
+def run_to_finish(sched: Scheduler) -> list[Request]:
+    """Steps until every request is finished, sampling tokens 7000, 7001, ..."""
+    tokens = iter(range(7000, 8000))
+    finished = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sampled = {s.request.request_id: next(tokens) for s in out.scheduled if s.sample}
+        finished += [r for r in sched.update_from_output(out, sampled) if r.is_finished]
+    return finished
+
+
+def test_prefill_only_request_finishes_with_handoff_and_keeps_its_blocks() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    (req,) = make_requests(1, 10, max_tokens=16)
+    req.prefill_only = True
+    sched.add_request(req)
+    (done,) = run_to_finish(sched)
+    assert done.finish_reason == "handoff"
+    assert len(done.output_token_ids) == 1
+    held = sched.kv.held[req.request_id]
+    assert len(held) == 3  # 10 prompt tokens + 1 output token in blocks of 4
+    free_before = sched.kv.pool.num_free_blocks
+    assert sched.kv.release(req.request_id)
+    assert sched.kv.pool.num_free_blocks == free_before + 3
+    assert not sched.kv.release(req.request_id)
+
+
+def test_prefill_only_request_that_ends_naturally_frees_its_blocks() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    (req,) = make_requests(1, 10, max_tokens=1)  # its whole answer is the first token
+    req.prefill_only = True
+    sched.add_request(req)
+    (done,) = run_to_finish(sched)
+    assert done.finish_reason == "length"
+    assert sched.kv.held == {}
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
+def test_imported_prompt_is_not_recomputed_and_its_blocks_are_loaded() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    (req,) = make_requests(1, 10, max_tokens=4)
+    req.output_token_ids = [555]  # the first token, sampled by the prefill worker
+    req.num_imported_tokens = 10
+    sched.add_request(req)
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert (s.start, s.num_tokens, s.sample) == (10, 1, True)  # only the first token's KV
+    assert out.imports == [(req, 0)]
+    assert sched.prompt_tokens_total == 0  # prefilled elsewhere
+
+
+def test_import_skips_blocks_the_prefix_cache_already_has() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    (first,) = make_requests(1, 10, max_tokens=1)
+    sched.add_request(first)
+    run_to_finish(sched)  # caches the first two full blocks of this prompt
+    (again,) = make_requests(1, 10, max_tokens=4, prefix="again")
+    again.output_token_ids = [555]
+    again.num_imported_tokens = 10
+    sched.add_request(again)
+    out = sched.schedule()
+    assert out.imports == [(again, 2)]  # blocks 0 and 1 are hits; load from block 2 on
+
+
+def test_preempted_import_recomputes_its_prompt() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    (req,) = make_requests(1, 10, max_tokens=4)
+    req.output_token_ids = [555]
+    req.num_imported_tokens = 10
+    sched.add_request(req)
+    sched.schedule()
+    sched._preempt(req)
+    assert req.status is RequestStatus.WAITING
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert (s.start, s.num_tokens) == (0, 11)  # prompt + first token, computed here
+    assert out.imports == []
+
+
+def test_leases_expire_on_the_injected_clock_but_not_under_a_reader() -> None:
+    now = [100.0]
+    table = LeaseTable(duration=30.0, clock=lambda: now[0])
+    table.add("a", [1, 2], 7)
+    table.add("b", [3], 2)
+    lease = table.pin("a")
+    assert lease is not None and lease.block_ids == [1, 2]
+    now[0] = 131.0
+    assert [x.request_id for x in table.pop_expired()] == ["b"]  # "a" is being read
+    assert table.pop("a") is None  # still pinned
+    table.unpin(lease)
+    assert table.pin("a") is None  # expired, no reader: cannot be pulled any more
+    assert [x.request_id for x in table.pop_expired()] == ["a"]
+    assert len(table) == 0
+
+
+def test_lease_pop_ends_a_live_lease_once() -> None:
+    table = LeaseTable(duration=30.0, clock=lambda: 0.0)
+    table.add("a", [1], 3)
+    popped = table.pop("a")
+    assert popped is not None and popped.block_ids == [1]
+    assert table.pop("a") is None
+
+
+def test_layout_round_trips_and_names_bad_fields() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+    assert KVLayout.from_wire(layout.to_wire()) == layout
+    assert layout.block_bytes() == 2 * 2 * 4 * 2 * 8 * 2
+    with pytest.raises(ValueError, match=r"kv.layout.head_dim"):
+        KVLayout.from_wire({**layout.to_wire(), "head_dim": 0})
+    with pytest.raises(ValueError, match=r"kv.layout.dtype"):
+        KVLayout.from_wire({**layout.to_wire(), "dtype": "int8"})
+    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16")
+    assert layout.mismatch(other) == "block_size differs (here 4, sender 16)"
+    assert layout.mismatch(layout) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_reads_and_writes_blocks_in_wire_order(
+    tiny_model: Callable[[str], Path], dtype: str
+) -> None:
+    from transformers import AutoConfig
+
+    from phasefleet.engine.model_runner import ModelRunner
+
+    folder = tiny_model("llama")
+    config = AutoConfig.from_pretrained(folder)
+    sender = ModelRunner(folder, config, dtype, torch.device("cpu"), 4, 64)
+    receiver = ModelRunner(folder, config, dtype, torch.device("cpu"), 4, 64)
+    sender.allocate_kv(6)
+    receiver.allocate_kv(6)
+    gen = torch.Generator().manual_seed(0)
+    for keys, values in sender.kv_caches:
+        keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.dtype))
+        values.copy_(torch.randn(values.shape, generator=gen).to(values.dtype))
+    layout = sender.kv_layout()
+    chunks = list(sender.read_kv([4, 1, 2]))
+    payload = b"".join(bytes(c) for c in chunks)
+    assert len(payload) == layout.payload_bytes(3)
+    assert len(chunks) == 2 * layout.num_layers
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    receiver.write_kv([3, 0], data, first_block=1)  # the sender's blocks 1 and 2
+    for (sk, sv), (rk, rv) in zip(sender.kv_caches, receiver.kv_caches, strict=True):
+        assert torch.equal(rk[3], sk[1]) and torch.equal(rk[0], sk[2])
+        assert torch.equal(rv[3], sv[1]) and torch.equal(rv[0], sv[2])
+        assert not rk[1].any()  # untouched blocks stay as they were
