@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("phasefleet.server.cli", "run one engine worker (the container entrypoint)"),
+    "router": ("phasefleet.router.cli", "run the router: the OpenAI front door over the workers"),
     "make-tiny": ("phasefleet.engine.tiny", "write a small random model and tokenizer to a folder"),
     "crd": ("phasefleet.api.cli", "print the InferenceService CustomResourceDefinition"),
     "operator": ("phasefleet.operator.cli", "run the Kubernetes operator (kopf)"),

@@ -1,0 +1,93 @@
+"""The router's FastAPI app: the worker's OpenAI surface, /health and /metrics.
+
+Generation bodies are not validated here: they go to a worker as received, and the worker's
+400/404 comes back unchanged, so the router and the workers can never disagree on what a valid
+request is. The pools refresh in a background task started by the app's lifespan; the first
+refresh completes before the router takes requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from phasefleet.router.dispatch import Router
+from phasefleet.server.errors import install_error_handlers
+
+logger = logging.getLogger(__name__)
+
+
+async def _refresh_forever(router: Router) -> None:
+    while True:
+        await asyncio.sleep(router.config.refresh_interval)
+        try:
+            await router.refresh()
+        except Exception:  # one bad round must not stop discovery for good
+            logger.exception("refreshing the worker pools failed")
+
+
+def build_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.refresh()
+        task = asyncio.create_task(_refresh_forever(router))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await router.upstream.aclose()
+
+    app = FastAPI(title="PhaseFleet router", lifespan=lifespan)
+    app.state.router = router
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        # The router is up even with no worker ready: requests then get a 503 that names the
+        # pool, which says more than a Service with no endpoints.
+        ready = {name: pool.ready_count() for name, pool in router.pools.items()}
+        return JSONResponse({"status": "ok", "ready_workers": ready})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        pool = router.generation_pool
+        for candidate in pool.candidates(router.clock()):
+            with contextlib.suppress(httpx.HTTPError):
+                answer = await router.upstream.get(f"{candidate.url}/v1/models", timeout=5.0)
+                if answer.status_code == 200:
+                    return Response(answer.content, media_type="application/json")
+        card = {
+            "id": router.config.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "phasefleet",
+            "root": router.config.served_model_name,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        arrival = router.clock()
+        return await router.generate("/v1/completions", await raw.body(), arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        arrival = router.clock()
+        return await router.generate("/v1/chat/completions", await raw.body(), arrival)
+
+    return app

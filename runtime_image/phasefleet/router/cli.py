@@ -1,0 +1,120 @@
+"""`phasefleet router`: the OpenAI front door of a service, in front of its worker pools.
+
+Workers come from `--workers URL,...` (a static list, local use) or, as the operator runs it,
+from `--worker-service` (aggregated) or `--prefill-service` plus `--decode-service`
+(disaggregated): `host:port` of a headless Service, resolved through DNS on every refresh.
+Heavy imports (fastapi, uvicorn) happen inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from phasefleet.router.config import DEFAULT_MAX_ATTEMPTS, DEFAULT_REFRESH_INTERVAL, RouterConfig
+from phasefleet.router.discovery import Discovery, DnsDiscovery, StaticDiscovery
+from phasefleet.router.policy import POLICIES
+
+DEFAULT_PORT = 8000
+GRACEFUL_SHUTDOWN_TIMEOUT = 25  # seconds open streams get after SIGTERM (grace period is 30)
+
+logger = logging.getLogger("phasefleet.router")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--served-model-name", required=True, help="the name clients send")
+    parser.add_argument(
+        "--policy", default="least-loaded", choices=POLICIES, help="how a worker is picked"
+    )
+    pools = parser.add_argument_group(
+        "workers", "one of: --workers, --worker-service, or --prefill-service with --decode-service"
+    )
+    pools.add_argument("--workers", default=None, help="static list: URL[,URL...]")
+    pools.add_argument("--worker-service", default=None, help="aggregated pool: host:port")
+    pools.add_argument("--prefill-service", default=None, help="prefill pool: host:port")
+    pools.add_argument("--decode-service", default=None, help="decode pool: host:port")
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument(
+        "--max-attempts",
+        type=int,
+        default=DEFAULT_MAX_ATTEMPTS,
+        help="workers tried per request before giving up",
+    )
+    server.add_argument(
+        "--refresh-interval",
+        type=float,
+        default=DEFAULT_REFRESH_INTERVAL,
+        help="seconds between discovery and load polls",
+    )
+    server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+
+
+def discoveries(args: argparse.Namespace) -> dict[str, Discovery]:
+    """Pool name -> where its workers come from. ValueError unless the flags name exactly one
+    layout: a static list, one aggregated Service, or a prefill and a decode Service."""
+    aggregated = [f for f in ("workers", "worker_service") if getattr(args, f)]
+    split = [f for f in ("prefill_service", "decode_service") if getattr(args, f)]
+    if len(aggregated) + bool(split) != 1 or (split and len(split) != 2):
+        raise ValueError(
+            "give exactly one of --workers, --worker-service, or both --prefill-service and "
+            "--decode-service"
+        )
+    if args.workers:
+        return {"worker": StaticDiscovery([u for u in args.workers.split(",") if u.strip()])}
+    if args.worker_service:
+        return {"worker": DnsDiscovery(args.worker_service)}
+    return {
+        "prefill": DnsDiscovery(args.prefill_service),
+        "decode": DnsDiscovery(args.decode_service),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request
+    config = RouterConfig(
+        served_model_name=args.served_model_name,
+        policy=args.policy,
+        max_attempts=args.max_attempts,
+        refresh_interval=args.refresh_interval,
+    )
+    try:
+        config.validate()
+        sources = discoveries(args)
+    except ValueError as exc:
+        print(f"phasefleet router: {exc}", file=sys.stderr)
+        return 2
+    return _serve(args, config, sources)
+
+
+def _serve(args: argparse.Namespace, config: RouterConfig, sources: dict[str, Discovery]) -> int:
+    import uvicorn
+
+    from phasefleet.router.app import build_app
+    from phasefleet.router.dispatch import Router
+    from phasefleet.router.metrics import RouterMetrics
+    from phasefleet.router.pool import WorkerPool
+    from phasefleet.router.upstream import Upstream
+
+    upstream = Upstream()
+    pools = {name: WorkerPool(name, source, upstream) for name, source in sources.items()}
+    router = Router(config, pools, upstream, RouterMetrics(config.served_model_name))
+    uv_config = uvicorn.Config(
+        build_app(router),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT,
+    )
+    logger.info(
+        "router for %s (policy %s) on %s:%d, pools: %s", config.served_model_name, config.policy,
+        args.host, args.port, ", ".join(p.describe() for p in pools.values()),
+    )  # fmt: skip
+    uvicorn.Server(uv_config).run()
+    return 0

@@ -1,0 +1,26 @@
+"""The router's settings (a dataclass: importable without fastapi, for the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasefleet.router.policy import POLICIES
+
+DEFAULT_MAX_ATTEMPTS = 3  # workers tried per request
+DEFAULT_REFRESH_INTERVAL = 1.0  # seconds; pool changes are seen within two of these
+
+
+@dataclass
+class RouterConfig:
+    served_model_name: str
+    policy: str  # policy.POLICIES
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS  # workers tried per request before giving up
+    refresh_interval: float = DEFAULT_REFRESH_INTERVAL  # seconds between discovery + load polls
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.refresh_interval <= 0:
+            raise ValueError(f"refresh_interval must be > 0 seconds, got {self.refresh_interval}")

@@ -1,0 +1,87 @@
+"""Where a pool's workers are: each source answers `endpoints()` with the current list.
+
+The pool calls `endpoints()` on every refresh (about once a second) and diffs the answer
+against what it knows. An endpoint with `ready=False` is terminating: it gets no new requests but
+finishes the ones it has. A worker missing from the answer is gone.
+
+- `StaticDiscovery`: a fixed list of URLs (`--workers`, the local fleet).
+- `DnsDiscovery`: the A records of a headless Service (`--worker-service host:port`); cluster
+  DNS lists the ready pods only, so terminating ones simply disappear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # base URL, e.g. http://10.0.0.5:8000
+    ready: bool = True  # False: terminating; no new requests, in-flight ones finish
+
+
+class Discovery(Protocol):
+    def describe(self) -> str:
+        """What the source watches, for messages (e.g. `llm-worker.ns.svc:8000`)."""
+        ...
+
+    async def endpoints(self) -> list[Endpoint]: ...
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """`host:port` -> (host, port); ValueError naming the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def normalize_url(url: str) -> str:
+    """`127.0.0.1:8001` or `http://127.0.0.1:8001/` -> `http://127.0.0.1:8001`."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest:
+        raise ValueError(f"expected a worker URL like http://host:port, got {url!r}")
+    return url
+
+
+class StaticDiscovery:
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("the static worker list is empty")
+        self.urls = list(dict.fromkeys(normalize_url(u) for u in urls))
+
+    def describe(self) -> str:
+        return ",".join(self.urls)
+
+    async def endpoints(self) -> list[Endpoint]:
+        return [Endpoint(url) for url in self.urls]
+
+
+class DnsDiscovery:
+    """Resolves a headless Service's name on every refresh; each address is one ready pod."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.host, self.port = parse_host_port(address)
+
+    def describe(self) -> str:
+        return self.address
+
+    async def endpoints(self) -> list[Endpoint]:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            return []  # a headless Service without ready pods has no records
+        urls = []
+        for family, *_, sockaddr in infos:
+            ip = str(sockaddr[0])
+            host = f"[{ip}]" if family == socket.AF_INET6 else ip
+            urls.append(f"http://{host}:{self.port}")
+        return [Endpoint(url) for url in dict.fromkeys(urls)]

@@ -1,0 +1,292 @@
+"""One generation request through the router: pick a worker, retry before the first token,
+relay the answer.
+
+A request goes to the best worker by the policy. Until its first token is on the way to the
+client, any failure (refused connection, reset, 5xx, 503 draining, an in-band error, a stream
+that ends early) sends it to the next worker, at most `max_attempts` workers in all; a 429 does
+too, and if every worker tried was full the client gets 429 with Retry-After. A 4xx other than
+429 is the request's fault: passed through unchanged, not retried. Once a token has been sent,
+a failure ends that stream with an error event and `data: [DONE]`; nothing else is touched.
+
+Pools: aggregated mode has one, `worker`. In disaggregated mode the router knows `prefill` and
+`decode`; until workers serve the KV hand-off (DESIGN "Prefill -> decode hand-off"), every
+request goes whole to a decode worker, which prefills it itself (the hand-off's step 6 for every
+prompt). The hand-off slots in at `Router.generate`: choose a prefill worker from
+`pools["prefill"]` (same `rank`, with `matched` from the prefix index), POST /internal/prefill,
+send its first token to the client, then open the decode stream on a `pools["decode"]` worker
+through `_open_stream`, whose relay and metrics stay as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from phasefleet.router.config import RouterConfig
+from phasefleet.router.metrics import RouterMetrics, StreamTimer
+from phasefleet.router.policy import PrefixIndex, prefix_chunks, rank
+from phasefleet.router.pool import WorkerPool
+from phasefleet.router.upstream import Event, Upstream, classify, sse_events
+from phasefleet.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RETRY_AFTER = 1  # seconds, when a worker's 429 says nothing
+PASSED_HEADERS = ("content-type", "retry-after")  # kept from a worker's error answer
+
+
+class _Retry(Exception):
+    """This worker failed the request before its first token; try another."""
+
+    def __init__(self, reason: str, retry_after: int | None = None, answer: Response | None = None):
+        super().__init__(reason)
+        self.retry_after = retry_after  # set when the worker answered 429
+        self.answer = answer  # the worker's own 5xx answer, passed on if no worker succeeds
+
+
+class _Relay(StreamingResponse):
+    """Runs `on_close` however the response ends, even if the client left before the body
+    started (then the body generator never runs, so its `finally` cannot be relied on)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def error_event(message: str) -> bytes:
+    err = APIError(500, message, type="internal_server_error", code="worker_failed")
+    return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+
+
+def prompt_text(body: bytes) -> str:
+    """The part of a request body a prefix cache keys on, as text ('' if there is none)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(payload, dict):
+        return ""
+    prompt = payload.get("messages", payload.get("prompt"))
+    if isinstance(prompt, str):
+        return prompt
+    # A JSON dump keeps prefixes: a conversation that grows by messages dumps to a longer text.
+    return json.dumps(prompt, separators=(",", ":")) if prompt else ""
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pools: dict[str, WorkerPool],
+        upstream: Upstream,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        if "worker" not in pools and "decode" not in pools:
+            raise ValueError(f"pools must include 'worker' or 'decode', got {sorted(pools)}")
+        self.config = config
+        self.pools = pools
+        self.upstream = upstream
+        self.metrics = metrics
+        self.clock = clock
+        self.prefix_index = PrefixIndex()
+        self.turn = 0  # rotation counter for round-robin and tie-breaks
+
+    @property
+    def generation_pool(self) -> WorkerPool:
+        """The pool whole requests go to: `worker`, or `decode` until the hand-off lands."""
+        return self.pools.get("worker") or self.pools["decode"]
+
+    async def refresh(self) -> None:
+        for pool in self.pools.values():
+            for url in await pool.refresh():
+                self.prefix_index.forget(url)
+
+    def choose(self, pool: WorkerPool, chunks: list[int], tried: set[str]) -> str | None:
+        candidates = pool.candidates(self.clock(), exclude=tried)
+        if not candidates:
+            return None
+        matched = self.prefix_index.match(chunks) if chunks else None
+        self.turn += 1
+        return rank(self.config.policy, candidates, self.turn, matched)[0]
+
+    async def generate(self, path: str, body: bytes, arrival: float) -> Response:
+        """POST `path` (/v1/completions or /v1/chat/completions) with the client's raw body."""
+        pool = self.generation_pool
+        chunks = prefix_chunks(prompt_text(body)) if self.config.policy == "prefix-aware" else []
+        tried: set[str] = set()
+        retries: list[_Retry] = []
+        while len(tried) < self.config.max_attempts:
+            url = self.choose(pool, chunks, tried)
+            if url is None:
+                break
+            if tried:
+                self.metrics.retries.inc()
+            tried.add(url)
+            try:
+                return await self._attempt(pool, url, path, body, arrival, chunks)
+            except _Retry as retry:
+                logger.info("worker %s failed before the first token: %s", url, retry)
+                retries.append(retry)
+        return self._give_up(pool, retries)
+
+    def _give_up(self, pool: WorkerPool, retries: list[_Retry]) -> Response:
+        full = [r.retry_after for r in retries if r.retry_after is not None]
+        if full:
+            return APIError(
+                429,
+                f"every worker tried in {pool.describe()} is at capacity; retry later",
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": str(max(full))},
+            ).response()
+        if retries and retries[-1].answer is not None:
+            return retries[-1].answer
+        if retries:
+            message = f"no worker in {pool.describe()} could serve the request: {retries[-1]}"
+        else:
+            message = f"no ready worker in {pool.describe()}"
+            if pool.discovery_error:
+                message += f"; discovery failed: {pool.discovery_error}"
+        return APIError(
+            503,
+            message,
+            type="service_unavailable",
+            code="no_ready_worker",
+            headers={"Retry-After": str(DEFAULT_RETRY_AFTER)},
+        ).response()
+
+    async def _attempt(
+        self, pool: WorkerPool, url: str, path: str, body: bytes, arrival: float, chunks: list[int]
+    ) -> Response:
+        pool.acquire(url)
+        handed_off = False  # the relay owns the response and the in-flight count
+        resp: httpx.Response | None = None
+        try:
+            try:
+                resp = await self.upstream.post(
+                    url + path, body, {"content-type": "application/json"}
+                )
+                if resp.status_code != 200:
+                    return await self._not_ok(pool, url, resp)
+                if chunks:
+                    self.prefix_index.record(chunks, url)
+                if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    relay = await self._open_stream(pool, url, resp, arrival)
+                    handed_off = True
+                    return relay
+                content = await resp.aread()
+            except httpx.HTTPError as exc:
+                if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                    pool.mark_down(url)
+                raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+            self.metrics.e2e_request_latency.observe(self.clock() - arrival)
+            return Response(content, 200, media_type=resp.headers.get("content-type"))
+        finally:
+            if not handed_off:
+                pool.release(url)
+                if resp is not None:
+                    await resp.aclose()
+
+    async def _not_ok(self, pool: WorkerPool, url: str, resp: httpx.Response) -> Response:
+        content = await resp.aread()
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in PASSED_HEADERS}
+        answer = Response(content, resp.status_code, headers=headers)
+        status = resp.status_code
+        if status == 429:
+            retry_after = _seconds(resp.headers.get("retry-after"))
+            pool.mark_busy(url, self.clock() + retry_after)
+            raise _Retry("429 at capacity", retry_after=retry_after)
+        if status == 503:
+            pool.mark_down(url)
+            raise _Retry(f"503 {_message(content)}")
+        if status >= 500:
+            raise _Retry(f"{status} {_message(content)}", answer=answer)
+        return answer  # the request's own fault: the client sees the worker's answer
+
+    async def _open_stream(
+        self, pool: WorkerPool, url: str, resp: httpx.Response, arrival: float
+    ) -> Response:
+        """Reads up to the first token event (retryable until then), then relays the rest."""
+        events = sse_events(resp)
+        head: list[bytes] = []
+        kind = Event.OTHER
+        try:
+            while kind not in (Event.TOKEN, Event.DONE):
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    raise _Retry("the stream ended before its first token") from None
+                kind = classify(event)
+                if kind is Event.ERROR:
+                    raise _Retry(f"in-band error {_message(event[len(b'data: ') :])}")
+                head.append(event)
+        except BaseException:
+            await events.aclose()
+            raise
+        timer = StreamTimer(self.metrics, arrival)
+        if kind is Event.TOKEN:
+            timer.token(self.clock())
+
+        async def relay() -> AsyncIterator[bytes]:
+            yield b"".join(head)
+            if kind is Event.DONE:
+                timer.finished()
+                return
+            try:
+                async for event in events:
+                    seen = classify(event)
+                    if seen is Event.TOKEN:
+                        timer.token(self.clock())
+                    yield event
+                    if seen is Event.DONE:
+                        timer.finished()
+                        return
+                reason = "the stream ended without [DONE]"
+            except httpx.HTTPError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            logger.warning("worker %s failed mid-stream: %s", url, reason)
+            yield error_event(f"the worker serving this stream failed: {reason}")
+
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                pool.release(url)
+                await events.aclose()
+                await resp.aclose()
+
+        return _Relay(relay(), close)
+
+
+def _seconds(value: str | None) -> int:
+    try:
+        return max(1, int(value)) if value else DEFAULT_RETRY_AFTER
+    except ValueError:
+        return DEFAULT_RETRY_AFTER
+
+
+def _message(content: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    try:
+        return str(json.loads(content)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return content[:200].decode(errors="replace")

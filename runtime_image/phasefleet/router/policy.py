@@ -1,0 +1,157 @@
+"""Worker choice: pure functions from what the router knows about each worker to an ordering.
+
+`rank` puts the workers that may take a request in the order to try them: the first is the
+choice, the rest are the fallbacks a retry walks through. Nothing here does I/O or reads a
+clock; the caller passes the load snapshot, the turn counter and the prefix matches.
+
+Policies (`spec.router.policy`, `phasefleet router --policy`):
+
+- `least-loaded`: fewest requests (reported by the worker or open from this router, whichever
+  is larger), a waiting queue and a full KV cache counting extra; ties rotate.
+- `round-robin`: every request to the next worker in turn, load ignored.
+- `prefix-aware`: the worker that served the longest prefix of this prompt before (its prefix
+  cache likely still holds it), unless it is busier than the least-loaded worker by more than
+  `AFFINITY_SLACK`; otherwise least-loaded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("least-loaded", "round-robin", "prefix-aware")
+
+WAITING_WEIGHT = 1.0  # a waiting request counts this much on top of itself: the batch is full
+KV_WEIGHT = 4.0  # requests' worth of a full KV cache (near preemption)
+AFFINITY_SLACK = 4.0  # load units a prefix owner may exceed the least-loaded worker by
+PREFIX_CHUNK_CHARS = 64  # prompt characters per hashed chunk (about a 16-token KV block)
+MAX_PREFIX_CHUNKS = 256  # chunks hashed per prompt (the first 16 Ki characters)
+PREFIX_INDEX_CAPACITY = 200_000  # chunk hashes remembered, least recently used dropped first
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker reports on /metrics (DESIGN "Metrics")."""
+
+    running: float  # phasefleet_num_requests_running
+    waiting: float  # phasefleet_num_requests_waiting
+    kv_usage: float  # phasefleet_kv_cache_usage_perc, 0..1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A worker that may take a new request."""
+
+    url: str  # base URL, e.g. http://10.0.0.5:8000
+    load: WorkerLoad | None  # latest report; None until the first successful poll
+    inflight: int  # requests this router has open on it now
+    busy: bool = False  # answered 429 recently: tried last
+
+
+def load_score(c: Candidate) -> float:
+    """Load in units of requests; lower is better."""
+    if c.load is None:
+        return float(c.inflight)
+    requests = max(c.load.running + c.load.waiting, float(c.inflight))
+    return requests + WAITING_WEIGHT * c.load.waiting + KV_WEIGHT * c.load.kv_usage
+
+
+def _rotated(candidates: Sequence[Candidate], turn: int) -> list[Candidate]:
+    ordered = sorted(candidates, key=lambda c: c.url)
+    if not ordered:
+        return []
+    start = turn % len(ordered)
+    return ordered[start:] + ordered[:start]
+
+
+def _busy_last(ordered: list[Candidate]) -> list[str]:
+    return [c.url for c in ordered if not c.busy] + [c.url for c in ordered if c.busy]
+
+
+def rank_round_robin(candidates: Sequence[Candidate], turn: int) -> list[str]:
+    return _busy_last(_rotated(candidates, turn))
+
+
+def rank_least_loaded(candidates: Sequence[Candidate], turn: int) -> list[str]:
+    # sorted() is stable: equally loaded workers keep the rotated order, so they alternate.
+    return _busy_last(sorted(_rotated(candidates, turn), key=load_score))
+
+
+def rank_prefix_aware(
+    candidates: Sequence[Candidate], turn: int, matched: dict[str, int]
+) -> list[str]:
+    """`matched`: url -> prompt chunks that worker served last (from PrefixIndex.match)."""
+    by_load = rank_least_loaded(candidates, turn)
+    if not by_load:
+        return by_load
+    scores = {c.url: load_score(c) for c in candidates}
+    busy = {c.url for c in candidates if c.busy}
+    lightest = scores[by_load[0]]
+    owners = [
+        url
+        for url in by_load
+        if matched.get(url, 0) > 0 and url not in busy and scores[url] <= lightest + AFFINITY_SLACK
+    ]
+    if not owners:
+        return by_load
+    best = max(owners, key=lambda url: matched[url])  # max() keeps the first of equals
+    return [best] + [url for url in by_load if url != best]
+
+
+def rank(
+    policy: str, candidates: Sequence[Candidate], turn: int, matched: dict[str, int] | None = None
+) -> list[str]:
+    if policy == "round-robin":
+        return rank_round_robin(candidates, turn)
+    if policy == "least-loaded":
+        return rank_least_loaded(candidates, turn)
+    if policy == "prefix-aware":
+        return rank_prefix_aware(candidates, turn, matched or {})
+    raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
+def prefix_chunks(text: str) -> list[int]:
+    """Chained hashes of the prompt's leading chunks: equal lists mean equal prefixes."""
+    hashes = []
+    parent = 0
+    usable = min(len(text) // PREFIX_CHUNK_CHARS, MAX_PREFIX_CHUNKS)
+    for i in range(usable):
+        parent = hash((parent, text[i * PREFIX_CHUNK_CHARS : (i + 1) * PREFIX_CHUNK_CHARS]))
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixIndex:
+    """Which worker last served each prompt prefix chunk (bounded, least recently used out)."""
+
+    def __init__(self, capacity: int = PREFIX_INDEX_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._owner: OrderedDict[int, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def match(self, chunks: Sequence[int]) -> dict[str, int]:
+        """url -> how many leading chunks of this prompt it served last."""
+        matched: dict[str, int] = {}
+        for depth, h in enumerate(chunks, start=1):
+            url = self._owner.get(h)
+            if url is None:
+                break
+            matched[url] = depth
+        return matched
+
+    def record(self, chunks: Sequence[int], url: str) -> None:
+        for h in chunks:
+            self._owner[h] = url
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+    def forget(self, url: str) -> None:
+        """Drop a worker that left the pool (its cache left with it)."""
+        for h in [h for h, owner in self._owner.items() if owner == url]:
+            del self._owner[h]

@@ -1,0 +1,114 @@
+"""Talking to workers: one shared keep-alive httpx client, SSE framing, load polls.
+
+Streams pass through as the worker's own bytes. The router only cuts them at event boundaries
+(so an error event never lands inside a half-sent one) and looks at a few bytes of each event
+to tell tokens from the rest, which is what the latency metrics need. That relies on the
+worker's compact JSON (pydantic's `model_dump_json`): inside a JSON string a quote is escaped,
+so the markers below cannot come from generated text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncGenerator
+
+import httpx
+
+from phasefleet.router.policy import WorkerLoad
+
+CONNECT_TIMEOUT = 2.0  # seconds to open a connection to a worker
+READ_TIMEOUT = 600.0  # seconds without a byte from a worker before the request fails
+POLL_TIMEOUT = 1.0  # seconds for one /health or /metrics poll
+MAX_KEEPALIVE = 256  # idle connections kept open across all workers
+
+_DONE = b"data: [DONE]"
+_ERROR = b'data: {"error"'
+_NO_CHOICES = b'"choices":[]'  # the usage chunk
+_ROLE = b'"role":"assistant"'  # a chat stream's opening chunk, before any token
+
+# The worker's gauges that make up its load.
+RUNNING = "phasefleet_num_requests_running"
+WAITING = "phasefleet_num_requests_waiting"
+KV_USAGE = "phasefleet_kv_cache_usage_perc"
+
+
+class Event(enum.Enum):
+    TOKEN = "token"  # carries output (a choice's delta or finish)
+    OTHER = "other"  # a chat role chunk, the usage chunk, a comment
+    ERROR = "error"  # an in-band error: the worker failed the request after its 200
+    DONE = "done"  # data: [DONE]
+
+
+def classify(event: bytes) -> Event:
+    if event.startswith(_DONE):
+        return Event.DONE
+    if event.startswith(_ERROR):
+        return Event.ERROR
+    if not event.startswith(b"data:") or _NO_CHOICES in event or _ROLE in event:
+        return Event.OTHER
+    return Event.TOKEN
+
+
+async def sse_events(response: httpx.Response) -> AsyncGenerator[bytes, None]:
+    """Complete events (each with its blank-line terminator) as they arrive. A stream that ends
+    inside an event raises httpx.RemoteProtocolError."""
+    buffer = b""
+    async for data in response.aiter_raw():
+        buffer += data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            continue
+        complete, buffer = buffer[: end + 2], buffer[end + 2 :]
+        start = 0
+        while start < len(complete):
+            stop = complete.index(b"\n\n", start) + 2
+            yield complete[start:stop]
+            start = stop
+    if buffer.strip():
+        raise httpx.RemoteProtocolError("the worker's stream ended inside an event")
+
+
+def parse_load(text: str) -> WorkerLoad:
+    """A worker's /metrics text -> its load; ValueError if a gauge is missing."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("phasefleet_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in (RUNNING, WAITING, KV_USAGE):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    missing = {RUNNING, WAITING, KV_USAGE} - values.keys()
+    if missing:
+        raise ValueError(f"the worker's /metrics lacks {', '.join(sorted(missing))}")
+    return WorkerLoad(running=values[RUNNING], waiting=values[WAITING], kv_usage=values[KV_USAGE])
+
+
+class Upstream:
+    """The router's one HTTP client to every worker (connection pooling, keep-alive)."""
+
+    def __init__(self, read_timeout: float = READ_TIMEOUT) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=CONNECT_TIMEOUT, read=read_timeout, write=30, pool=30),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=MAX_KEEPALIVE),
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """Sends the request; returns once the status and headers are in (body unread)."""
+        request = self.client.build_request("POST", url, content=body, headers=headers)
+        return await self.client.send(request, stream=True)
+
+    async def get(self, url: str, timeout: float = POLL_TIMEOUT) -> httpx.Response:
+        return await self.client.get(url, timeout=timeout)
+
+    async def poll(self, base_url: str) -> tuple[bool, WorkerLoad | None]:
+        """(healthy, load) of one worker; (False, None) when it cannot be reached."""
+        try:
+            health = await self.get(f"{base_url}/health")
+            if health.status_code != 200:
+                return False, None
+            metrics = await self.get(f"{base_url}/metrics")
+            return True, parse_load(metrics.text) if metrics.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return False, None

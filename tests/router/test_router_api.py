@@ -1,0 +1,165 @@
+"""The router's OpenAI surface over real localhost HTTP: two worker processes, one router process,
+the official openai client. Greedy output through the router equals output straight from a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from phasefleet.server.metrics import (
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+)
+from tests.router.router_proc import Router, run_router, worker_list
+from tests.server.worker_proc import Worker, run_worker
+
+PROMPT = "The router sends the prompt to the least loaded worker"
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name one prime number."},
+]
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model: Path) -> Iterator[tuple[Worker, Worker]]:
+    with run_worker(tiny_model) as a, run_worker(tiny_model) as b:
+        yield a, b
+
+
+@pytest.fixture(scope="module")
+def router(workers: tuple[Worker, Worker]) -> Iterator[Router]:
+    with run_router("--workers", worker_list(*workers), "--policy", "least-loaded") as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def via_router(router: Router) -> openai.OpenAI:
+    return router.client()
+
+
+@pytest.fixture(scope="module")
+def direct(workers: tuple[Worker, Worker]) -> openai.OpenAI:
+    return workers[0].client()
+
+
+def test_health_and_models(router: Router, via_router: openai.OpenAI) -> None:
+    health = httpx.get(f"{router.base_url}/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "ready_workers": {"worker": 2}}
+    models = via_router.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert (models[0].model_extra or {})["max_model_len"] == 2048
+
+
+def test_completion_equals_direct(via_router: openai.OpenAI, direct: openai.OpenAI) -> None:
+    for _ in range(2):  # least-loaded alternates between the idle workers: both are checked
+        routed = via_router.completions.create(model="tiny", prompt=PROMPT, **GREEDY)
+        straight = direct.completions.create(model="tiny", prompt=PROMPT, **GREEDY)
+        assert routed.choices[0].text == straight.choices[0].text
+        assert routed.choices[0].finish_reason == "length"
+        assert routed.usage == straight.usage
+
+
+def test_completion_stream_equals_direct(via_router: openai.OpenAI, direct: openai.OpenAI) -> None:
+    def run(client: openai.OpenAI) -> tuple[str, Any]:
+        stream = client.completions.create(
+            model="tiny", prompt=PROMPT, stream=True, stream_options={"include_usage": True},
+            **GREEDY,
+        )  # fmt: skip
+        text, usage = "", None
+        for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    routed, straight = run(via_router), run(direct)
+    assert routed == straight
+    assert routed[1] is not None and routed[1].completion_tokens == 8
+
+
+def test_chat_equals_direct(via_router: openai.OpenAI, direct: openai.OpenAI) -> None:
+    routed = via_router.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+    straight = direct.chat.completions.create(model="tiny", messages=MESSAGES, **GREEDY)
+    assert routed.choices[0].message.content == straight.choices[0].message.content
+    assert routed.usage == straight.usage
+
+
+def test_chat_stream_equals_direct(via_router: openai.OpenAI, direct: openai.OpenAI) -> None:
+    def run(client: openai.OpenAI) -> tuple[list[str | None], str]:
+        stream = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, stream=True, **GREEDY
+        )
+        roles, text = [], ""
+        for chunk in stream:
+            for choice in chunk.choices:
+                roles.append(choice.delta.role)
+                text += choice.delta.content or ""
+        return roles[:1], text
+
+    routed, straight = run(via_router), run(direct)
+    assert routed == straight
+    assert routed[0] == ["assistant"]
+
+
+def test_bad_request_passes_through_unchanged(router: Router, workers: tuple[Worker, ...]) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "top_p": 1.5}
+    routed = httpx.post(f"{router.base_url}/v1/completions", json=body)
+    straight = httpx.post(f"{workers[0].base_url}/v1/completions", json=body)
+    assert routed.status_code == straight.status_code == 400
+    assert routed.json() == straight.json()
+    assert routed.json()["error"]["param"] == "top_p"
+    unknown = httpx.post(
+        f"{router.base_url}/v1/completions", json={"model": "other", "prompt": PROMPT}
+    )
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    malformed = httpx.post(
+        f"{router.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert malformed.status_code == 400
+    assert malformed.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_user_seen_latency_metrics(router: Router, via_router: openai.OpenAI) -> None:
+    def count(name: str) -> float:
+        return router.metrics().get(f'{name}_count{{model_name="tiny",role="router"}}', 0.0)
+
+    before = {
+        n: count(f"phasefleet_{n}")
+        for n in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "time_per_output_token_seconds", "e2e_request_latency_seconds")
+    }  # fmt: skip
+    stream = via_router.completions.create(model="tiny", prompt=PROMPT, stream=True, **GREEDY)
+    events = sum(1 for _ in stream)  # up to 8: a token that ends mid-character sends nothing
+    assert events > 1
+    added = {n: count(f"phasefleet_{n}") - before[n] for n in before}
+    assert added == {
+        "time_to_first_token_seconds": 1,
+        "inter_token_latency_seconds": events - 1,
+        "time_per_output_token_seconds": 1,
+        "e2e_request_latency_seconds": 1,
+    }
+    # The same buckets as the worker's histograms.
+    samples = router.metrics()
+    for name, buckets in [
+        ("time_to_first_token_seconds", TTFT_BUCKETS),
+        ("inter_token_latency_seconds", TOKEN_LATENCY_BUCKETS),
+        ("time_per_output_token_seconds", TOKEN_LATENCY_BUCKETS),
+        ("e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
+    ]:
+        bounds = [
+            key.split('le="')[1].split('"')[0]
+            for key in samples
+            if key.startswith(f"phasefleet_{name}_bucket{{") and 'role="router"' in key
+        ]
+        assert bounds == [str(float(b)) for b in buckets] + ["+Inf"]
