@@ -252,10 +252,15 @@ def test_mode_change_replaces_the_pools(
         json.dumps(patch),
     )
     expected = {f"{k}/tiny-{r}" for k in CHILD_KINDS for r in ("worker", "router")}
-    wait(lambda: set(children(cluster, namespace, "tiny")) == expected, 60, "pools replaced")
+    wait(lambda: set(children(cluster, namespace, "tiny")) == expected, 90, "pools replaced")
     wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "aggregated tiny Ready")
     isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
     assert set(isvc["status"]["pools"]) == {"worker", "router"}
+    # The old pools were deleted only once the worker pool was ready: the new Deployment
+    # cannot have been ready when it was created, so the deletion came from a later pass.
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")
+    deletions = [e["message"] for e in events["items"] if "deleted" in e["message"]]
+    assert any("the pools replacing them are ready" in m for m in deletions), deletions
 
 
 def test_hand_edits_are_restored(
@@ -364,3 +369,105 @@ def test_restart_is_idempotent(
         assert len(children(cluster, namespace, name)) == 9  # no duplicates
     denied = re.findall(r"forbidden: User \S+ cannot [^']*", operator.log())
     assert not denied, denied  # the chart's RBAC covered everything so far
+
+
+def test_settled_service_gets_no_apply(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    """Normalised quantities and another manager's fields are not drift."""
+    decode = {"replicas": 1, "resources": {"limits": {"memory": "1.5Gi"}}}
+    apply(cluster, namespace, tiny(decode=decode))
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready")
+    dep = get(cluster, "deployment", "tiny-decode", "-n", namespace)
+    limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["memory"] == "1536Mi"  # the API server's form of 1.5Gi
+
+    log_size = len(operator.log())
+    port = {"name": "metrics", "port": 9090, "targetPort": 9090}
+    other = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "tiny-router"},
+             "spec": {"ports": [port]}}  # fmt: skip
+    cluster.kubectl(
+        "apply", "--server-side", "--field-manager=other-tool", "-n", namespace, "-f", "-",
+        input=json.dumps(other),
+    )  # fmt: skip
+    cluster.kubectl("annotate", "deployment", "tiny-decode", "-n", namespace, "example.com/x=1")
+    time.sleep(5)  # the events of both edits reach the operator and run its pass
+    before = _versions(cluster, namespace, ["tiny"])
+    time.sleep(5)
+    assert _versions(cluster, namespace, ["tiny"]) == before
+
+    applied = re.findall(r"apply \S+: .*", operator.log()[log_size:])
+    assert applied == []
+    svc = get(cluster, "service", "tiny-router", "-n", namespace)
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "metrics"}
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")
+    assert "DriftCorrected" not in {e["reason"] for e in events["items"]}
+
+
+def test_refused_child_keeps_the_generation_unobserved_and_not_ready(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    """A quota refuses the PodDisruptionBudgets: the Deployments still come up, and their
+    events must not turn the service Ready over the reconcile's error."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-pdbs"},
+        "spec": {"hard": {"count/poddisruptionbudgets.policy": "0"}},
+    }
+    apply(cluster, namespace, quota)
+    wait(
+        lambda: (
+            (get(cluster, "resourcequota", "no-pdbs", "-n", namespace) or {})
+            .get("status", {})
+            .get("hard")
+        ),
+        30,
+        "quota active",
+    )
+    apply(cluster, namespace, tiny())
+
+    def degraded() -> dict[str, Any]:
+        cond = condition(get(cluster, "inferenceservice", "tiny", "-n", namespace), "Degraded")
+        return cond if cond.get("status") == "True" else {}
+
+    cond = wait(degraded, 60, "Degraded condition")
+    assert cond["reason"] == "ChildRejected"
+    message = cond["message"]
+    assert message.startswith(f"The API server refused PodDisruptionBudget {namespace}/tiny-")
+    assert "exceeded quota" in message and "raise the ResourceQuota" in message
+    assert "HTTP" not in message and "{" not in message and "\n" not in message
+
+    # The Deployments created before the refusal get pods and report them ready.
+    wait(
+        lambda: (
+            (get(cluster, "deployment", "tiny-prefill", "-n", namespace) or {})
+            .get("status", {})
+            .get("readyReplicas")
+            == 1
+        ),
+        90,
+        "tiny-prefill pods ready",
+    )
+    time.sleep(3)
+    isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+    assert "observedGeneration" not in isvc["status"]
+    assert condition(isvc, "Ready")["status"] == "False"
+    assert condition(isvc, "Ready")["reason"] == "ChildRejected"
+    assert condition(isvc, "Degraded")["message"] == message
+
+    cluster.kubectl("delete", "resourcequota", "no-pdbs", "-n", namespace)
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 120, "Ready once the quota is gone")
+    isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+    assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
+    assert condition(isvc, "Degraded")["status"] == "False"
+
+
+def test_pool_scaled_to_zero_is_ready(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    apply(cluster, namespace, tiny(prefill={"replicas": 0}))
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready with prefill at 0")
+    isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+    assert "prefill scaled to 0" in condition(isvc, "Ready")["message"]
+    assert isvc["status"]["prefillReady"] == "0/0"

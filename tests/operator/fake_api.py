@@ -26,6 +26,7 @@ class FakeApi:
         self.refuse: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, name) -> HTTP error
         self.events: list[dict[str, Any]] = []
         self.refuse_gets: set[str] = set()  # kinds the operator may not read (RBAC)
+        self.normalize: dict[str, str] = {}  # what the API server stores for a value we send
         self._version = 0
 
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -63,7 +64,7 @@ class FakeApi:
         live = self.objects.get(k)
         if live is not None and contains(live, obj):
             return copy.deepcopy(live)
-        merged = _merge(live or {}, obj)
+        merged = self._normalized(_merge(live or {}, obj))
         merged["metadata"].setdefault("generation", 0)
         if live is None or live.get("spec") != merged.get("spec"):
             merged["metadata"]["generation"] += 1
@@ -71,6 +72,13 @@ class FakeApi:
         self.objects[k] = merged
         self.writes.append(("apply", obj["kind"], obj["metadata"]["name"]))
         return copy.deepcopy(merged)
+
+    def _normalized(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self._normalized(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._normalized(v) for v in value]
+        return self.normalize.get(value, value) if isinstance(value, str) else value
 
     def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]:
         k = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])

@@ -308,3 +308,39 @@ def test_invalid_name_is_permanent_and_says_why():
     body["metadata"]["name"] = "llama-3.1-8b"
     with pytest.raises(InvalidSpec, match="no dots"):
         reconcile(api, body, NOW)
+
+
+def test_a_settled_service_gets_no_apply_despite_normalised_quantities_and_foreign_ports():
+    api, body = setup(decode={"replicas": 1, "resources": {"limits": {"memory": "1.5Gi"}}})
+    api.normalize = {"1.5Gi": "1536Mi"}  # what the API server stores
+    reconcile(api, body, NOW)
+    api.set_ready(NAMESPACE)
+    reconcile(api, fresh(api), NOW)
+    dep = api.objects[("Deployment", NAMESPACE, "llm-decode")]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "memory": "1536Mi"
+    }
+    router = api.objects[("Service", NAMESPACE, "llm-router")]
+    router["spec"]["ports"].append({"name": "metrics", "port": 9090, "targetPort": 9090})
+
+    api.writes.clear()
+    api.applies.clear()
+    for kind, name in (("Deployment", "llm-decode"), ("Service", "llm-router")):
+        outcome = sync_child(api, api.get(kind, NAMESPACE, name) or {}, LATER)
+        assert outcome is not None and outcome.applied == []  # no DriftCorrected event
+    reconcile(api, fresh(api), LATER)  # an operator restart (resume) applies nothing either
+    assert api.applies == [] and api.writes == []
+    assert len(api.objects[("Service", NAMESPACE, "llm-router")]["spec"]["ports"]) == 2
+
+
+def test_a_field_the_operator_stops_setting_is_applied():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    # As left by an operator version that also set publishNotReadyAddresses: an extra field,
+    # which a containment check alone would accept, but the applied hash differs.
+    svc = api.objects[("Service", NAMESPACE, "llm-decode")]
+    svc["spec"]["publishNotReadyAddresses"] = True
+    svc["metadata"]["annotations"]["phasefleet.dev/applied-hash"] = "from-an-older-version"
+    api.applies.clear()
+    reconcile(api, fresh(api), LATER)
+    assert api.applies == [("Service", "llm-decode")]

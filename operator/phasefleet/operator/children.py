@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from phasefleet.api.contract import WORKER_PORT
 from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
-from phasefleet.operator.meta import ROUTER, Owner, child_name, metadata, selector
-from phasefleet.operator.workloads import router_deployment, worker_deployment
+from phasefleet.operator.meta import (
+    APPLIED_HASH_ANNOTATION,
+    ROUTER,
+    Owner,
+    child_name,
+    metadata,
+    selector,
+)
+from phasefleet.operator.workloads import router_deployment, spec_hash, worker_deployment
 
 ROUTER_SERVICE_PORT = 80
 
@@ -87,7 +95,20 @@ def desired_children(
     out.append(router_service(owner))
     out.append(router_deployment(owner, spec))
     out.append(disruption_budget(owner, ROUTER))
-    return out
+    return [stamp(obj) for obj in out]
+
+
+def stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """Annotates a child with a hash of everything the operator sets in it but replicas.
+
+    The live object keeps the hash it was last applied with, so a field the operator stops
+    setting (which a live object would still hold) shows up as a different hash; replicas are
+    left out because the autoscaler changes them without a new apply.
+    """
+    body = copy.deepcopy(obj)
+    body.get("spec", {}).pop("replicas", None)
+    obj["metadata"].setdefault("annotations", {})[APPLIED_HASH_ANNOTATION] = spec_hash(body)
+    return obj
 
 
 def key(obj: dict[str, Any]) -> tuple[str, str]:

@@ -1,28 +1,88 @@
-"""Does a live object already hold what we would apply? (drift detection, no API calls)"""
+"""Does a live object already hold what we would apply? (drift detection, no API calls)
+
+The comparison is semantic, so a settled object compares equal to what the operator would
+apply: the API server normalises quantities ("1.5Gi" is stored as "1536Mi"), fills in defaults
+(extra keys in `live`), and other managers may own fields of their own (an extra port, label or
+env var: extra items in keyed lists). Fields the operator stops setting are caught by the
+`phasefleet.dev/applied-hash` annotation each child carries (see children.stamp).
+"""
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from phasefleet.api.base import QUANTITY_PATTERN
 
-def contains(live: Any, desired: Any) -> bool:
-    """True when every field of `desired` is in `live` with the same value.
+# Keys that identify an item of a Kubernetes list-map (containers, env, volumes, ports, ...).
+LIST_KEYS = ("name", "mountPath", "containerPort", "port")
+QUANTITY_FIELDS = {"limits", "requests"}  # maps whose values are resource quantities
+_SUFFIXES = {
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+    "P": Decimal("1e15"), "E": Decimal("1e18"),
+}  # fmt: skip
 
-    The API server adds defaults and other managers' fields, so `live` may hold more. Scalars
-    compare as strings, because the server normalises quantities (1 -> "1") and int-or-strings.
-    Lists compare item by item and must have the same length.
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes resource quantity as a number ("1536Mi" -> 1610612736), or None."""
+    text = str(value)
+    if isinstance(value, bool) or not re.match(QUANTITY_PATTERN, text):
+        return None
+    match = re.match(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9.]+)?)([KMGTPE]i|[numkMGTPE]?)$", text)
+    try:
+        if match is None:
+            return None
+        return Decimal(match.group(1)) * _SUFFIXES[match.group(2)]
+    except InvalidOperation:
+        return None
+
+
+def _list_key(items: list[Any]) -> str | None:
+    for key in LIST_KEYS:
+        if items and all(isinstance(i, dict) and key in i for i in items):
+            return key
+    return None
+
+
+def contains(live: Any, desired: Any, quantities: bool = False) -> bool:
+    """True when every field of `desired` is in `live` with the same meaning.
+
+    Dicts: `live` may hold more keys; an empty desired value may be absent. Lists of objects
+    with a key (name, mountPath, port): matched by key, `live` may hold more items. Other
+    lists: item by item, same length. Scalars compare as strings (the server turns 1 into "1"),
+    and values in `limits` / `requests` as quantities.
     """
     if isinstance(desired, dict):
         if not isinstance(live, dict):
-            return False
-        return all(k in live and contains(live[k], v) for k, v in desired.items())
+            return live is None and not desired
+        return all(
+            contains(live.get(k), v, quantities or k in QUANTITY_FIELDS)
+            if k in live
+            else v in ({}, [], None)
+            for k, v in desired.items()
+        )
     if isinstance(desired, list):
-        if not isinstance(live, list) or len(live) != len(desired):
-            return False
-        return all(contains(lv, dv) for lv, dv in zip(live, desired, strict=True))
+        if not isinstance(live, list):
+            return live is None and not desired
+        key = _list_key(desired)
+        if key is None:
+            return len(live) == len(desired) and all(
+                contains(lv, dv) for lv, dv in zip(live, desired, strict=True)
+            )
+        by_key = {i.get(key): i for i in live if isinstance(i, dict)}
+        return all(contains(by_key.get(d[key]), d) for d in desired)
     if isinstance(desired, bool) or isinstance(live, bool):
         return desired is live
-    return str(live) == str(desired)
+    if str(live) == str(desired):
+        return True
+    if quantities:
+        ours, theirs = quantity(desired), quantity(live)
+        return ours is not None and ours == theirs
+    return False
 
 
 def in_sync(live: dict[str, Any], desired: dict[str, Any]) -> bool:

@@ -10,6 +10,7 @@ from phasefleet.api.crd import API_VERSION, KIND
 
 FIELD_MANAGER = "phasefleet-operator"
 SPEC_HASH_ANNOTATION = "phasefleet.dev/spec-hash"  # on pod templates: inputs of the template
+APPLIED_HASH_ANNOTATION = "phasefleet.dev/applied-hash"  # on children: what the operator applied
 ROUTER = ROUTER_ROLE
 
 

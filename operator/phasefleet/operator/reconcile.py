@@ -9,6 +9,7 @@ reconcile would not, and `one_at_a_time` keeps two passes over one owner from in
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from phasefleet.operator.status import (
     status_changed,
 )
 
+log = logging.getLogger(__name__)
 PROBLEM_RETRY_SECONDS = 20  # how soon a missing PVC or Secret, or a rejected child, is retried
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -82,7 +84,12 @@ def rejected_problem(owner: Owner, obj: dict[str, Any], exc: Rejected) -> Proble
     """A child the API server refused, as one sentence: the child, the cause, the fix."""
     ref = f"{obj['kind']} {owner.namespace}/{obj['metadata']['name']}"
     cause = " ".join(exc.message.split())[:MAX_CAUSE]
-    if exc.code in (401, 403):
+    if "exceeded quota" in exc.message:
+        fix = (
+            f"raise the ResourceQuota in namespace {owner.namespace}, or ask for fewer"
+            f" replicas or resources in InferenceService {owner.namespace}/{owner.name}"
+        )
+    elif exc.code in (401, 403):
         fix = (
             "grant the operator's ServiceAccount this right (the chart's RBAC, and"
             f" watchNamespaces must include {owner.namespace})"
@@ -213,6 +220,12 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
         before = live.get(key(obj))
         if before is not None and in_sync(before, obj):
             continue
+        log.info(
+            "apply %s/%s: %s",
+            owner.namespace,
+            _ref(obj),
+            "differs from the live one" if before else "not there",
+        )
         try:
             after = api.apply(obj)
         except Rejected as exc:
