@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ def test_defaults_and_extra_keyed_items_from_other_managers_are_fine() -> None:
         "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
         "selector": {"a": "b"},
     }
-    live = {
+    live: dict[str, Any] = {
         "ports": [
             {"name": "metrics", "port": 9090, "protocol": "TCP", "targetPort": 9090},
             {"name": "http", "port": 80, "protocol": "TCP", "targetPort": "http"},
