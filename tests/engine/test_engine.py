@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from phasefleet.engine import llm_engine
 from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.detokenizer import IncrementalDetokenizer
 from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 from phasefleet.engine.model_runner import resolve_dtype
 from phasefleet.engine.sampling_params import SamplingParams
@@ -225,3 +227,99 @@ def test_dtype_auto_is_float32_on_cpu_and_16_bit_on_cuda(
     eng = LLMEngine(EngineConfig(model=str(tiny_model("llama")), device="cpu"))
     assert eng.dtype == "float32"
     assert eng.runner.dtype == torch.float32
+
+
+class BrokenDetokenizer(IncrementalDetokenizer):
+    """Raises from the detokenizer (update) or from the stop-string search."""
+
+    def __init__(self, tokenizer: object, stop: list[str], where: str) -> None:
+        super().__init__(tokenizer, stop)
+        self.where = where
+
+    def update(self, new_token_ids: list[int]) -> None:
+        if self.where == "detokenizer":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        super().update(new_token_ids)
+
+    def _find_stop(self, old_len: int) -> None:
+        raise RuntimeError("injected stop-string fault")
+
+
+def inject(eng: LLMEngine, request_id: str, fault: str) -> None:
+    """Break one running request the way a real fault would."""
+    if fault == "nan":
+        eng._rows[request_id].params.temperature = float("nan")  # past validation
+    elif fault == "generator":
+        eng._rows[request_id].generator = object()  # type: ignore[assignment]
+    else:
+        eng._detok[request_id] = BrokenDetokenizer(eng.tokenizer, ["zzz-never"], fault)
+
+
+def run_batch(eng: LLMEngine, fault: str | None) -> dict[str, RequestOutput]:
+    """Four neighbours (greedy, seeded, a stop string) and a fifth request that a fault hits
+    after three steps; each request's final output."""
+    prompts = random_prompts([9, 17, 12, 30, 14], seed=21)
+    params = [
+        greedy(12, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.9, top_p=0.8, seed=5, ignore_eos=True),
+        greedy(10, ignore_eos=True, stop=["zzz-never"]),
+        SamplingParams(max_tokens=11, temperature=1.3, top_k=40, seed=6, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+    ]
+    ids = ["n0", "n1", "n2", "n3", "victim"]
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        eng.add_request(rid, prompt, p)
+    final: dict[str, RequestOutput] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        if steps == 3 and fault is not None:
+            inject(eng, "victim", fault)
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        steps += 1
+    return final
+
+
+@pytest.mark.parametrize("fault", ["nan", "generator", "detokenizer", "stop_string"])
+def test_a_fault_in_one_request_leaves_its_batch_untouched(eng: LLMEngine, fault: str) -> None:
+    clean = run_batch(eng, None)
+    total = eng.stats().num_total_blocks
+    faulty = run_batch(eng, fault)
+    victim = faulty.pop("victim")
+    assert victim.finish_reason == "error" and victim.error
+    assert len(victim.output_token_ids) < len(clean["victim"].output_token_ids)
+    assert faulty.keys() == {"n0", "n1", "n2", "n3"}
+    for rid, out in faulty.items():
+        assert out.output_token_ids == clean[rid].output_token_ids, rid
+        assert (out.text, out.finish_reason) == (clean[rid].text, clean[rid].finish_reason)
+    assert eng.stats().num_free_blocks == total  # the victim's blocks are back
+    again = run_batch(eng, None)  # and the engine serves on as before
+    assert {r: o.output_token_ids for r, o in again.items()} == {
+        r: o.output_token_ids for r, o in clean.items()
+    }
+
+
+def test_a_seed_torch_cannot_take_is_refused_and_nothing_is_queued(eng: LLMEngine) -> None:
+    # The seed of issue 8: it used to be queued before its generator failed, and every later
+    # step then raised KeyError.
+    with pytest.raises(ValueError, match=r"^seed must be"):
+        eng.add_request("big", [1, 2, 3], SamplingParams(max_tokens=4, seed=2**64))
+    assert not eng.has_unfinished_requests()
+    (out,) = eng.generate([[1, 2, 3]], greedy(4, ignore_eos=True))
+    assert out.finish_reason == "length"
+
+
+def test_a_request_whose_setup_fails_is_not_queued(
+    eng: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(seed: int, device: torch.device) -> torch.Generator:
+        raise RuntimeError("no generator today")
+
+    monkeypatch.setattr(llm_engine, "make_generator", broken)
+    with pytest.raises(RuntimeError, match="no generator"):
+        eng.add_request("s", [1, 2, 3], SamplingParams(max_tokens=4, seed=1))
+    assert not eng.has_unfinished_requests()
+    assert eng.step() == []
+    eng.add_request("s", [1, 2, 3], greedy(2))  # the id is free again
+    assert [o.finish_reason for o in eng.step() + eng.step()][-1] == "length"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from phasefleet.engine.sampler import SamplingRow, make_generator, sample
+from phasefleet.engine.sampler import FAILED, SamplingRow, make_generator, sample
 from phasefleet.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -61,3 +61,46 @@ def test_temperature_sampling_follows_the_distribution() -> None:
         counts[sample(logits, [row(temperature=1.0)])[0]] += 1
     assert counts[2] == 0
     assert 120 < counts[0] < 280
+
+
+def test_top_p_below_float32_range_keeps_the_top_token() -> None:
+    # 5e-324 is 0 in float32: every token, the best included, used to be dropped (NaN).
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    rows = [row(seed=s, top_p=5e-324) for s in range(3)]
+    assert sample(logits, rows) == logits.argmax(-1).tolist()
+    assert all(r.error is None for r in rows)
+
+
+def test_temperature_below_float32_range_is_greedy() -> None:
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    rows = [row(seed=1, temperature=1e-300), row(temperature=1e-40)]
+    assert sample(logits, rows) == logits.argmax(-1).tolist()
+    assert all(r.error is None for r in rows)
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    logits = torch.randn(5, 60, generator=torch.Generator().manual_seed(4))
+
+    def batch() -> list[SamplingRow]:
+        return [
+            row(temperature=0),
+            row(seed=7, temperature=0.8, top_k=20),
+            row(seed=8, temperature=1.2, top_p=0.9),
+            row(seed=9),
+            row(temperature=0),
+        ]
+
+    clean_rows = batch()
+    clean = [sample(logits, clean_rows) for _ in range(10)]
+    faulty_rows = batch()
+    faulty_rows[1].params.temperature = float("nan")  # a distribution that is all NaN
+    faulty_rows[3].generator = object()  # type: ignore[assignment]  # a generator that raises
+    bad_logits = logits.clone()
+    bad_logits[4, 5] = float("nan")  # the model's own row is broken (greedy)
+    faulty = [sample(bad_logits, faulty_rows) for _ in range(10)]
+    for step_clean, step_faulty in zip(clean, faulty, strict=True):
+        assert [step_faulty[i] for i in (0, 2)] == [step_clean[i] for i in (0, 2)]
+        assert [step_faulty[i] for i in (1, 3, 4)] == [FAILED] * 3
+    assert [r.error is not None for r in faulty_rows] == [False, True, False, True, True]
+    assert "not finite" in str(faulty_rows[1].error)
+    assert all(r.error is None for r in clean_rows)

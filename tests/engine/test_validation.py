@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from phasefleet.engine.config import EngineConfig
-from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.sampler import make_generator
+from phasefleet.engine.sampling_params import (
+    API_SEED_MAX,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize(
@@ -18,10 +30,18 @@ from phasefleet.engine.sampling_params import SamplingParams
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.01), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=MAX_TEMPERATURE * 2), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
         (dict(seed="x"), "seed"),
+        (dict(seed=SEED_MAX + 1), "seed"),  # torch.Generator.manual_seed would raise
+        (dict(seed=SEED_MIN - 1), "seed"),
         (dict(stop=[""]), "stop"),
         (dict(stop="abc"), "stop"),
+        (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop"),
+        (dict(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -32,6 +52,19 @@ def test_sampling_params_errors_name_the_field(kwargs: dict[str, object], field:
 def test_default_sampling_params_are_valid() -> None:
     SamplingParams().validate()
     SamplingParams(temperature=0, top_k=0, top_p=1.0, seed=3, stop=["x"]).validate()
+
+
+def test_the_bounds_themselves_are_valid() -> None:
+    for seed in (SEED_MIN, SEED_MAX, API_SEED_MAX + MAX_N - 1):
+        SamplingParams(seed=seed).validate()
+        make_generator(seed, torch.device("cpu"))  # what the bound stands for
+    SamplingParams(
+        temperature=MAX_TEMPERATURE,
+        top_p=5e-324,
+        top_k=10**30,
+        stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+        stop_token_ids=[0] * MAX_STOP_TOKEN_IDS,
+    ).validate()
 
 
 @pytest.mark.parametrize(

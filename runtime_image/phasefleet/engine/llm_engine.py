@@ -1,7 +1,14 @@
-"""LLMEngine: the single-threaded engine loop (add requests, step, read outputs)."""
+"""LLMEngine: the single-threaded engine loop (add requests, step, read outputs).
+
+Failure isolation: whatever goes wrong for one request alone (its generator, a distribution that
+is not finite, detokenizing, stop strings) finishes that request with finish_reason 'error' and
+frees its blocks; the other requests of the step go on exactly as they would have. Only a failure
+of the step as a whole (scheduling, the forward pass) raises from `step()`.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,6 +29,8 @@ from phasefleet.engine.scheduler import Scheduler
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
 MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -109,17 +118,22 @@ class LLMEngine:
             params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
-        self.scheduler.add_request(request)
+        # Everything that can fail comes before the scheduler sees the request: a request it
+        # holds without a sampling row would fail every later step.
         gen = None if params.seed is None else make_generator(params.seed, self.device)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add_request(request)
         self._rows[request_id] = SamplingRow(params, gen)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._detok[request_id] = detok
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its final output (finish_reason 'abort') comes
         from the next step(). An unknown or finished id is a no-op."""
         req = self.scheduler.finish_request(request_id, "abort")
         if req is not None:
-            self._aborted.append(self._output(req, []))
+            detok = self._detok.get(request_id)
+            text = detok.text(final=True) if detok is not None else ""
+            self._aborted.append(self._output(req, [], text))
             self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -131,34 +145,58 @@ class LLMEngine:
         if out.is_empty:
             return outputs
         sampled = self.runner.execute(out, self._rows)
+        for s in out.scheduled:
+            row = self._rows.get(s.request.request_id)
+            if s.sample and row is not None and row.error is not None:
+                outputs.append(self._fail(s.request, row.error))
         for req in self.scheduler.update_from_output(out, sampled):
-            new = req.output_token_ids[-1:]
-            detok = self._detok[req.request_id]
-            detok.update(new)
-            if req.is_finished:
-                detok.flush()  # the held-back tail may still hold a stop string
-            if detok.stopped:
-                if req.is_finished:
-                    req.finish_reason = "stop"
-                else:
-                    self.scheduler.finish_request(req.request_id, "stop")
-            outputs.append(self._output(req, new))
-            if req.is_finished:
-                self._forget(req.request_id)
+            try:
+                outputs.append(self._advance(req))
+            except Exception as exc:  # a fault of this request alone (detokenizer, stop strings)
+                logger.exception("request %s failed", req.request_id)
+                outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
         return outputs
 
-    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+    def _advance(self, req: Request) -> RequestOutput:
+        """Detokenize the request's new token, apply stop strings; its output for this step."""
+        new = req.output_token_ids[-1:]
         detok = self._detok[req.request_id]
+        detok.update(new)
+        if req.is_finished:
+            detok.flush()  # the held-back tail may still hold a stop string
+        if detok.stopped:
+            if req.is_finished:
+                req.finish_reason = "stop"
+            else:
+                self.scheduler.finish_request(req.request_id, "stop")
+        output = self._output(req, new, detok.text(final=req.is_finished))
+        if req.is_finished:
+            self._forget(req.request_id)
+        return output
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """Finish one request with finish_reason 'error' (freeing its blocks); its last output."""
+        if req.is_finished:
+            req.finish_reason = "error"
+        else:
+            self.scheduler.finish_request(req.request_id, "error")
+        self._forget(req.request_id)
+        return self._output(req, [], "", error)
+
+    def _output(
+        self, req: Request, new: list[int], text: str, error: str | None = None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=list(new),
             output_token_ids=list(req.output_token_ids),
-            text=detok.text(final=req.is_finished),
+            text=text,
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_scheduled_time=req.first_scheduled_time,
+            error=error,
         )
 
     def _forget(self, request_id: str) -> None:

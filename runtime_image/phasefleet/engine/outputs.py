@@ -17,12 +17,15 @@ class RequestOutput:
     trailing text that could start a stop string are held back; a stop string is excluded."""
     finished: bool
     finish_reason: str | None
-    """'stop' (eos, stop string or stop token) | 'length' | 'abort'; None while running."""
+    """'stop' (eos, stop string or stop token) | 'length' | 'abort' | 'error' (this request alone
+    failed; see `error`); None while running."""
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
     first_scheduled_time: float | None
     """time.monotonic() when first scheduled (for the queue-time metric)."""
+    error: str | None = None
+    """What went wrong, when finish_reason is 'error' (then `text` is empty)."""
 
 
 @dataclass

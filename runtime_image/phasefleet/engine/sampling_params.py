@@ -1,26 +1,51 @@
-"""SamplingParams: how one request picks its tokens and when it stops."""
+"""SamplingParams: how one request picks its tokens and when it stops, and the bounds of each field.
+
+The bounds below are the one definition: `SamplingParams.validate` enforces them in the engine and
+the worker's API models (`phasefleet.server.openai_protocol`) declare the same ones, so a value out
+of range is a 400 naming the field before it reaches the engine.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TEMPERATURE = 100.0
+"""Highest temperature; far past OpenAI's 2, and sampling is near uniform long before it."""
+MIN_TOP_K = -1
+"""top_k of -1 or 0 disables top-k; a top_k above the vocabulary keeps every token."""
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+"""A request's seed: what torch.Generator.manual_seed accepts (it maps negatives onto unsigned)."""
+API_SEED_MAX = 2**63 - 1
+"""The API's `seed` is a signed 64-bit integer, as OpenAI's; choice i samples with seed + i, which
+stays within SEED_MAX for any number of choices up to MAX_N."""
+MAX_N = 16
+"""Choices one API request may ask for (each is one engine request)."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+"""Stop strings are searched in each new piece of text on the engine thread, so both are bounded."""
+MAX_STOP_TOKEN_IDS = 256
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    """Most output tokens to generate."""
+    """Most output tokens to generate, >= 1."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax)."""
+    """Softmax temperature in [0, MAX_TEMPERATURE]; 0 means greedy (argmax)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, (0, 1]."""
     top_k: int = -1
     """Keep only the k most likely tokens; -1 or 0 disables."""
     seed: int | None = None
-    """Seed of this request's own random generator: same seed, same tokens."""
+    """Seed of this request's own random generator, in [SEED_MIN, SEED_MAX]: same seed, same
+    tokens."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings; the output text ends before the first one found."""
+    """Stop strings (at most MAX_STOP_STRINGS, each 1..MAX_STOP_STRING_CHARS characters); the
+    output text ends before the first one found."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that finish the request (the token is kept in output_token_ids)."""
+    """Token ids that finish the request (the token is kept in output_token_ids); at most
+    MAX_STOP_TOKEN_IDS."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
 
@@ -28,24 +53,37 @@ class SamplingParams:
         """Raise ValueError naming the first field whose value is out of range."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < MIN_TOP_K:
             raise ValueError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(
+                f"seed must be None or an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
+            )
+        if (
+            not isinstance(self.stop, list)
+            or len(self.stop) > MAX_STOP_STRINGS
+            or not all(_is_stop_string(s) for s in self.stop)
         ):
             raise ValueError(
-                "stop_token_ids must be a list of non-negative integers, "
-                f"got {self.stop_token_ids!r}"
+                f"stop must be a list of at most {MAX_STOP_STRINGS} strings of 1 to "
+                f"{MAX_STOP_STRING_CHARS} characters, got {_short(self.stop)}"
+            )
+        if (
+            not isinstance(self.stop_token_ids, list)
+            or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+            or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative "
+                f"integers, got {_short(self.stop_token_ids)}"
             )
 
     @property
@@ -59,3 +97,12 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _is_stop_string(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_STOP_STRING_CHARS
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
