@@ -10,7 +10,14 @@ Starts the e2e control plane, installs the chart (operator Deployment at 0) and 
 3. restarts the operator and counts writes again (resume must be idempotent);
 4. reports the operator's resident memory (steady and peak).
 
-    .venv/bin/python bench/operator_scale.py --count 50
+Before the operator starts, `--unrelated` Deployments (replicas 0, no phasefleet label) are
+created in another namespace, and after the services are Ready every one of them is
+annotated: a cluster's other workloads. The operator watches its children through a
+server-side label selector, so neither should reach it; the bench reports the bytes the
+operator process read (`rchar` in /proc/PID/io: API responses and watch streams) while they
+were listed at start and while they changed.
+
+    .venv/bin/python bench/operator_scale.py --count 50 --unrelated 500
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from e2e.test_operator_support import (  # noqa: E402
 )
 
 NAMESPACE = "scale"
+NOISE_NAMESPACE = "noise"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -50,6 +58,34 @@ def service(i: int) -> dict[str, Any]:
         "metadata": {"name": f"svc-{i:03d}"},
         "spec": {"model": {"image": {"path": "/models/tiny"}}, "prefill": pool, "decode": pool},
     }
+
+
+def unrelated_deployment(i: int) -> dict[str, Any]:
+    labels = {"app": f"other-{i:03d}"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"other-{i:03d}", "labels": labels},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "app", "image": "registry.example/app:1"}]},
+            },
+        },
+    }
+
+
+def bytes_read(operator: Operator) -> int:
+    """Bytes the operator process read from files and sockets (/proc/PID/io rchar)."""
+    pid = operator.component.pid
+    if pid is None:
+        raise RuntimeError("the operator is not running")
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("no rchar")
 
 
 def versions(cluster: ControlPlane) -> dict[str, str]:
@@ -87,6 +123,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=50)
     parser.add_argument("--settle-seconds", type=float, default=30.0)
+    parser.add_argument("--unrelated", type=int, default=500, help="other Deployments")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="phasefleet-bench-"))
@@ -95,10 +132,18 @@ def main() -> int:
     try:
         install_chart(cluster)
         cluster.kubectl("create", "namespace", NAMESPACE)
+        cluster.kubectl("create", "namespace", NOISE_NAMESPACE)
+        if args.unrelated:
+            noise = "\n---\n".join(
+                json.dumps(unrelated_deployment(i)) for i in range(args.unrelated)
+            )
+            cluster.kubectl("create", "-n", NOISE_NAMESPACE, "-f", "-", input=noise)
         kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
         operator = Operator(cluster, kubeconfig, workdir)
         operator.start()
+        time.sleep(5)  # initial lists and watches are done
         idle_rss = operator.rss_mib()
+        startup_read = bytes_read(operator)
 
         created: dict[str, float] = {}
         ready_at: dict[str, float] = {}
@@ -133,6 +178,20 @@ def main() -> int:
         time.sleep(args.settle_seconds)
         settled_writes = sum(1 for k, v in versions(cluster).items() if before.get(k) != v)
 
+        read_before = bytes_read(operator)
+        churn_start = time.monotonic()
+        if args.unrelated:
+            cluster.kubectl(
+                "annotate", "deployments", "--all", "-n", NOISE_NAMESPACE,
+                "bench.phasefleet.dev/touched=1", "--overwrite",
+            )  # fmt: skip
+        time.sleep(5)
+        churn_seconds = time.monotonic() - churn_start
+        churn_read = bytes_read(operator) - read_before
+        quiet_start = bytes_read(operator)
+        time.sleep(churn_seconds)
+        quiet_read = bytes_read(operator) - quiet_start
+
         peak_rss = operator.peak_rss_mib()
         log_size = len(operator.log())
         operator.stop()
@@ -152,7 +211,10 @@ def main() -> int:
         cluster.destroy()
 
     objects = len(before)
-    print(f"## Operator scale ({args.count} InferenceServices, {objects} objects watched)\n")
+    print(
+        f"## Operator scale ({args.count} InferenceServices, {objects} of their objects,"
+        f" {args.unrelated} unrelated Deployments)\n"
+    )
     print("| measure | value |")
     print("|---|---|")
     print(f"| all {args.count} Ready after create | {total:.1f} s |")
@@ -175,6 +237,11 @@ def main() -> int:
     print(f"| writes caused by the restart | {restart_writes} |")
     rss = f"{idle_rss:.0f} / {loaded_rss:.0f} / {peak_rss:.0f} / {restarted_rss:.0f}"
     print(f"| operator RSS: idle / {args.count} Ready / peak / after restart | {rss} MiB |")
+    print(f"| operator bytes read, start to idle (incl. Python imports) | {startup_read:,} |")
+    print(
+        f"| operator bytes read while {args.unrelated} unrelated Deployments changed"
+        f" ({churn_seconds:.0f} s) / same time quiet | {churn_read:,} / {quiet_read:,} |"
+    )
     return 0
 
 

@@ -59,6 +59,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # would otherwise stop all events without an error.
     settings.watching.server_timeout = 300  # seconds
     settings.watching.client_timeout = 330  # seconds
+    # Children are watched through a server-side label selector: the `labels=` filter of the
+    # child handlers below only filters client-side, after every Deployment, Service and PDB
+    # in the cluster has been listed, streamed and kept in memory.
+    for child in CHILD_KINDS:
+        key = (child.group, child.version, child.plural)
+        settings.watching.label_selectors[key] = ISVC_LABEL
     if getattr(memo, "api", None) is None:
         memo.api = Kube.from_environment()
 
