@@ -303,11 +303,38 @@ def test_a_pod_that_cannot_start_is_reported_with_the_fix():
     assert fresh(api)["status"]["observedGeneration"] == 1
 
 
-def test_invalid_name_is_permanent_and_says_why():
-    api, body = setup()
-    body["metadata"]["name"] = "llama-3.1-8b"
+def test_invalid_name_is_permanent_reported_in_status_and_says_why():
+    api = FakeApi()
+    body = api.add(make_isvc("llama-3.1-8b"))  # created before the CRD had its name rules
     with pytest.raises(InvalidSpec, match="no dots"):
         reconcile(api, body, NOW)
+    status = fresh(api, "llama-3.1-8b")["status"]
+    assert "observedGeneration" not in status
+    degraded = condition(fresh(api, "llama-3.1-8b"), "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and degraded["status"] == "True"
+    assert degraded["message"].startswith(
+        "InferenceService team-a/llama-3.1-8b is invalid, change it: metadata.name must"
+    )
+    assert condition(fresh(api, "llama-3.1-8b"), "Ready")["status"] == "False"
+    assert not any(kind == "Deployment" for kind, _, _ in api.objects)
+
+
+def test_invalid_spec_change_keeps_the_last_good_state_and_is_one_line():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    api.set_ready(NAMESPACE)
+    reconcile(api, fresh(api), NOW)
+    body = fresh(api)
+    body["spec"]["prefill"]["minReplicas"] = 5  # possible only with an older CRD
+    body["metadata"]["generation"] = 2
+    with pytest.raises(InvalidSpec):
+        reconcile(api, body, LATER)
+    status = fresh(api)["status"]
+    assert status["observedGeneration"] == 1 and status["endpoint"].startswith("http://")
+    assert status["pools"]["decode"]["readyReplicas"] == 2
+    message = condition(fresh(api), "Degraded")["message"]
+    assert "spec.prefill: minReplicas" in message and "\n" not in message
+    assert "errors.pydantic.dev" not in message
 
 
 def test_a_settled_service_gets_no_apply_despite_normalised_quantities_and_foreign_ports():

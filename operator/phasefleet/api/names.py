@@ -64,4 +64,13 @@ def validate_service(name: str, spec: dict[str, Any]) -> InferenceServiceSpec:
     try:
         return parse_spec(spec)
     except ValidationError as exc:
-        raise InvalidService(str(exc)) from exc
+        raise InvalidService(readable(exc)) from exc
+
+
+def readable(exc: ValidationError) -> str:
+    """pydantic's errors as one line: `spec.<field>: <what is wrong>; ...`."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(["spec", *(str(part) for part in error["loc"])])
+        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)

@@ -27,6 +27,7 @@ from phasefleet.operator.status import (
     MAX_CAUSE,
     Problem,
     compute_status,
+    invalid_status,
     pool_ready,
     status_changed,
 )
@@ -162,6 +163,28 @@ def _pods(api: Api, owner: Owner, deployments: dict[str, dict[str, Any]]) -> lis
     return api.list("Pod", owner.namespace, f"{ISVC_LABEL}={owner.name}") if short else []
 
 
+def _apply_status(api: Api, owner: Owner, status: dict[str, Any]) -> None:
+    api.apply_status(
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": owner.name, "namespace": owner.namespace},
+            "status": status,
+        }
+    )
+
+
+def write_invalid_status(api: Api, body: dict[str, Any], message: str, now: str) -> bool:
+    """Reports a spec the operator cannot use (InvalidSpec) in status; True when it wrote."""
+    previous = dict(body.get("status") or {})
+    generation = int(body["metadata"].get("generation") or 0)
+    status = invalid_status(generation, previous, Problem("InvalidSpec", message), now)
+    if not status_changed(status, previous):
+        return False
+    _apply_status(api, Owner.from_body(body), status)
+    return True
+
+
 def write_status(
     api: Api,
     body: dict[str, Any],
@@ -185,14 +208,7 @@ def write_status(
     )  # fmt: skip
     if not status_changed(status, previous):
         return False
-    api.apply_status(
-        {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "metadata": {"name": owner.name, "namespace": owner.namespace},
-            "status": status,
-        }
-    )
+    _apply_status(api, owner, status)
     return True
 
 
@@ -205,7 +221,11 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
     a Degraded status that leaves the generation unobserved), kube.Transient, kube.Rejected.
     """
     owner = Owner.from_body(body)
-    spec = parse(body)
+    try:
+        spec = parse(body)
+    except InvalidSpec as exc:
+        write_invalid_status(api, body, str(exc), now)
+        raise
     live = live_children(api, owner)
     deployments = _deployments(live)
     problem = preflight(api, owner, spec)

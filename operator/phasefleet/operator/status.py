@@ -199,13 +199,7 @@ def compute_status(
     else:
         degraded = _condition(DEGRADED, False, "AsExpected", "", generation)
 
-    before = {c["type"]: c for c in previous.get("conditions") or []}
-    conditions = []
-    for cond in (ready, progressing, degraded):
-        old = before.get(cond["type"])
-        same = old is not None and old.get("status") == cond["status"]
-        cond["lastTransitionTime"] = old.get("lastTransitionTime") if same and old else now
-        conditions.append(cond)
+    conditions = _transitions([ready, progressing, degraded], previous, now)
 
     def summary(role: str) -> str:
         return f"{pools[role]['readyReplicas']}/{pools[role]['desiredReplicas']}"
@@ -222,9 +216,53 @@ def compute_status(
     }
 
 
+def _transitions(
+    conditions: list[dict[str, Any]], previous: dict[str, Any], now: str
+) -> list[dict[str, Any]]:
+    """Sets lastTransitionTime: kept from `previous` while a condition's status holds."""
+    before = {c["type"]: c for c in previous.get("conditions") or []}
+    for cond in conditions:
+        old = before.get(cond["type"])
+        same = old is not None and old.get("status") == cond["status"]
+        cond["lastTransitionTime"] = old.get("lastTransitionTime") if same and old else now
+    return conditions
+
+
+POOL_FIELDS = ("replicas", "readyReplicas", "desiredReplicas")  # the operator's, in pools.*
+
+
+def invalid_status(
+    generation: int, previous: dict[str, Any], problem: Problem, now: str
+) -> dict[str, Any]:
+    """Status for a spec the operator cannot use: not Ready, Degraded, this generation unobserved.
+
+    The operator's other fields keep their last values (the children of the last good spec
+    still run), so applying this does not drop them.
+    """
+    kept: dict[str, Any] = {
+        k: previous[k]
+        for k in ("observedGeneration", "prefillReady", "decodeReady", "endpoint")
+        if k in previous
+    }
+    if previous.get("pools"):
+        kept["pools"] = {
+            role: {k: v for k, v in pool.items() if k in POOL_FIELDS}
+            for role, pool in previous["pools"].items()
+        }
+    conditions = [
+        _condition(READY, False, problem.reason, problem.message, generation),
+        _condition(
+            PROGRESSING, False, problem.reason, "nothing rolls out until the spec is fixed",
+            generation,
+        ),
+        _condition(DEGRADED, True, problem.reason, problem.message, generation),
+    ]  # fmt: skip
+    return {**kept, "conditions": _transitions(conditions, previous, now)}
+
+
 def status_changed(desired: dict[str, Any], previous: dict[str, Any]) -> bool:
     """Whether applying `desired` would change anything (so unchanged status is not written)."""
-    stale_pools = set(previous.get("pools") or {}) - set(desired["pools"])
+    stale_pools = set(previous.get("pools") or {}) - set(desired.get("pools") or {})
     if stale_pools:
         return True
     without_conditions = {k: v for k, v in desired.items() if k != "conditions"}
