@@ -13,6 +13,13 @@ import httpx
 import openai
 import pytest
 
+from phasefleet.engine.sampling_params import (
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+)
 from tests.server.worker_proc import Worker, parse_metrics, run_worker
 
 PROMPT = "The prefill worker reads the whole prompt"
@@ -274,6 +281,18 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None]] = [
     ({"model": "tiny", "prompt": "hi", "stop": ""}, 400, "stop"),
     ({"model": "tiny", "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
     ({"model": "tiny", "prompt": "hi", "seed": "abc"}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "seed": 2**64}, 400, "seed"),  # manual_seed would raise
+    ({"model": "tiny", "prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    ({"model": "tiny", "prompt": "hi", "temperature": MAX_TEMPERATURE + 1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "stop": ["x"] * (MAX_STOP_STRINGS + 1)}, 400, "stop"),
+    ({"model": "tiny", "prompt": "hi", "stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, 400, "stop"),
+    (
+        {"model": "tiny", "prompt": "hi", "stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)},
+        400,
+        "stop_token_ids",
+    ),
+    # More engine requests (prompts x n) than the whole waiting queue (256): never a 429.
+    ({"model": "tiny", "prompt": ["a"] * 17, "n": 16}, 400, "prompt"),
     ({"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "hi", "stream_options": {}}, 400, "stream_options"),
 ]  # fmt: skip
@@ -290,6 +309,8 @@ BAD_CHATS: list[tuple[dict[str, Any], int, str | None]] = [
     ({"model": "tiny", "messages": HI, "max_tokens": 5000}, 400, "max_tokens"),
     ({"model": "tiny", "messages": HI, "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "messages": HI, "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "messages": HI, "seed": 2**63}, 400, "seed"),
+    ({"model": "tiny", "messages": HI, "n": MAX_N + 1}, 400, "n"),
     ({"model": "tiny", "messages": HI, "logprobs": True}, 400, "logprobs"),
     ({"model": "tiny", "messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
 ]  # fmt: skip
@@ -329,6 +350,22 @@ def test_malformed_json_is_400(worker: Worker, raw: bytes) -> None:
         headers={"content-type": "application/json"},
     )
     assert_error_shape(response, 400, None)
+
+
+def test_issue_8_requests_leave_the_worker_serving(worker: Worker, client: openai.OpenAI) -> None:
+    # The seed used to be queued before its generator failed, and the worker then died.
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "seed": 18446744073709551616}
+    response = httpx.post(f"{worker.base_url}/v1/completions", json=body, timeout=30)
+    assert_error_shape(response, 400, "seed")
+    # A top_p that is 0 in float32 used to turn the distribution into NaN: now it is greedy.
+    messages: Any = [{"role": "user", "content": "hi"}]
+    same: Any = {"model": "tiny", "messages": messages, "max_tokens": 6}
+    tiny_p = client.chat.completions.create(top_p=5e-324, extra_body={"ignore_eos": True}, **same)
+    greedy = client.chat.completions.create(temperature=0, extra_body={"ignore_eos": True}, **same)
+    assert tiny_p.choices[0].message.content == greedy.choices[0].message.content
+    assert httpx.get(f"{worker.base_url}/health").status_code == 200
+    again = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=2**63 - 1)
+    assert again.choices[0].finish_reason in ("length", "stop")
 
 
 def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:

@@ -44,6 +44,7 @@ def test_flags_and_defaults() -> None:
     assert (defaults.role, defaults.port, defaults.host, defaults.dtype) == (
         "both", 8000, "0.0.0.0", "auto",
     )  # fmt: skip
+    assert (defaults.max_request_bytes, defaults.stall_timeout) == (16 * 2**20, 120.0)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +66,10 @@ def test_bad_settings_exit_2_before_loading_anything(
     assert "max_num_seqs must be a positive integer" in capsys.readouterr().err
     assert cli.run(parse("--model", str(tiny_model), "--max-queue-len", "0")) == 2
     assert "max_queue_len must be >= 1" in capsys.readouterr().err
+    assert cli.run(parse("--model", str(tiny_model), "--max-request-bytes", "0")) == 2
+    assert "max_request_bytes must be >= 1" in capsys.readouterr().err
+    assert cli.run(parse("--model", str(tiny_model), "--stall-timeout", "-1")) == 2
+    assert "stall_timeout must be > 0 seconds" in capsys.readouterr().err
 
 
 def test_importing_the_cli_does_not_import_torch_or_fastapi() -> None:

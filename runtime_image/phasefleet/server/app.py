@@ -1,7 +1,10 @@
-"""The worker's FastAPI app: OpenAI endpoints, /health, /metrics.
+"""The worker's FastAPI app: OpenAI endpoints, /health (readiness), /health/live (liveness),
+/metrics.
 
 The engine starts in the app's lifespan (it needs the running event loop) and loads the model in
 its own thread, so /health answers 503 while the model loads instead of refusing connections.
+/health says whether to send this worker work; /health/live only whether to restart it: it stays
+200 while loading and draining, and fails when the engine is broken or stalled.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from phasefleet.server.body_limit import BodyLimit
 from phasefleet.server.chat import create_chat_completion
 from phasefleet.server.completions import create_completion
 from phasefleet.server.errors import install_error_handlers
@@ -38,10 +42,13 @@ def build_app(state: WorkerState) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(state.engine.stop)
+            state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="PhaseFleet worker", lifespan=lifespan)
     app.state.worker = state
     install_error_handlers(app)
+    if state.max_request_bytes is not None:
+        app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
 
     async def on_client_gone(_: Request, __: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -51,8 +58,9 @@ def build_app(state: WorkerState) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         engine = state.engine
-        if engine.fatal_error is not None:
-            status = "engine_failed"
+        problem = engine.liveness()
+        if problem is not None:
+            status = problem
         elif state.draining:
             status = "draining"
         elif not engine.ready:
@@ -60,6 +68,13 @@ def build_app(state: WorkerState) -> FastAPI:
         else:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        problem = state.engine.liveness()
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
+        return JSONResponse({"status": "alive"})
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -8,11 +8,17 @@ with one `loop.call_soon_threadsafe` call. Every HTTP request gets a `RequestStr
 cover several engine requests (n > 1, or a batch of prompts); its events are tagged with the
 choice index.
 
-Failure policy: an exception from `step()` fails every request then in the engine (a step is
+Failure policy: a fault of one request (its setup in `add_request`, its sampling or detokenizing
+in a step) fails that request alone; the engine reports it and the worker answers that request
+with a 500. An exception from `step()` itself fails every request then in the engine (a step is
 one batch, so the culprit is unknown) with an engine error (HTTP 500), aborts them, and the
-worker keeps serving. `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, or a failure to
-build the engine, mean the engine is broken for good: `fatal_error` is set, `on_fatal` runs (the
-CLI then exits non-zero) and new requests are refused.
+worker keeps serving. `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, a failure to build
+the engine, or anything escaping the engine thread's loop mean the engine is broken for good:
+`fatal_error` is set, `on_fatal` runs (the CLI then exits non-zero) and new requests are refused.
+
+Liveness: the engine thread notes when it starts each round of work (commands, then one step).
+`liveness()` reports the engine stalled when one round has run longer than `stall_timeout`
+seconds (a stuck step), and failed when the thread is gone; idle waiting is never a stall.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+DEFAULT_STALL_TIMEOUT = 120.0  # seconds one round of engine work may take before it is stalled
 
 
 class QueueFullError(Exception):
@@ -48,6 +55,10 @@ class EngineNotReadyError(Exception):
 
 class EngineStepError(Exception):
     """The engine raised while running a step that included this request."""
+
+
+class RequestFailedError(Exception):
+    """The engine could not take this request for a reason of its own (not a bad value)."""
 
 
 @dataclass
@@ -128,10 +139,15 @@ class AsyncEngine:
         make_engine: Callable[[], LLMEngine],
         max_queue_len: int,
         on_fatal: Callable[[BaseException], None] | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._make_engine = make_engine
         self.max_queue_len = max_queue_len
         self.on_fatal = on_fatal
+        self.stall_timeout = stall_timeout  # seconds
+        self.clock = clock
+        self._busy_since: float | None = None  # clock() when the current round of work began
         self._cond = threading.Condition()
         self._shared = _Shared()  # guarded by _cond
         self._stop = False
@@ -161,6 +177,20 @@ class AsyncEngine:
         """The stats as of the engine thread's last step or command batch."""
         return self._shared.stats
 
+    def liveness(self) -> str | None:
+        """None while the engine thread lives and makes progress (loading included), else why
+        not: 'engine_failed' (broken for good, or its thread is gone) or 'engine_stalled' (one
+        round of work has run longer than stall_timeout)."""
+        if self.fatal_error is not None:
+            return "engine_failed"
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stop:
+            return "engine_failed"
+        busy_since = self._busy_since
+        if self.ready and busy_since is not None and self.clock() - busy_since > self.stall_timeout:
+            return "engine_stalled"
+        return None
+
     def submit(
         self,
         request_ids: list[str],
@@ -171,6 +201,11 @@ class AsyncEngine:
         """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError."""
         if not self.ready or self.fatal_error is not None:
             raise EngineNotReadyError("the engine is not ready")
+        if len(request_ids) > self.max_queue_len:  # would never fit: not a QueueFullError
+            raise ValueError(
+                f"{len(request_ids)} engine requests are more than the whole waiting queue "
+                f"({self.max_queue_len})"
+            )
         stream = RequestStream(self, request_ids, arrival_time)
         with self._cond:
             stats = self._shared.stats
@@ -218,14 +253,25 @@ class AsyncEngine:
             "engine ready: %s, %s on %s, linears %s, max_model_len=%d", engine.model_name,
             engine.dtype, engine.device, engine.runner.model.linear_backend, engine.max_model_len,
         )  # fmt: skip
+        try:
+            self._loop(engine)
+        except BaseException as exc:  # the loop itself broke: no request can be served now
+            logger.exception("the engine loop failed")
+            self._fail_for_good(exc)
+
+    def _loop(self, engine: LLMEngine) -> None:
         failures = 0
         while True:
             with self._cond:
+                if not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
+                    self._busy_since = None
                 while not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
                     self._cond.wait()
                 if self._stop:
+                    self._busy_since = None
                     return
                 commands, self._shared.commands = self._shared.commands, []
+            self._busy_since = self.clock()
             self._apply(engine, commands)
             if not engine.has_unfinished_requests():
                 continue
@@ -273,6 +319,10 @@ class AsyncEngine:
                     engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_time)
                 except ValueError as exc:
                     error = exc
+                    break
+                except Exception as exc:  # this request's own setup failed; nothing was queued
+                    logger.exception("could not add request %s", request_id)
+                    error = RequestFailedError(f"the engine could not take this request: {exc!r}")
                     break
                 self._tracked[request_id] = _Tracked(stream, index)
             if error is not None:

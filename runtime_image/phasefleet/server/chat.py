@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from phasefleet.server.errors import bad_request
 from phasefleet.server.generation import (
     Generation,
+    check_queue_room,
     check_supported,
     output_budget,
     sampling_params,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 
 def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
+    """The prompt's token ids; templates and tokenizes, so it runs on the tokenizer thread."""
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         ids = state.tokenizer.apply_chat_template(
@@ -62,7 +64,8 @@ async def create_chat_completion(
     state.check_model(req.model)
     check_supported(req)
     state.check_accepting()
-    prompt = render(req, state)
+    check_queue_room(1, req.n, state.engine.max_queue_len, "messages")
+    prompt = await state.off_loop(render, req, state)
     budget = output_budget(
         len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
     )

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from phasefleet.api.contract import WORKER_PORT, EngineRole, WorkerFlag
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
+from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
 DEFAULT_DRAIN_TIMEOUT = 25.0  # seconds; under Kubernetes' default 30 s grace period
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # request bodies larger than this get 413
 GRACEFUL_SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for open connections after a drain
 
 logger = logging.getLogger("phasefleet.worker")
@@ -74,6 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DRAIN_TIMEOUT,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body in bytes; a larger one is answered 413",
+    )
+    server.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT,
+        help="seconds one engine step may run before /health/live reports the engine stalled",
+    )
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
@@ -96,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
         config.validate()
         if args.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
+        if args.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
+        if not args.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
         if not (Path(args.model) / "config.json").is_file():
             raise ValueError(f"model must be a Hugging Face model folder, got {args.model!r}")
     except ValueError as exc:
@@ -123,7 +141,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if server is not None:
             server.should_exit = True
 
-    engine = AsyncEngine(lambda: LLMEngine(config), args.max_queue_len, on_fatal)
+    engine = AsyncEngine(
+        lambda: LLMEngine(config), args.max_queue_len, on_fatal, stall_timeout=args.stall_timeout
+    )
     state = WorkerState(
         engine=engine,
         tokenizer=AutoTokenizer.from_pretrained(args.model),
@@ -132,6 +152,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         model_path=args.model,
         role=args.role,
         metrics=WorkerMetrics(served_name, args.role, engine.stats),
+        max_request_bytes=args.max_request_bytes,
     )
     uv_config = uvicorn.Config(
         build_app(state),

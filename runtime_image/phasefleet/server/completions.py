@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from phasefleet.server.generation import (
     Generation,
+    check_queue_room,
     check_supported,
     output_budget,
     sampling_params,
@@ -30,7 +31,15 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+def num_prompts(req: CompletionRequest) -> int:
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
+
+
 def prompts_of(req: CompletionRequest, state: WorkerState) -> list[list[int]]:
+    """Token ids of every prompt; tokenizes, so it runs on the tokenizer thread."""
     prompt = req.prompt
     if isinstance(prompt, str):
         return [state.check_token_ids(state.encode(prompt), "prompt")]
@@ -50,7 +59,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     state.check_model(req.model)
     check_supported(req)
     state.check_accepting()
-    prompts = prompts_of(req, state)
+    check_queue_room(num_prompts(req), req.n, state.engine.max_queue_len, "prompt")
+    prompts = await state.off_loop(prompts_of, req, state)
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
     max_len = state.engine.max_model_len
     choice_prompts, params = [], []

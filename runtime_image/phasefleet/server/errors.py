@@ -84,6 +84,19 @@ def engine_failed(message: str) -> APIError:
     return APIError(500, message, type="internal_server_error", code="engine_error")
 
 
+def request_failed(message: str) -> APIError:
+    """This request alone failed inside the engine; its batch neighbours were not affected."""
+    return APIError(500, message, type="internal_server_error", code="request_failed")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than {limit} bytes (the worker's --max-request-bytes)",
+        code="request_too_large",
+    )
+
+
 def param_of(loc: tuple[Any, ...]) -> str | None:
     """`("body", "messages", 0, "role")` -> "messages.0.role"; union tags are dropped."""
     parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and _is_type_tag(p))]
@@ -91,7 +104,7 @@ def param_of(loc: tuple[Any, ...]) -> str | None:
 
 
 def _is_type_tag(part: str) -> bool:
-    return "[" in part or part in _TYPE_TAGS
+    return "[" in part or part in _TYPE_TAGS or part.startswith("constrained-")
 
 
 def _describe(error: dict[str, Any]) -> str:
@@ -110,7 +123,9 @@ def _describe(error: dict[str, Any]) -> str:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    errors = list(exc.errors())
+    # A union field fails once per member; the type mismatches ("should be a valid string") are
+    # the least telling, so they go last.
+    errors = sorted(exc.errors(), key=lambda e: str(e.get("type", "")).endswith("_type"))
     if not errors:
         return bad_request("invalid request", None)
     first = errors[0]
@@ -129,6 +144,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(_: Request, error: Exception) -> JSONResponse:
         exc = cast(StarletteHTTPException, error)
+        if exc.status_code == 413:  # raised by BodyLimit
+            return APIError(413, str(exc.detail), code="request_too_large").response()
         error_type = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
         return APIError(
             exc.status_code, str(exc.detail), type=error_type, headers=dict(exc.headers or {})

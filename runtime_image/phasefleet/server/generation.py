@@ -18,9 +18,16 @@ from phasefleet.server.async_engine import (
     EngineStepError,
     Event,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
 )
-from phasefleet.server.errors import bad_request, engine_failed, queue_full, unavailable
+from phasefleet.server.errors import (
+    bad_request,
+    engine_failed,
+    queue_full,
+    request_failed,
+    unavailable,
+)
 from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
 
@@ -56,6 +63,17 @@ def check_supported(req: SamplingFields) -> None:
         raise bad_request(f"'{name}' is not supported by this worker", name)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def check_queue_room(num_prompts: int, n: int, max_queue_len: int, prompt_field: str) -> None:
+    """A request of more engine requests (prompts x n) than the whole waiting queue holds can
+    never be admitted: 400, not a 429 that retrying cannot fix."""
+    if num_prompts * n > max_queue_len:
+        raise bad_request(
+            f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} engine requests, more than "
+            f"this worker's whole waiting queue ({max_queue_len}); send fewer per request",
+            "n" if n > max_queue_len else prompt_field,
+        )
 
 
 def output_budget(
@@ -115,6 +133,9 @@ class Generation:
         except ValueError as exc:
             self.close()
             raise bad_request(str(exc), self.prompt_field) from None
+        except RequestFailedError as exc:
+            self.close()
+            raise request_failed(str(exc)) from None
         except EngineStepError as exc:
             self.close()
             raise engine_failed(str(exc)) from None
@@ -128,6 +149,10 @@ class Generation:
         try:
             async for event in self.stream:
                 self._observe(event)
+                if event.output.finish_reason == "error":
+                    raise request_failed(
+                        f"the engine could not finish this request: {event.output.error}"
+                    )
                 yield event
         except EngineStepError as exc:
             raise engine_failed(str(exc)) from None
@@ -151,7 +176,7 @@ class Generation:
                 m.inter_token_latency.observe(event.time - timing.last_token_time)
             timing.last_token_time = event.time
             timing.num_tokens += len(out.new_token_ids)
-        if out.finished and out.finish_reason != "abort":
+        if out.finished and out.finish_reason not in ("abort", "error"):
             m.e2e_request_latency.observe(event.time - self.arrival_time)
             first, last = timing.first_token_time, timing.last_token_time
             if first is not None and last is not None and timing.num_tokens > 1:

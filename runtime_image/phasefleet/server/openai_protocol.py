@@ -2,8 +2,9 @@
 
 Requests carry vLLM-style extensions (`top_k`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids`). Range checks live in the field constraints so that a bad value becomes a 400
-naming the field. Fields OpenAI has and we do not implement are accepted only at their neutral
-value (see `unsupported`); unknown fields are ignored.
+naming the field; the sampling bounds are the engine's own (`phasefleet.engine.sampling_params`,
+torch-free). Fields OpenAI has and we do not implement are accepted only at their neutral value
+(see `unsupported`); unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +14,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from phasefleet.engine.sampling_params import (
+    API_SEED_MAX,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MIN_TOP_K,
+    SEED_MIN,
+)
+
 TokenIds = list[Annotated[int, Field(ge=0)]]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 OptionalIds = list[int] | None
 
 
@@ -32,13 +46,13 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = Field(1, ge=1, le=16)
-    temperature: float | None = Field(None, ge=0.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    top_k: int | None = Field(None, ge=MIN_TOP_K)
+    seed: int | None = Field(None, ge=SEED_MIN, le=API_SEED_MAX)
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     return_token_ids: bool = False
     stream: bool = False

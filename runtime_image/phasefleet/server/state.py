@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
@@ -11,17 +15,32 @@ from phasefleet.server.metrics import WorkerMetrics
 
 ROLES = ("both", "prefill", "decode")
 
+T = TypeVar("T")
+
+
+def _tokenizer_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
 
 @dataclass
 class WorkerState:
     engine: AsyncEngine
-    tokenizer: Any  # a Hugging Face tokenizer; used on the event loop thread only
+    tokenizer: Any  # a Hugging Face tokenizer; used on the tokenizer thread only (`off_loop`)
     vocab_size: int  # rows of the model's embedding: token ids must be below it
     served_model_name: str
     model_path: str
     role: str  # both | prefill | decode
     metrics: WorkerMetrics
     draining: bool = False
+    max_request_bytes: int | None = None  # a larger request body gets 413; None: no limit
+    # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
+    # safe to share between threads), so a long prompt never blocks the event loop and /health.
+    tokenizer_thread: ThreadPoolExecutor = field(default_factory=_tokenizer_thread)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the tokenizer thread; what it raises (an APIError) is raised here."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
@@ -36,8 +55,11 @@ class WorkerState:
     def check_accepting(self) -> None:
         if self.draining:
             raise unavailable("the worker is draining and takes no new requests", "draining")
-        if self.engine.fatal_error is not None:
+        problem = self.engine.liveness()
+        if problem == "engine_failed":
             raise unavailable("the engine failed and the worker is exiting", "engine_failed")
+        if problem == "engine_stalled":
+            raise unavailable("the engine has stopped making progress", "engine_stalled")
         if not self.engine.ready:
             raise unavailable("the model is still loading", "not_ready")
 
