@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.kv_transfer import KVLayout, LeaseTable
+from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
+from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler
-from tests.engine.factories import make_requests, make_scheduler
+from tests.engine.factories import make_requests, make_scheduler, random_prompts
 
 
 def run_to_finish(sched: Scheduler) -> list[Request]:
@@ -160,3 +163,124 @@ def test_runner_reads_and_writes_blocks_in_wire_order(
         assert torch.equal(rk[3], sk[1]) and torch.equal(rk[0], sk[2])
         assert torch.equal(rv[3], sv[1]) and torch.equal(rv[0], sv[2])
         assert not rk[1].any()  # untouched blocks stay as they were
+
+
+def _engine(folder: Path, **kw: object) -> LLMEngine:
+    config = EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64, block_size=4, **kw)  # type: ignore[arg-type]
+    return LLMEngine(config)
+
+
+def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def _prefill(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> RequestOutput:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(rid, prompt, params, prefill_only=True)
+    return _run(engine)[rid]
+
+
+def _pull(engine: LLMEngine, rid: str) -> torch.Tensor:
+    lease = engine.pin_kv(rid)
+    assert lease is not None
+    try:
+        payload = b"".join(bytes(chunk) for chunk in engine.read_kv(lease))
+    finally:
+        engine.unpin_kv(lease)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("length", [7, 8, 13])  # inside, at and across block boundaries
+def test_disaggregated_greedy_equals_transformers(
+    tiny_model: Callable[[str], Path],
+    hf_greedy: Callable[[str, list[int], int], list[int]],
+    length: int,
+) -> None:
+    (prompt,) = random_prompts([length], seed=length)
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    first = _prefill(prefill, "r", prompt, max_tokens=10)
+    assert first.finish_reason == "handoff" and len(first.output_token_ids) == 1
+    assert prefill.stats().num_kv_leases == 1
+    payload = _pull(prefill, "r")
+    assert prefill.release_kv("r") and not prefill.release_kv("r")
+    assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "r", prompt, params, first_token_id=first.output_token_ids[0], imported_kv=payload
+    )
+    out = _run(decode)["r"]
+    assert decode.stats().prompt_tokens_total == 0  # nothing recomputed
+    assert out.output_token_ids == hf_greedy("llama", prompt, 10)
+    assert out.finish_reason == "length"
+
+
+def test_decode_without_kv_recomputes_and_matches(
+    tiny_model: Callable[[str], Path], hf_greedy: Callable[[str, list[int], int], list[int]]
+) -> None:
+    (prompt,) = random_prompts([11], seed=3)
+    decode = _engine(tiny_model("llama"))
+    first = hf_greedy("llama", prompt, 1)[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    decode.add_request("r", prompt, params, first_token_id=first)
+    out = _run(decode)["r"]
+    assert out.output_token_ids == hf_greedy("llama", prompt, 6)
+    assert decode.stats().prompt_tokens_total == 11
+
+
+def test_pulled_prompt_becomes_a_prefix_cache_entry_on_the_decode_side(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    (prompt,) = random_prompts([13], seed=5)
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    first = _prefill(prefill, "a", prompt, max_tokens=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "a",
+        prompt,
+        params,
+        first_token_id=first.output_token_ids[0],
+        imported_kv=_pull(prefill, "a"),
+    )
+    _run(decode)
+    decode.add_request("b", prompt, params)
+    out = _run(decode)["b"]
+    assert out.num_cached_tokens == 12  # three full blocks of 4, pulled, now cached
+
+
+def test_expired_lease_frees_its_blocks_and_is_counted(tiny_model: Callable[[str], Path]) -> None:
+    now = [0.0]
+    prefill = _engine(tiny_model("llama"))
+    prefill.leases = LeaseTable(duration=30.0, clock=lambda: now[0])
+    (prompt,) = random_prompts([9], seed=7)
+    _prefill(prefill, "r", prompt, max_tokens=4)
+    assert prefill.kv.pool.num_free_blocks < prefill.kv.pool.num_usable_blocks
+    now[0] = 31.0
+    prefill.step()
+    assert prefill.pin_kv("r") is None
+    stats = prefill.stats()
+    assert (stats.num_kv_leases, stats.num_kv_lease_expiries_total) == (0, 1)
+    assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
+
+
+def test_prefill_that_ends_for_good_leases_nothing(tiny_model: Callable[[str], Path]) -> None:
+    prefill = _engine(tiny_model("llama"))
+    (prompt,) = random_prompts([9], seed=8)
+    out = _prefill(prefill, "r", prompt, max_tokens=1)
+    assert out.finish_reason == "length"
+    assert prefill.stats().num_kv_leases == 0
+    assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
+
+
+def test_imported_kv_of_the_wrong_size_is_refused(tiny_model: Callable[[str], Path]) -> None:
+    decode = _engine(tiny_model("llama"))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match="imported_kv must hold"):
+        decode.add_request(
+            "r", [5, 6, 7], params, first_token_id=9, imported_kv=torch.zeros(3, dtype=torch.uint8)
+        )
+    assert not decode.has_unfinished_requests()

@@ -37,6 +37,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     """Most requests in the running batch at once."""
 
+    # -- hand-off (prefill role) --
+    kv_lease_seconds: float = 30.0
+    """How long a finished prefill keeps its KV blocks for the decode worker to pull, seconds."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot work."""
         if not self.model:
@@ -55,6 +59,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        if not self.kv_lease_seconds > 0:
+            raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds!r}")
 
 
 def _positive(name: str, value: int) -> None:

@@ -11,14 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer
-from phasefleet.engine.kv_cache_manager import KVCacheManager
+from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
+from phasefleet.engine.kv_transfer import KVLayout, Lease, LeaseTable
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request
@@ -74,6 +77,10 @@ class LLMEngine:
             self.max_model_len,
             eos_token_ids=self._eos_token_ids(),
         )
+        self.kv_layout: KVLayout = self.runner.kv_layout()
+        self.leases = LeaseTable(config.kv_lease_seconds)
+        self.num_kv_lease_expiries_total = 0
+        self._imports: dict[str, torch.Tensor] = {}  # request_id -> pulled KV, until admitted
         self._rows: dict[str, SamplingRow] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[RequestOutput] = []
@@ -93,7 +100,15 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        prefill_only: bool = False,
+        first_token_id: int | None = None,
+        imported_kv: torch.Tensor | None = None,
     ) -> None:
+        """Queues a request. Hand-off forms: `prefill_only` (prefill role) finishes with
+        'handoff' after the first token and keeps the prompt's KV under a lease;
+        `first_token_id` (decode role) continues a request another worker prefilled, from
+        `imported_kv` (its prompt's KV in wire layout, uint8) or, without it, recomputing."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -112,19 +127,60 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {prompt_token_ids}")
+        if first_token_id is not None:
+            if not 0 <= first_token_id < vocab:
+                raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
+            if params.max_tokens < 2:
+                raise ValueError("a request continued from its first token needs max_tokens >= 2")
+        if imported_kv is not None:
+            expected = self.kv_layout.payload_bytes(cdiv(n, self.config.block_size))
+            if first_token_id is None or imported_kv.numel() != expected:
+                raise ValueError(
+                    f"imported_kv must hold {expected} bytes for a {n}-token prompt and come "
+                    f"with first_token_id, got {imported_kv.numel()} bytes"
+                )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            output_token_ids=[] if first_token_id is None else [first_token_id],
+            prefill_only=prefill_only,
+            num_imported_tokens=0 if imported_kv is None else n,
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
         gen = None if params.seed is None else make_generator(params.seed, self.device)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if first_token_id is not None:
+            detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)
         self._rows[request_id] = SamplingRow(params, gen)
         self._detok[request_id] = detok
+        if imported_kv is not None:
+            self._imports[request_id] = imported_kv
+
+    def pin_kv(self, request_id: str) -> Lease | None:
+        """The lease of a finished prefill, kept from expiring until `unpin_kv`; None when
+        unknown or expired. Thread-safe: HTTP handlers call it while the engine steps."""
+        return self.leases.pin(request_id)
+
+    def read_kv(self, lease: Lease) -> Iterator[memoryview]:
+        """A pinned lease's KV in wire layout, in chunks (safe off the engine thread: leased
+        blocks are not written until released)."""
+        return self.runner.read_kv(lease.block_ids)
+
+    def unpin_kv(self, lease: Lease) -> None:
+        self.leases.unpin(lease)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Ends a lease and frees its blocks (the decode worker has its copy); False when
+        unknown, expired or still being read. Engine thread only."""
+        lease = self.leases.pop(request_id)
+        if lease is None:
+            return False
+        self.kv.release(request_id)
+        return True
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its final output (finish_reason 'abort') comes
@@ -141,9 +197,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        for lease in self.leases.pop_expired():
+            self.kv.release(lease.request_id)
+            self.num_kv_lease_expiries_total += 1
+            logger.warning(
+                "KV lease of %s expired before a decode worker released it", lease.request_id
+            )
         out = self.scheduler.schedule()
         if out.is_empty:
             return outputs
+        for req, first_block in out.imports:
+            payload = self._imports.pop(req.request_id)
+            table = self.kv.block_tables[req.request_id]
+            last = cdiv(req.num_imported_tokens, self.config.block_size)
+            self.runner.write_kv(table[first_block:last], payload, first_block)
         sampled = self.runner.execute(out, self._rows)
         for s in out.scheduled:
             row = self._rows.get(s.request.request_id)
@@ -171,13 +238,28 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, "stop")
         output = self._output(req, new, detok.text(final=req.is_finished))
         if req.is_finished:
+            self._settle_held_kv(req)
             self._forget(req.request_id)
         return output
+
+    def _settle_held_kv(self, req: Request) -> None:
+        """A finished prefill-only request: lease its prompt's blocks for the hand-off, or free
+        them when it ended for good (eos, stop string, length)."""
+        held = self.kv.held.get(req.request_id)
+        if held is None:
+            return
+        if req.finish_reason == "handoff":
+            n = req.num_prompt_tokens
+            self.leases.add(req.request_id, held[: cdiv(n, self.config.block_size)], n)
+        else:
+            self.kv.release(req.request_id)
 
     def _fail(self, req: Request, error: str) -> RequestOutput:
         """Finish one request with finish_reason 'error' (freeing its blocks); its last output."""
         if req.is_finished:
             req.finish_reason = "error"
+            self.leases.pop(req.request_id)
+            self.kv.release(req.request_id)  # blocks held for a hand-off, if any
         else:
             self.scheduler.finish_request(req.request_id, "error")
         self._forget(req.request_id)
@@ -202,6 +284,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
         self._detok.pop(request_id, None)
+        self._imports.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.kv.pool
@@ -217,6 +300,8 @@ class LLMEngine:
             prefix_cache_hits_total=s.prefix_cache_hits_total,
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
+            num_kv_leases=len(self.leases),
+            num_kv_lease_expiries_total=self.num_kv_lease_expiries_total,
         )
 
     def generate(

@@ -18,7 +18,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     """'stop' (eos, stop string or stop token) | 'length' | 'abort' | 'error' (this request alone
-    failed; see `error`); None while running."""
+    failed; see `error`) | 'handoff' (a prefill-only request has its first token; its KV is held
+    under a lease for a decode worker); None while running."""
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
@@ -48,3 +49,7 @@ class EngineStats:
     """Prompt tokens found in the prefix cache."""
     prompt_tokens_total: int
     generation_tokens_total: int
+    num_kv_leases: int = 0
+    """Finished prefills whose KV blocks are held for a decode worker to pull."""
+    num_kv_lease_expiries_total: int = 0
+    """Leases that ran out before the decode worker released them (their blocks were freed)."""
