@@ -4,6 +4,7 @@ the official openai client. Greedy output through the router equals output strai
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,24 @@ def test_user_seen_latency_metrics(router: Router, via_router: openai.OpenAI) ->
             if key.startswith(f"phasefleet_{name}_bucket{{") and 'role="router"' in key
         ]
         assert bounds == [str(float(b)) for b in buckets] + ["+Inf"]
+
+
+def test_concurrent_streams_all_complete(via_router: openai.OpenAI) -> None:
+    """Streams at once through one router, spread over both workers: each gets its whole answer."""
+    results: list[int] = []
+
+    def one() -> None:
+        stream = via_router.completions.create(
+            model="tiny", prompt=PROMPT, stream=True, temperature=0, max_tokens=20,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        )  # fmt: skip
+        for chunk in stream:
+            if chunk.usage is not None:
+                results.append(chunk.usage.completion_tokens)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == [20] * 6

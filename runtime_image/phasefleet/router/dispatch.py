@@ -9,7 +9,7 @@ too, and if every worker tried was full the client gets 429 with Retry-After. A 
 a failure ends that stream with an error event and `data: [DONE]`; nothing else is touched.
 
 Pools: aggregated mode has one, `worker`. In disaggregated mode the router knows `prefill` and
-`decode`; until workers serve the KV hand-off (DESIGN "Prefill -> decode hand-off"), every
+`decode`; until workers serve the KV hand-off (docs/router.md "Disaggregated mode"), every
 request goes whole to a decode worker, which prefills it itself (the hand-off's step 6 for every
 prompt). The hand-off slots in at `Router.generate`: choose a prefill worker from
 `pools["prefill"]` (same `rank`, with `matched` from the prefix index), POST /internal/prefill,

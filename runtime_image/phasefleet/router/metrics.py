@@ -1,6 +1,6 @@
 """The router's Prometheus metrics: the latencies users see, labelled `role="router"`.
 
-Same names, meanings and buckets as the worker's histograms (DESIGN "Metrics"); the buckets are
+Same names, meanings and buckets as the worker's histograms (docs/worker.md); the buckets are
 imported from the worker's module so the two cannot drift. Time starts when the router receives
 the request. Only streamed requests have a first-token time the client sees, so TTFT, ITL and TPOT
 come from streams; e2e covers every successful request.

@@ -32,7 +32,7 @@ PREFIX_INDEX_CAPACITY = 200_000  # chunk hashes remembered, least recently used 
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """What a worker reports on /metrics (DESIGN "Metrics")."""
+    """What a worker reports on /metrics (docs/worker.md "Metrics")."""
 
     running: float  # phasefleet_num_requests_running
     waiting: float  # phasefleet_num_requests_waiting
