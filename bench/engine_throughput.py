@@ -8,12 +8,14 @@ grouped by output length (an oracle: it needs the output lengths in advance); th
 is reported. Then one request alone on each side: decode tokens/s after the first token.
 
     .venv/bin/python bench/engine_throughput.py --num-requests 24 --hf-batch-sizes 4,8,16
+    .venv/bin/python bench/engine_throughput.py --preset bench-mha --num-requests 24
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import platform
 import random
 import time
@@ -29,14 +31,19 @@ from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.tiny import make_tiny
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/sharegpt_8k_stats.csv"
-DEFAULT_MODEL = Path.home() / ".cache/phasefleet/bench-llama-100m"
+CACHE = Path.home() / ".cache/phasefleet"
+BENCH_PRESETS = ("bench", "bench-mha", "bench-wide")  # make-tiny presets; see docs/engine.md
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--model", type=Path, default=DEFAULT_MODEL, help="model folder (made if absent)"
+        "--model",
+        type=Path,
+        help="model folder, made from --preset if absent (default: one per preset in "
+        "~/.cache/phasefleet)",
     )
+    p.add_argument("--preset", choices=BENCH_PRESETS, default="bench", help="model shape")
     p.add_argument("--trace", type=Path, default=TRACE, help="CSV with num_prefill_tokens, ...")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--scale", type=float, default=16.0, help="divide trace lengths by this")
@@ -54,6 +61,12 @@ def parse_args() -> argparse.Namespace:
         choices=["arrival", "sorted", "both"],
         default="both",
         help="transformers batches in arrival order, grouped by output length, or both",
+    )
+    p.add_argument(
+        "--linears",
+        default="auto",
+        help="comma-separated PHASEFLEET_CPU_LINEAR modes (auto, onednn, torch): one engine "
+        "each, all run in every round",
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     p.add_argument("--rounds", type=int, default=2, help="throughput rounds; best is kept")
@@ -149,13 +162,35 @@ def hf_decode_rate(model: Any, prompt: list[int], n: int, pad: int) -> float:
     return (n - 1) / (timed(n) - timed(1))
 
 
+def load_engines(args: argparse.Namespace, config: EngineConfig) -> dict[str, LLMEngine]:
+    """One engine per --linears mode (PHASEFLEET_CPU_LINEAR at load), printing load times."""
+    engines = {}
+    saved = os.environ.get("PHASEFLEET_CPU_LINEAR")
+    for mode in args.linears.split(","):
+        os.environ["PHASEFLEET_CPU_LINEAR"] = mode
+        start = time.perf_counter()
+        engines[mode] = LLMEngine(config)
+        print(
+            f"ours ({mode}) loaded in {time.perf_counter() - start:.1f} s; linears: "
+            f"{engines[mode].runner.model.linear_backend}"
+        )
+    if saved is None:
+        os.environ.pop("PHASEFLEET_CPU_LINEAR")
+    else:
+        os.environ["PHASEFLEET_CPU_LINEAR"] = saved
+    return engines
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model is None:
+        name = "bench-llama-100m" if args.preset == "bench" else f"{args.preset}-llama"
+        args.model = CACHE / name
     if not (args.model / "config.json").is_file():
-        print(f"making the benchmark model in {args.model}")
-        make_tiny(args.model, arch="llama", preset="bench", seed=0)
+        print(f"making the benchmark model ({args.preset}) in {args.model}")
+        make_tiny(args.model, arch="llama", preset=args.preset, seed=0)
     lengths = sample_lengths(args)
     rng = random.Random(args.seed + 1)
     config = EngineConfig(
@@ -166,7 +201,13 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
     )
-    eng = LLMEngine(config)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch threads "
+        f"{torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M %Z')}, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    engines = load_engines(args, config)
+    eng = next(iter(engines.values()))
     vocab = eng.hf_config.vocab_size
     prompts = [random_prompt(p, vocab, rng) for p, _ in lengths]
     outs = [o for _, o in lengths]
@@ -174,13 +215,11 @@ def main() -> None:
     hf = hf.to(eng.device).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     pad = eng.tokenizer.pad_token_id
+    c = hf.config
     print(
-        f"model {args.model.name}: {n_params / 1e6:.0f}M parameters, {args.dtype}, {eng.device}, "
-        f"our linears: {eng.runner.model.linear_backend}"
-    )
-    print(
-        f"machine: {platform.processor() or platform.machine()}, torch threads "
-        f"{torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M %Z')}"
+        f"model {args.model.name}: {n_params / 1e6:.0f}M parameters, {c.num_hidden_layers} "
+        f"layers, hidden {c.hidden_size}, heads {c.num_attention_heads} / KV "
+        f"{c.num_key_value_heads}, MLP {c.intermediate_size}, {args.dtype}, {eng.device}"
     )
     print(
         f"{len(prompts)} requests: prompt tokens {sum(p for p, _ in lengths)} "
@@ -188,48 +227,56 @@ def main() -> None:
         f"(mean {sum(outs) / len(outs):.0f})"
     )
 
-    # The machine may be shared: rounds alternate between the two systems and the best time of
+    # The machine may be shared: rounds alternate between the systems and the best time of
     # each is kept, so a burst of outside load does not land on one side only.
-    run_engine(eng, prompts[:2], [2, 2])  # warm-up
+    for e in engines.values():
+        run_engine(e, prompts[:2], [2, 2])  # warm-up
     orders = {"arrival": [False], "sorted": [True], "both": [False, True]}[args.hf_order]
     settings = [(b, o) for b in (int(x) for x in args.hf_batch_sizes.split(",")) for o in orders]
-    t_ours = float("inf")
+    t_ours = {m: float("inf") for m in engines}
     t_hf = {k: float("inf") for k in settings}
     for r in range(args.rounds):
-        t = run_engine(eng, prompts, outs)
-        print(f"round {r + 1}: ours {t:.1f} s", end="", flush=True)
-        t_ours = min(t_ours, t)
+        print(f"round {r + 1}:", end="", flush=True)
+        for m, e in engines.items():
+            t = run_engine(e, prompts, outs)
+            print(f" ours ({m}) {t:.1f} s,", end="", flush=True)
+            t_ours[m] = min(t_ours[m], t)
         for b, o in settings:
             t = run_hf(hf, prompts, outs, b, pad, o)
-            print(f", transformers {_label(b, o)} {t:.1f} s", end="", flush=True)
+            print(f" transformers {_label(b, o)} {t:.1f} s,", end="", flush=True)
             t_hf[(b, o)] = min(t_hf[(b, o)], t)
         print()
     n_out, n_all = sum(outs), sum(outs) + sum(len(p) for p in prompts)
-    print(
-        f"ours:         {t_ours:7.1f} s  {n_out / t_ours:8.1f} output tok/s  "
-        f"{n_all / t_ours:8.1f} total tok/s"
-    )
+    for m, t in t_ours.items():
+        print(
+            f"ours ({m}): {t:7.1f} s  {n_out / t:8.1f} output tok/s  {n_all / t:8.1f} total tok/s"
+        )
     for b, o in settings:
         t = t_hf[(b, o)]
         print(
             f"transformers: {t:7.1f} s  {n_out / t:8.1f} output tok/s  "
-            f"{n_all / t:8.1f} total tok/s  ({_label(b, o)})  ratio {t / t_ours:.2f}x"
+            f"{n_all / t:8.1f} total tok/s  ({_label(b, o)})"
         )
     for o in orders:
         best = min(t for (_, so), t in t_hf.items() if so == o)
+        ratios = ", ".join(f"{m} {best / t:.2f}x" for m, t in t_ours.items())
         print(
             f"throughput ratio (ours / best transformers, {'sorted' if o else 'arrival'} "
-            f"order): {best / t_ours:.2f}x"
+            f"order): {ratios}"
         )
 
     prompt = random_prompt(32, vocab, rng)
-    ours_1 = hf_1 = 0.0
+    ours_1 = {m: 0.0 for m in engines}
+    hf_1 = 0.0
     for _ in range(args.repeats):
-        ours_1 = max(ours_1, engine_decode_rate(eng, prompt, args.single_output))
+        for m, e in engines.items():
+            ours_1[m] = max(ours_1[m], engine_decode_rate(e, prompt, args.single_output))
         hf_1 = max(hf_1, hf_decode_rate(hf, prompt, args.single_output, pad))
     print(
-        f"single request decode (best of {args.repeats}): ours {ours_1:.1f} tok/s, "
-        f"transformers {hf_1:.1f} tok/s, ratio {ours_1 / hf_1:.2f}x"
+        f"single request decode (best of {args.repeats}): "
+        + ", ".join(f"ours ({m}) {v:.1f} tok/s" for m, v in ours_1.items())
+        + f", transformers {hf_1:.1f} tok/s; ratios "
+        + ", ".join(f"{m} {v / hf_1:.2f}x" for m, v in ours_1.items())
     )
 
 

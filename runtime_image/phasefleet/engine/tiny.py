@@ -15,7 +15,8 @@ from typing import Any
 
 ARCHES = ("llama", "qwen2", "mistral")
 
-# name -> sizes; "tiny" is for tests, "bench" (~110M parameters) for the CPU benchmark.
+# name -> sizes; "tiny" is for tests, the "bench" ones (~100-150M parameters) for the CPU
+# benchmark (`bench/engine_throughput.py --preset`).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64,
@@ -33,6 +34,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_heads=12,
         num_kv_heads=4,
         intermediate_size=2048,
+        vocab_size=16384,
+        max_position_embeddings=4096,
+        init_std=0.05,
+    ),
+    # The shape: full multi-head attention and a 4x MLP (GPT-2 small widths).
+    "bench-mha": dict(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        intermediate_size=3072,
+        vocab_size=16384,
+        max_position_embeddings=4096,
+        init_std=0.05,
+    ),
+    # A wider GQA model (head_dim 64 as above), fewer layers to keep the benchmark short.
+    "bench-wide": dict(
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        intermediate_size=2816,
         vocab_size=16384,
         max_position_embeddings=4096,
         init_std=0.05,

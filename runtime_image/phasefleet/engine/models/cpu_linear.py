@@ -1,11 +1,13 @@
-"""oneDNN linears for the CPU: each weight is reordered once, at load, into oneDNN's blocked
-layout, so a matmul does not re-pack it on every call.
+"""Linears for the CPU: per weight shape and row bucket, oneDNN with the weight reordered once
+at load into its blocked layout, or `F.linear` (MKL), whichever was faster when both were
+timed at load (linear_plan.py; cached in memory and in ~/.cache/phasefleet).
 
-On a 2-core AVX-512 machine this halves the time of a decode step's matmuls at batch 1-64
-against `F.linear` (MKL) in float32, and is ~1.3x for bfloat16; see docs/engine.md. The ops are
-torch's own (`torch.ops.mkldnn`, what inductor's CPU freezing uses); they are private, so a
-self-check at load falls back to `F.linear` if they are missing or disagree.
-PHASEFLEET_CPU_LINEAR=onednn|torch forces one path.
+Packing pays most at the row counts of batched decode steps, where `F.linear` re-packs the
+weight on every call (about 2x on the 2-core AVX-512 machine in float32); at 1-2 rows MKL's
+matrix-vector kernels can win, by shape (see docs/engine.md). The ops are torch's own
+(`torch.ops.mkldnn`, what inductor's CPU freezing uses); they are private, so a self-check at
+load falls back to `F.linear` if they are missing or disagree.
+PHASEFLEET_CPU_LINEAR=onednn|torch forces one path for every shape and row count.
 
 oneDNN builds (and caches, 1024 entries by default) one primitive per input shape, ~1 ms each.
 A server sees every row count from 1 to the token budget, so rows are padded up to a bucket
@@ -15,12 +17,24 @@ up to 2048 rows, all of which stay cached.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
+import platform
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from phasefleet.engine.models.linear_plan import (
+    CALIBRATION_ROWS,
+    LinearPlan,
+    PlanCache,
+    cache_file_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +42,10 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
 EXACT_ROWS = 16  # row counts up to this are not padded
 BUCKETS_PER_DOUBLING = 8
+MEASURE_S = 1e-3  # timing one path at one row count: repeat calls for about this long
+MAX_CALLS = 20  # ... but at most this many (and at least one)
+
+_PLANS: dict[str, LinearPlan] = {}  # this process's plans, by plan_key()
 
 
 def padded_rows(rows: int) -> int:
@@ -39,27 +57,56 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-class PackedLinear(nn.Module):
-    """y = x @ W.T + b for 2-D x, with W held in oneDNN's layout."""
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x: [rows, in] -> [rows, out] through oneDNN, rows padded up to their bucket."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y[:rows] if padded != rows else y
+
+
+class CpuLinear(nn.Module):
+    """y = x @ W.T + b for 2-D x, through oneDNN or F.linear per row bucket as `plan` says
+    (plan None: oneDNN at every row count). Holds the packed weight, the plain one, or both
+    when the plan uses both paths."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan | None = None
+    ) -> None:
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        paths = {"onednn"} if plan is None else plan.paths()
+        self.plan = plan
+        self.packed = _pack(weight) if "onednn" in paths else None
+        self.weight = weight.detach() if "torch" in paths else None
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        padded = padded_rows(rows)
-        x = F.pad(x, (0, 0, 0, padded - rows)) if padded != rows else x.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y[:rows] if padded != rows else y
+        if self.packed is None or (
+            self.plan is not None and self.plan.path_at(x.shape[0]) == "torch"
+        ):
+            return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
+        return _packed_linear(x, self.packed, self.bias)
 
 
-def choose_cpu_linear(device: torch.device, dtype: torch.dtype) -> str:
-    """'onednn' on a CPU with a working oneDNN for this dtype, else 'torch'."""
+def forced_path() -> str:
+    """PHASEFLEET_CPU_LINEAR: auto (timed per shape), onednn or torch."""
     forced = os.environ.get("PHASEFLEET_CPU_LINEAR", "auto")
     if forced not in ("auto", "onednn", "torch"):
         raise ValueError(f"PHASEFLEET_CPU_LINEAR must be auto, onednn or torch, got {forced!r}")
+    return forced
+
+
+def choose_cpu_linear(device: torch.device, dtype: torch.dtype) -> str:
+    """'onednn' on a CPU with a working oneDNN for this dtype (the model's linears become
+    CpuLinears: timed per shape, or all oneDNN when forced), else 'torch' (nn.Linear)."""
+    forced = forced_path()
     if forced == "torch" or device.type != "cpu":
         return "torch"
     problem = _onednn_problem(dtype)
@@ -82,7 +129,7 @@ def _onednn_problem(dtype: torch.dtype) -> str | None:
     bias = torch.randn(48, generator=gen).to(dtype)
     x = torch.randn(5, 32, generator=gen).to(dtype)
     try:
-        got = PackedLinear(weight, bias)(x).float()
+        got = CpuLinear(weight, bias)(x).float()
     except (RuntimeError, AttributeError) as err:
         return f"oneDNN linear failed: {err}"
     want = F.linear(x.float(), weight.float(), bias.float())
@@ -91,13 +138,97 @@ def _onednn_problem(dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under module by a PackedLinear; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
-            count += 1
-        else:
-            count += pack_linears(child)
-    return count
+@functools.cache
+def _machine() -> str:
+    """The CPU as far as matmul speed goes: model name, torch's ISA level, a hash of the flags."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not flags:
+                    name = value.strip()
+                if key.strip() == "flags":
+                    flags = value.strip()
+                    break
+    except OSError:
+        pass
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:10]
+    return f"{name}|{torch.backends.cpu.get_cpu_capability()}|flags {digest}"
+
+
+def plan_key(weight: torch.Tensor, has_bias: bool) -> str:
+    """Everything a timing depends on, as the plans' cache key."""
+    out_f, in_f = weight.shape
+    return (
+        f"torch {torch.__version__}|{_machine()}|threads {torch.get_num_threads()}|"
+        f"{weight.dtype}|{out_f}x{in_f}|bias {has_bias}"
+    )
+
+
+def _measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[str, int], float]:
+    """measure(path, rows): best seconds of one call of that path on a random [rows, in] input,
+    over calls for about MEASURE_S (the first oneDNN call of a shape, which builds its
+    primitive, untimed)."""
+    packed = _pack(weight)
+    gen = torch.Generator().manual_seed(0)
+    inputs: dict[int, torch.Tensor] = {}
+    warm: set[int] = set()
+
+    def measure(path: str, rows: int) -> float:
+        if rows not in inputs:
+            inputs[rows] = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+        x = inputs[rows]
+
+        def call() -> object:
+            if path == "onednn":
+                return _packed_linear(x, packed, bias)
+            return F.linear(x, weight, bias)
+
+        if path == "onednn" and rows not in warm:
+            call()  # builds and caches oneDNN's primitive for this shape
+            warm.add(rows)
+        best, spent, calls = float("inf"), 0.0, 0
+        while calls == 0 or (spent < MEASURE_S and calls < MAX_CALLS):
+            start = time.perf_counter()
+            call()
+            took = time.perf_counter() - start
+            best, spent, calls = min(best, took), spent + took, calls + 1
+        return best
+
+    return measure
+
+
+@torch.inference_mode()
+def pack_linears(module: nn.Module) -> str:
+    """Replace every nn.Linear under module by a CpuLinear: timed per weight shape (cached),
+    or all oneDNN when PHASEFLEET_CPU_LINEAR=onednn. Returns a summary of the paths taken."""
+    linears = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    plans: dict[str, LinearPlan | None] = {}
+    measured = forced_path() == "auto"
+    start = time.perf_counter()
+    cache = PlanCache(cache_file_from_env(), _PLANS)
+    for _, _, lin in linears:
+        key = plan_key(lin.weight, lin.bias is not None)
+        if key not in plans:
+            plans[key] = (
+                cache.get(key, _measure(lin.weight, lin.bias), CALIBRATION_ROWS)
+                if measured
+                else None
+            )
+    for parent, name, lin in linears:
+        plan = plans[plan_key(lin.weight, lin.bias is not None)]
+        setattr(parent, name, CpuLinear(lin.weight, lin.bias, plan))
+    if not measured:
+        return "onednn"
+    summary = "; ".join(
+        f"{key.split('|')[-2]} {plan.describe()}" for key, plan in plans.items() if plan is not None
+    )
+    took = time.perf_counter() - start
+    log.info("CPU linear paths (chosen in %.2f s): %s", took, summary)
+    return f"timed per shape ({took:.2f} s at load): {summary}"

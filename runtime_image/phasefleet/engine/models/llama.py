@@ -14,7 +14,7 @@ from torch import nn
 
 from phasefleet.engine.attention.metadata import AttentionMetadata
 from phasefleet.engine.attention.torch_paged import paged_attention
-from phasefleet.engine.models.cpu_linear import PackedLinear, pack_linears
+from phasefleet.engine.models.cpu_linear import pack_linears
 from phasefleet.engine.models.rope import apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -160,7 +160,7 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.linear_backend = "torch"  # or "onednn" after pack_for_cpu()
+        self.linear_backend = "torch"  # or pack_for_cpu()'s summary of the paths
         self.rope_cos: torch.Tensor | None = None  # [max_positions, head_dim], set by the loader
         self.rope_sin: torch.Tensor | None = None
 
@@ -188,12 +188,16 @@ class CausalLM(nn.Module):
             decoder.mlp.fuse()
 
     def pack_for_cpu(self) -> None:
-        """Every linear, the output projection included, to oneDNN's packed layout (CPU only;
-        see cpu_linear.py). A tied output projection gets its own packed copy."""
+        """Every linear, the output projection included, to a CpuLinear: oneDNN's packed layout
+        or F.linear per row bucket (CPU only; see cpu_linear.py). A tied output projection that
+        uses oneDNN gets its own packed copy of the embedding."""
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
-        pack_linears(self)
-        self.linear_backend = "onednn"
+            embed = self.model.embed_tokens.weight
+            with torch.device("meta"):
+                head = nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+            head.weight = embed
+            self.lm_head = head
+        self.linear_backend = pack_linears(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] -> logits [B, vocab] float32."""
