@@ -1,0 +1,74 @@
+"""`phasefleet router` accepts exactly what the operator passes, and refuses bad layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasefleet.cli import build_parser
+from phasefleet.router.cli import discoveries, run
+from phasefleet.router.discovery import DnsDiscovery, StaticDiscovery
+from phasefleet.router.policy import POLICIES
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_the_operators_router_args_parse(mode: str, policy: str) -> None:
+    from phasefleet.api.spec import parse_spec
+    from phasefleet.operator.meta import Owner
+    from phasefleet.operator.workloads import router_args
+
+    pools: dict[str, object] = (
+        {"worker": {"replicas": 2}}
+        if mode == "aggregated"
+        else {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    )
+    spec = parse_spec(
+        {"model": {"image": {"path": "/models/tiny"}}, "mode": mode, "router": {"policy": policy},
+         **pools}
+    )  # fmt: skip
+    owner = Owner(name="llm", namespace="team-a", uid="uid-llm")
+    args = build_parser().parse_args(router_args(owner, spec))
+    assert args.command == "router"
+    assert args.policy == policy
+    assert args.port == 8000
+    assert args.host == "0.0.0.0"
+    sources = discoveries(args)
+    expected = ["worker"] if mode == "aggregated" else ["prefill", "decode"]
+    assert list(sources) == expected
+    for name, source in sources.items():
+        assert isinstance(source, DnsDiscovery)
+        assert source.describe() == f"llm-{name}.team-a.svc:8000"
+
+
+def test_a_static_list_for_local_use() -> None:
+    args = build_parser().parse_args(
+        ["router", "--served-model-name", "m", "--workers", "127.0.0.1:8001, http://h:8002/"]
+    )
+    source = discoveries(args)["worker"]
+    assert isinstance(source, StaticDiscovery)
+    assert source.urls == ["http://127.0.0.1:8001", "http://h:8002"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--workers", "h:1", "--worker-service", "s:1"],
+        ["--prefill-service", "p:1"],
+        ["--worker-service", "s:1", "--decode-service", "d:1"],
+        ["--worker-service", "no-port"],
+        ["--workers", "h:1", "--max-attempts", "0"],
+        ["--workers", "ftp://h:1"],
+    ],
+)
+def test_bad_settings_exit_2_with_a_message(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["router", "--served-model-name", "m", *flags])
+    assert run(args) == 2
+    assert capsys.readouterr().err.startswith("phasefleet router: ")
+
+
+def test_unknown_policy_is_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--served-model-name", "m", "--policy", "random"])

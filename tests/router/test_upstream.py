@@ -1,0 +1,90 @@
+"""What the router reads from a worker's bytes: SSE framing, event kinds, load from /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from phasefleet.router.discovery import DnsDiscovery, StaticDiscovery, parse_host_port
+from phasefleet.router.policy import WorkerLoad
+from phasefleet.router.upstream import Event, classify, parse_load, sse_events
+
+
+def response_of(*parts: bytes) -> httpx.Response:
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    return httpx.Response(200, content=body())
+
+
+async def collect(response: httpx.Response) -> list[bytes]:
+    return [event async for event in sse_events(response)]
+
+
+def test_events_are_cut_at_blank_lines_however_the_bytes_arrive() -> None:
+    events = [b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
+    whole = b"".join(events)
+    for split in (1, 5, len(events[0]), len(whole) - 1):
+        got = asyncio.run(collect(response_of(whole[:split], whole[split:])))
+        assert got == events
+    one_byte_at_a_time = [whole[i : i + 1] for i in range(len(whole))]
+    assert asyncio.run(collect(response_of(*one_byte_at_a_time))) == events
+
+
+def test_a_stream_cut_inside_an_event_is_an_error() -> None:
+    with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(collect(response_of(b'data: {"a":1}\n\ndata: {"b"')))
+
+
+def chunk(**fields: object) -> bytes:
+    return f"data: {json.dumps(fields, separators=(',', ':'))}\n\n".encode()
+
+
+def test_classify_tells_tokens_from_the_rest() -> None:
+    role = chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+    token = chunk(choices=[{"index": 0, "delta": {"content": 'say "role":"assistant"'}}])
+    finish = chunk(choices=[{"index": 0, "text": "", "finish_reason": "length"}])
+    usage = chunk(choices=[], usage={"prompt_tokens": 3})
+    error = chunk(error={"message": "boom"})
+    assert classify(role) is Event.OTHER
+    assert classify(token) is Event.TOKEN  # quotes inside generated text are escaped
+    assert classify(finish) is Event.TOKEN
+    assert classify(usage) is Event.OTHER
+    assert classify(error) is Event.ERROR
+    assert classify(b"data: [DONE]\n\n") is Event.DONE
+    assert classify(b": keep-alive\n\n") is Event.OTHER
+
+
+def test_parse_load_reads_the_three_gauges() -> None:
+    text = "\n".join(
+        [
+            "# HELP phasefleet_num_requests_running Requests in the running batch.",
+            'phasefleet_num_requests_running{model_name="m",role="both"} 3.0',
+            'phasefleet_num_requests_waiting{model_name="m",role="both"} 1.0',
+            'phasefleet_kv_cache_usage_perc{model_name="m",role="both"} 0.25',
+            'phasefleet_prompt_tokens_total{model_name="m",role="both"} 99.0',
+        ]
+    )
+    assert parse_load(text) == WorkerLoad(running=3, waiting=1, kv_usage=0.25)
+    with pytest.raises(ValueError, match="phasefleet_kv_cache_usage_perc"):
+        parse_load(text.replace("kv_cache_usage_perc", "something_else"))
+
+
+def test_static_and_dns_discovery() -> None:
+    static = StaticDiscovery(["h:1", "http://h:1/", "https://g:2"])
+    assert [e.url for e in asyncio.run(static.endpoints())] == ["http://h:1", "https://g:2"]
+    with pytest.raises(ValueError, match="empty"):
+        StaticDiscovery([])
+    dns = DnsDiscovery("localhost:8123")
+    urls = {e.url for e in asyncio.run(dns.endpoints())}
+    assert "http://127.0.0.1:8123" in urls
+    assert all(e.ready for e in asyncio.run(dns.endpoints()))
+    assert parse_host_port("svc.ns.svc:8000") == ("svc.ns.svc", 8000)
+    for bad in ("svc", "svc:", ":80", "svc:http", "svc:70000"):
+        with pytest.raises(ValueError, match="host:port"):
+            parse_host_port(bad)
