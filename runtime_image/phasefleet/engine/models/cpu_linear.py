@@ -169,20 +169,23 @@ def plan_key(weight: torch.Tensor, has_bias: bool) -> str:
 def _measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[str, int], float]:
     """measure(path, rows): best seconds of one call of that path on a random [rows, in] input,
     over calls for about MEASURE_S (the first oneDNN call of a shape, which builds its
-    primitive, untimed)."""
-    packed = _pack(weight)
+    primitive, untimed). Packs nothing until called: a cached plan times nothing."""
+    weight, bias = weight.detach(), None if bias is None else bias.detach()
+    packed: list[torch.Tensor] = []
     gen = torch.Generator().manual_seed(0)
     inputs: dict[int, torch.Tensor] = {}
     warm: set[int] = set()
 
     def measure(path: str, rows: int) -> float:
+        if not packed:
+            packed.append(_pack(weight))
         if rows not in inputs:
             inputs[rows] = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
         x = inputs[rows]
 
         def call() -> object:
             if path == "onednn":
-                return _packed_linear(x, packed, bias)
+                return _packed_linear(x, packed[0], bias)
             return F.linear(x, weight, bias)
 
         if path == "onednn" and rows not in warm:
@@ -199,7 +202,6 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[str, 
     return measure
 
 
-@torch.inference_mode()
 def pack_linears(module: nn.Module) -> str:
     """Replace every nn.Linear under module by a CpuLinear: timed per weight shape (cached),
     or all oneDNN when PHASEFLEET_CPU_LINEAR=onednn. Returns a summary of the paths taken."""
