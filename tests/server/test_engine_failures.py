@@ -8,6 +8,7 @@ hangs (`hang`). The engine's clock is real time plus an offset the test moves.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -330,3 +331,24 @@ def test_health_answers_while_a_32k_token_prompt_is_tokenized(worker: InProcessW
     thread.join(timeout=60)
     error = result[0].json()["error"]  # longer than the 2048-token context
     assert (result[0].status_code, error["param"]) == (400, "prompt")
+
+
+def test_liveness_holds_while_loading_and_fails_when_loading_fails() -> None:
+    loop = asyncio.new_event_loop()
+    release = threading.Event()
+
+    def make_engine() -> LLMEngine:
+        assert release.wait(30)
+        raise RuntimeError("no model today")
+
+    engine = AsyncEngine(make_engine, max_queue_len=1)
+    engine.start(loop)
+    try:
+        assert engine.liveness() is None and not engine.ready  # loading: alive, not ready
+        release.set()
+        assert engine._thread is not None
+        engine._thread.join(30)
+        assert engine.liveness() == "engine_failed"
+    finally:
+        release.set()
+        loop.close()

@@ -31,6 +31,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model: Path) -> Non
         worker.proc.send_signal(signal.SIGTERM)
         worker.wait_until(lambda: httpx.get(f"{worker.base_url}/health").status_code == 503)
         assert httpx.get(f"{worker.base_url}/health").json() == {"status": "draining"}
+        live = httpx.get(f"{worker.base_url}/health/live")  # not ready, but not to be restarted
+        assert (live.status_code, live.json()) == (200, {"status": "alive"})
         refused = httpx.post(
             f"{worker.base_url}/v1/completions",
             json={"model": "tiny", "prompt": "too late", "max_tokens": 2},

@@ -7,14 +7,18 @@ histograms as tokens arrive.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from phasefleet.engine.outputs import RequestOutput
 from phasefleet.server.async_engine import (
     AsyncEngine,
     EngineNotReadyError,
+    EngineOptions,
     EngineStepError,
     Event,
     QueueFullError,
@@ -28,11 +32,14 @@ from phasefleet.server.errors import (
     request_failed,
     unavailable,
 )
+from phasefleet.server.handoff import HandoffFailed, PrefillResult, RemotePrefill
 from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
 
 if TYPE_CHECKING:
     from phasefleet.engine.sampling_params import SamplingParams
+
+__all__ = ["EngineOptions", "Generation"]
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
@@ -115,19 +122,43 @@ class Generation:
     arrival_time: float
     prompt_field: str  # the request field that holds the prompt: "prompt" or "messages"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    options: list[EngineOptions] | None = None  # one per choice: the hand-off forms
+    remote: RemotePrefill | None = None  # prefill on another worker (one prompt, n = 1)
     stream: RequestStream | None = None
     timings: list[ChoiceTiming] = field(default_factory=list)
+    _first: Event | None = None  # the first token, from the prefill worker
+    _rest: asyncio.Task[RequestStream] | None = None  # pull the KV, then decode here
 
     async def start(self) -> None:
-        """Submit and wait until the engine has added every request (or refused one)."""
+        """Submit and wait until the engine has added every request (or refused one). With a
+        remote prefill: wait for the first token; the decode is queued as the KV arrives."""
+        self.timings = [ChoiceTiming() for _ in self.prompts]
+        if self.remote is not None and len(self.prompts) == 1:
+            try:
+                self.engine.check_room(1)
+            except QueueFullError as exc:
+                raise queue_full(exc.limit) from None
+            except EngineNotReadyError:
+                raise unavailable("the engine is not ready", "not_ready") from None
+            if await self._prefill_remotely(self.remote):
+                return
+        if not any(o.prefill_only for o in self.options or []):  # not done for another worker
+            self.metrics.prefills["local"].inc(len(self.prompts))
+        self.stream = await self._submit(self.options, reserved=False)
+
+    async def _submit(self, options: list[EngineOptions] | None, reserved: bool) -> RequestStream:
         ids = [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
-        self.timings = [ChoiceTiming() for _ in ids]
         try:
-            self.stream = self.engine.submit(ids, self.prompts, self.params, self.arrival_time)
+            stream = self.engine.submit(
+                ids, self.prompts, self.params, self.arrival_time, options, reserved
+            )
         except QueueFullError as exc:
             raise queue_full(exc.limit) from None
+        except ValueError as exc:  # more engine requests than the whole queue
+            raise bad_request(str(exc), "n") from None
         except EngineNotReadyError:
             raise unavailable("the engine is not ready", "not_ready") from None
+        self.stream = stream
         try:
             await self.stream.accepted
         except ValueError as exc:
@@ -142,8 +173,73 @@ class Generation:
         except BaseException:
             self.close()
             raise
+        return stream
+
+    async def _prefill_remotely(self, remote: RemotePrefill) -> bool:
+        """Asks the prefill worker for the first token; False when it could not answer (the
+        prompt is then prefilled here). On 'handoff', the pull and the decode start at once."""
+        prompt, params = self.prompts[0], self.params[0]
+        try:
+            result = await remote.client.prefill(
+                remote.prefill_url, self.request_id, prompt, params
+            )
+        except HandoffFailed as exc:
+            self.metrics.kv_transfer_failures[exc.reason].inc()
+            return False
+        self.metrics.prefills["remote"].inc()
+        token = result.first_token_id
+        text, stopped = await remote.first_token_text(token, params.stop)
+        final = stopped or result.finish_reason != "handoff"
+        output = RequestOutput(
+            request_id=f"{self.request_id}-0",
+            new_token_ids=[token],
+            output_token_ids=[token],
+            text=text,
+            finished=final,
+            finish_reason=("stop" if stopped else result.finish_reason) if final else None,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_cached_tokens=result.num_cached_tokens,
+            first_scheduled_time=None,
+        )
+        self._first = Event(0, output, time.monotonic())
+        if final:
+            if result.kv_request_id is not None:  # a stop string ended it: free the lease
+                await remote.client.release(remote.prefill_url, result.kv_request_id)
+            return True
+        self._rest = asyncio.create_task(self._pull_then_decode(remote, result))
+        return True
+
+    async def _pull_then_decode(
+        self, remote: RemotePrefill, result: PrefillResult
+    ) -> RequestStream:
+        layout = self.engine.kv_layout
+        kv = None
+        try:
+            if layout is None:
+                raise HandoffFailed("layout_mismatch", "this worker's engine is not ready")
+            kv, seconds = await remote.client.pull(
+                remote.prefill_url, result, layout, layout.block_size
+            )
+            self.metrics.kv_transfer_seconds.observe(seconds)
+            self.metrics.kv_transfer_bytes.inc(kv.numel())
+        except HandoffFailed as exc:  # recompute the prompt here instead
+            self.metrics.kv_transfer_failures[exc.reason].inc()
+        finally:
+            if result.kv_request_id is not None:
+                await remote.client.release(remote.prefill_url, result.kv_request_id)
+        options = [EngineOptions(first_token_id=result.first_token_id, imported_kv=kv)]
+        return await self._submit(options, reserved=True)
 
     async def events(self) -> AsyncIterator[Event]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            self._observe(first)
+            yield first
+            if first.output.finished:
+                return
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            self.stream = await rest
         if self.stream is None:
             raise RuntimeError("Generation.start() was not awaited")
         try:
@@ -160,6 +256,9 @@ class Generation:
             self.close()
 
     def close(self) -> None:
+        if self._rest is not None:  # the client left between the first token and the decode
+            self._rest.cancel()
+            self._rest.add_done_callback(_close_stream)
         if self.stream is not None:
             self.stream.close()
 
@@ -181,3 +280,8 @@ class Generation:
             first, last = timing.first_token_time, timing.last_token_time
             if first is not None and last is not None and timing.num_tokens > 1:
                 m.time_per_output_token.observe((last - first) / (timing.num_tokens - 1))
+
+
+def _close_stream(task: asyncio.Task[RequestStream]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
