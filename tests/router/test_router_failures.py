@@ -140,3 +140,21 @@ def test_no_ready_worker_answers_503_naming_the_pool() -> None:
             error = caught.value.response.json()["error"]
             assert error["message"] == f"no ready worker in pool 'worker' ({nobody})"
             assert error["type"] == "service_unavailable"
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_worker(pair: tuple[Worker, Worker]) -> None:
+    worker = pair[1]
+    worker.wait_until(lambda: running(worker) == 0)
+    with run_router("--workers", worker.base_url) as router:
+        impatient = router.client(timeout=1.5)
+        with pytest.raises(openai.APITimeoutError):  # non-streaming: the client gives up
+            impatient.completions.create(model="tiny", prompt=PROMPT, **LONG)
+        # 1500 tokens take far longer than this: the worker aborted the request.
+        worker.wait_until(lambda: running(worker) == 0, timeout=5)
+        stream = router.client().completions.create(
+            model="tiny", prompt=PROMPT, stream=True, **LONG
+        )
+        next(iter(stream))
+        assert running(worker) == 1
+        stream.close()
+        worker.wait_until(lambda: running(worker) == 0, timeout=5)

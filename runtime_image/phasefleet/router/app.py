@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -25,6 +25,9 @@ from phasefleet.server.errors import install_error_handlers
 
 logger = logging.getLogger(__name__)
 
+# Status code logged for a request whose client left before the answer (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
 
 async def _refresh_forever(router: Router) -> None:
     while True:
@@ -33,6 +36,30 @@ async def _refresh_forever(router: Router) -> None:
             await router.refresh()
         except Exception:  # one bad round must not stop discovery for good
             logger.exception("refreshing the worker pools failed")
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(raw: Request, work: Awaitable[Response]) -> Response:
+    """The answer, or 499 after cancelling `work` if the client left first. Cancelling closes
+    the connection to the worker, which aborts the request there and frees its KV blocks. Once
+    a stream is open, Starlette watches for the disconnect itself."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
 
 
 def build_app(router: Router) -> FastAPI:
@@ -83,11 +110,14 @@ def build_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         arrival = router.clock()
-        return await router.generate("/v1/completions", await raw.body(), arrival)
+        body = await raw.body()
+        return await _unless_client_leaves(raw, router.generate("/v1/completions", body, arrival))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         arrival = router.clock()
-        return await router.generate("/v1/chat/completions", await raw.body(), arrival)
+        body = await raw.body()
+        path = "/v1/chat/completions"
+        return await _unless_client_leaves(raw, router.generate(path, body, arrival))
 
     return app
