@@ -43,7 +43,7 @@ def test_worker_metrics_expose_every_contract_name():
         for attr, value in vars(contract.Metric).items()
         if attr.isupper() and attr != "PREFIX" and isinstance(value, str)
     ]
-    assert len(names) == 14
+    assert len(names) == 20
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name

@@ -14,6 +14,14 @@ ROUTER_PORT = 8000  # the router's HTTP port: OpenAI API, /health, /metrics
 HEALTH_PATH = "/health"  # 200 when ready for new work; 503 while loading or draining
 METRICS_PATH = "/metrics"  # Prometheus text format
 
+# The service's internal token, required on the workers' /internal/* endpoints: the operator
+# keeps it in a Secret and passes it to the router and workers in this variable.
+INTERNAL_TOKEN_ENV = "PHASEFLEET_INTERNAL_TOKEN"
+INTERNAL_TOKEN_HEADER = "X-PhaseFleet-Internal-Token"
+# Set by the router (with the token) on a request to a decode worker: the prefill worker it
+# picked. The decode worker prefills there, or locally when the uncached prompt is short.
+PREFILL_URL_HEADER = "X-PhaseFleet-Prefill-Url"
+
 # Labels on every child object and pod of an InferenceService.
 ISVC_LABEL = "phasefleet.dev/inferenceservice"  # the owning InferenceService's name
 ROLE_LABEL = "phasefleet.dev/role"  # the pool: prefill, decode, worker, or router
@@ -51,6 +59,8 @@ class WorkerFlag:
     NO_PREFIX_CACHING = "--no-prefix-caching"
     PORT = "--port"
     DRAIN_TIMEOUT = "--drain-timeout"
+    KV_LEASE_SECONDS = "--kv-lease-seconds"
+    REMOTE_PREFILL_MIN_TOKENS = "--remote-prefill-min-tokens"
 
 
 class RouterFlag:
@@ -84,6 +94,12 @@ class Metric:
     NUM_PREEMPTIONS_TOTAL = "phasefleet_num_preemptions_total"
     PREFIX_CACHE_QUERIES_TOTAL = "phasefleet_prefix_cache_queries_total"
     PREFIX_CACHE_HITS_TOTAL = "phasefleet_prefix_cache_hits_total"
+    KV_TRANSFER_SECONDS = "phasefleet_kv_transfer_seconds"  # one pull, on the decode worker
+    KV_TRANSFER_BYTES_TOTAL = "phasefleet_kv_transfer_bytes_total"
+    KV_TRANSFER_FAILURES_TOTAL = "phasefleet_kv_transfer_failures_total"  # label `reason`
+    KV_LEASES = "phasefleet_kv_leases"  # prefill worker: prompts whose KV awaits a pull
+    KV_LEASE_EXPIRIES_TOTAL = "phasefleet_kv_lease_expiries_total"
+    PREFILLS_TOTAL = "phasefleet_prefills_total"  # decode worker: label `where`, local | remote
     LABELS = ("model_name", "role")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -160,6 +161,31 @@ class LLMEngine:
         if imported_kv is not None:
             self._imports[request_id] = imported_kv
 
+    def expire_leases(self) -> int:
+        """Frees the blocks of leases that ran out; how many did. Engine thread only."""
+        expired = self.leases.pop_expired()
+        for lease in expired:
+            self.kv.release(lease.request_id)
+            logger.warning(
+                "KV lease %s expired before a decode worker released it", lease.request_id
+            )
+        self.num_kv_lease_expiries_total += len(expired)
+        return len(expired)
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Leading prompt tokens the prefix cache holds now. An estimate when called off the
+        engine thread (the cache may change meanwhile); takes no references."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        bs, parent, hits = self.config.block_size, None, 0
+        for i in range(len(prompt_token_ids) // bs):
+            tokens = prompt_token_ids[i * bs : (i + 1) * bs]
+            block_hash = hash_block(parent, tokens)
+            if self.kv.pool.lookup(block_hash, parent, tokens) is None:
+                break
+            parent, hits = block_hash, hits + bs
+        return hits
+
     def pin_kv(self, request_id: str) -> Lease | None:
         """The lease of a finished prefill, kept from expiring until `unpin_kv`; None when
         unknown or expired. Thread-safe: HTTP handlers call it while the engine steps."""
@@ -197,12 +223,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        for lease in self.leases.pop_expired():
-            self.kv.release(lease.request_id)
-            self.num_kv_lease_expiries_total += 1
-            logger.warning(
-                "KV lease of %s expired before a decode worker released it", lease.request_id
-            )
+        self.expire_leases()
         out = self.scheduler.schedule()
         if out.is_empty:
             return outputs

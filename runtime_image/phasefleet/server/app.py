@@ -21,6 +21,7 @@ from phasefleet.server.body_limit import BodyLimit
 from phasefleet.server.chat import create_chat_completion
 from phasefleet.server.completions import create_completion
 from phasefleet.server.errors import install_error_handlers
+from phasefleet.server.internal import internal_routes
 from phasefleet.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +44,8 @@ def build_app(state: WorkerState) -> FastAPI:
         finally:
             await asyncio.to_thread(state.engine.stop)
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            if state.handoff is not None:
+                await state.handoff.client.aclose()
 
     app = FastAPI(title="PhaseFleet worker", lifespan=lifespan)
     app.state.worker = state
@@ -54,6 +57,7 @@ def build_app(state: WorkerState) -> FastAPI:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     app.add_exception_handler(ClientDisconnected, on_client_gone)
+    app.include_router(internal_routes())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
+    from phasefleet.engine.kv_transfer import KVLayout
     from phasefleet.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
     from phasefleet.engine.sampling_params import SamplingParams
 
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 DEFAULT_STALL_TIMEOUT = 120.0  # seconds one round of engine work may take before it is stalled
+LEASE_CHECK_SECONDS = 1.0  # while idle with KV leased, how often expired leases are freed
 
 
 class QueueFullError(Exception):
@@ -71,10 +75,26 @@ class Event:
 
 
 @dataclass
+class EngineOptions:
+    """The hand-off forms of one engine request (LLMEngine.add_request's keywords)."""
+
+    prefill_only: bool = False  # prefill role: stop after the first token, lease the KV
+    first_token_id: int | None = None  # decode role: continue from this first token
+    imported_kv: torch.Tensor | None = None  # decode role: the pulled prompt KV (wire layout)
+
+
+@dataclass
 class _Add:
     stream: RequestStream
     prompts: list[list[int]]  # one per choice
     params: list[SamplingParams]  # one per choice
+    options: list[EngineOptions] | None  # one per choice, or None: plain requests
+
+
+@dataclass
+class _Release:
+    request_id: str  # a leased prefill whose KV the decode worker has
+    done: asyncio.Future[bool]  # True when a lease was ended
 
 
 @dataclass
@@ -130,7 +150,7 @@ class _Tracked:
 class _Shared:
     stats: EngineStats | None = None
     pending_adds: int = 0  # engine requests submitted but not yet added by the engine thread
-    commands: list[_Add | _Abort] = field(default_factory=list)
+    commands: list[_Add | _Abort | _Release] = field(default_factory=list)
 
 
 class AsyncEngine:
@@ -157,6 +177,8 @@ class AsyncEngine:
         self.ready = False
         self.fatal_error: BaseException | None = None
         self.max_model_len = 0
+        self.kv_layout: KVLayout | None = None  # set once the engine is built
+        self._engine: LLMEngine | None = None
         self.in_flight = 0  # open RequestStreams; event loop only
 
     # -- event loop side --
@@ -191,14 +213,40 @@ class AsyncEngine:
             return "engine_stalled"
         return None
 
+    def kv_source(self) -> LLMEngine | None:
+        """The engine, for a pull to pin and read leased KV (thread-safe calls only)."""
+        return self._engine if self.ready else None
+
+    async def release_kv(self, request_id: str) -> bool:
+        """Ends a lease on the engine thread; False when there was none to end."""
+        done: asyncio.Future[bool] = self.loop.create_future()
+        with self._cond:
+            self._shared.commands.append(_Release(request_id, done))
+            self._cond.notify()
+        return await done
+
+    def check_room(self, num_requests: int) -> None:
+        """Raises QueueFullError or EngineNotReadyError as `submit` would, queueing nothing."""
+        if not self.ready or self.fatal_error is not None:
+            raise EngineNotReadyError("the engine is not ready")
+        with self._cond:
+            stats = self._shared.stats
+            waiting = self._shared.pending_adds + (stats.num_waiting if stats else 0)
+        if waiting + num_requests > self.max_queue_len:
+            raise QueueFullError(self.max_queue_len)
+
     def submit(
         self,
         request_ids: list[str],
         prompts: list[list[int]],
         params: list[SamplingParams],
         arrival_time: float,
+        options: list[EngineOptions] | None = None,
+        reserved: bool = False,
     ) -> RequestStream:
-        """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError."""
+        """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError.
+        `reserved`: the caller passed `check_room` earlier (a decode after its remote prefill),
+        so a queue filled since does not refuse it."""
         if not self.ready or self.fatal_error is not None:
             raise EngineNotReadyError("the engine is not ready")
         if len(request_ids) > self.max_queue_len:  # would never fit: not a QueueFullError
@@ -210,10 +258,10 @@ class AsyncEngine:
         with self._cond:
             stats = self._shared.stats
             waiting = self._shared.pending_adds + (stats.num_waiting if stats else 0)
-            if waiting + len(request_ids) > self.max_queue_len:
+            if not reserved and waiting + len(request_ids) > self.max_queue_len:
                 raise QueueFullError(self.max_queue_len)
             self._shared.pending_adds += len(request_ids)
-            self._shared.commands.append(_Add(stream, prompts, params))
+            self._shared.commands.append(_Add(stream, prompts, params, options))
             self._cond.notify()
         self.in_flight += 1
         return stream
@@ -246,6 +294,8 @@ class AsyncEngine:
             self._fail_for_good(exc)
             return
         self.max_model_len = engine.max_model_len
+        self.kv_layout = engine.kv_layout
+        self._engine = engine
         with self._cond:
             self._shared.stats = engine.stats()
         self.ready = True
@@ -266,7 +316,10 @@ class AsyncEngine:
                 if not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
                     self._busy_since = None
                 while not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
-                    self._cond.wait()
+                    if not len(engine.leases):
+                        self._cond.wait()
+                    elif not self._cond.wait(LEASE_CHECK_SECONDS) and engine.expire_leases():
+                        self._shared.stats = engine.stats()
                 if self._stop:
                     self._busy_since = None
                     return
@@ -300,13 +353,17 @@ class AsyncEngine:
             if events:
                 self.loop.call_soon_threadsafe(self._deliver, events)
 
-    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort | _Release]) -> None:
         added = 0
         for command in commands:
             if isinstance(command, _Abort):
                 for request_id in command.request_ids:
                     if self._tracked.pop(request_id, None) is not None:
                         engine.abort_request(request_id)
+                continue
+            if isinstance(command, _Release):
+                released = engine.release_kv(command.request_id)
+                self.loop.call_soon_threadsafe(_settle, command.done, released)
                 continue
             added += len(command.prompts)
             stream = command.stream
@@ -315,8 +372,17 @@ class AsyncEngine:
                 zip(command.prompts, command.params, strict=True)
             ):
                 request_id = stream.request_ids[index]
+                options = command.options[index] if command.options else EngineOptions()
                 try:
-                    engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_time)
+                    engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        arrival_time=stream.arrival_time,
+                        prefill_only=options.prefill_only,
+                        first_token_id=options.first_token_id,
+                        imported_kv=options.imported_kv,
+                    )
                 except ValueError as exc:
                     error = exc
                     break
@@ -360,13 +426,21 @@ class AsyncEngine:
         self._tracked.clear()
         with self._cond:
             pending = [c.stream for c in self._shared.commands if isinstance(c, _Add)]
+            releases = [c.done for c in self._shared.commands if isinstance(c, _Release)]
             self._shared.commands.clear()
             self._shared.pending_adds = 0
         for stream in pending:
             self.loop.call_soon_threadsafe(
                 self._resolve, stream, EngineStepError("the engine is broken")
             )
+        for done in releases:
+            self.loop.call_soon_threadsafe(_settle, done, False)
         if events:
             self.loop.call_soon_threadsafe(self._deliver, events)
         if self.on_fatal is not None:
             self.loop.call_soon_threadsafe(self.on_fatal, exc)
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)

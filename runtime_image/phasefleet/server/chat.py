@@ -70,7 +70,15 @@ async def create_chat_completion(
         len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
     )
     params = [sampling_params(req, budget, sample) for sample in range(req.n)]
-    gen = Generation(state.engine, state.metrics, [prompt] * req.n, params, arrival, "messages")
+    gen = Generation(
+        state.engine,
+        state.metrics,
+        [prompt] * req.n,
+        params,
+        arrival,
+        "messages",
+        remote=state.remote_prefill(raw.headers, [prompt] * req.n),
+    )
     await gen.start()
     response_id = f"chatcmpl-{gen.request_id}"
     if req.stream:

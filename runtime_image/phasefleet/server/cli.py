@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from phasefleet.api.contract import WORKER_PORT, EngineRole, WorkerFlag
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV, WORKER_PORT, EngineRole, WorkerFlag
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 
+DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512  # below this, a transfer costs more than it saves
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
 DEFAULT_DRAIN_TIMEOUT = 25.0  # seconds; under Kubernetes' default 30 s grace period
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # request bodies larger than this get 413
@@ -90,6 +92,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
+    handoff = parser.add_argument_group(
+        "KV hand-off",
+        f"/internal/* and remote prefill need the internal token in ${INTERNAL_TOKEN_ENV}",
+    )
+    handoff.add_argument(
+        WorkerFlag.KV_LEASE_SECONDS,
+        type=float,
+        default=30.0,
+        help="prefill role: seconds a finished prefill keeps its KV for the decode worker",
+    )
+    handoff.add_argument(
+        WorkerFlag.REMOTE_PREFILL_MIN_TOKENS,
+        type=int,
+        default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+        help="decode role: prompts with fewer uncached tokens are prefilled here, not remotely",
+    )
+
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
@@ -105,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_lease_seconds=args.kv_lease_seconds,
     )
     try:
         config.validate()
@@ -112,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
         if args.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
+        if args.remote_prefill_min_tokens < 0:
+            raise ValueError(
+                f"remote_prefill_min_tokens must be >= 0, got {args.remote_prefill_min_tokens}"
+            )
         if not args.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
         if not (Path(args.model) / "config.json").is_file():
@@ -123,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    import httpx
     import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
@@ -130,6 +155,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from phasefleet.server.app import build_app
     from phasefleet.server.async_engine import AsyncEngine
     from phasefleet.server.drain import DrainingServer
+    from phasefleet.server.handoff import HandoffClient
     from phasefleet.server.metrics import WorkerMetrics
     from phasefleet.server.state import WorkerState
 
@@ -141,6 +167,11 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if server is not None:
             server.should_exit = True
 
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or None
+    if token is None:
+        logger.warning(
+            "no $%s: /internal/* is refused and no prompt is prefilled remotely", INTERNAL_TOKEN_ENV
+        )
     engine = AsyncEngine(
         lambda: LLMEngine(config), args.max_queue_len, on_fatal, stall_timeout=args.stall_timeout
     )
@@ -153,6 +184,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         role=args.role,
         metrics=WorkerMetrics(served_name, args.role, engine.stats),
         max_request_bytes=args.max_request_bytes,
+        internal_token=token,
+        handoff=None if token is None else HandoffClient(httpx.AsyncClient(), token),
+        remote_prefill_min_tokens=args.remote_prefill_min_tokens,
     )
     uv_config = uvicorn.Config(
         build_app(state),

@@ -69,7 +69,15 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
         for sample in range(req.n):
             choice_prompts.append(prompt)
             params.append(sampling_params(req, budget, sample))
-    gen = Generation(state.engine, state.metrics, choice_prompts, params, arrival, "prompt")
+    gen = Generation(
+        state.engine,
+        state.metrics,
+        choice_prompts,
+        params,
+        arrival,
+        "prompt",
+        remote=state.remote_prefill(raw.headers, choice_prompts),
+    )
     await gen.start()
     response_id = f"cmpl-{gen.request_id}"
     if req.stream:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
+    Counter,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -46,6 +47,7 @@ GAUGES = {
     M.NUM_REQUESTS_RUNNING: ("Requests in the running batch.", "num_running"),
     M.NUM_REQUESTS_WAITING: ("Requests queued, not yet scheduled.", "num_waiting"),
     M.KV_CACHE_USAGE_PERC: ("Used KV blocks / all KV blocks, 0..1.", "kv_cache_usage"),
+    M.KV_LEASES: ("Prompts whose KV is leased, awaiting a decode worker's pull.", "num_kv_leases"),
     M.PREFILL_TOKENS_PENDING: (
         "Prompt tokens admitted but not yet prefilled.",
         "prefill_tokens_pending",
@@ -61,6 +63,19 @@ COUNTERS = {
         "prefix_cache_hits_total",
     ),
 }
+
+
+COUNTERS[M.KV_LEASE_EXPIRIES_TOTAL] = (
+    "KV leases that expired before the decode worker released them.",
+    "num_kv_lease_expiries_total",
+)
+KV_TRANSFER_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+HANDOFF_FAILURE_REASONS = (
+    "prefill_unreachable", "prefill_refused", "layout_mismatch", "lease_expired", "pull_failed",
+    "pull_short", "pull_timeout",
+)  # fmt: skip
 
 
 class _EngineStatsCollector(Collector):
@@ -109,6 +124,28 @@ class WorkerMetrics:
         self.request_queue_time = histogram(
             M.REQUEST_QUEUE_TIME, "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
         )
+        self.kv_transfer_seconds = histogram(
+            M.KV_TRANSFER_SECONDS, "One hand-off's pull time.", KV_TRANSFER_BUCKETS
+        )
+        self.kv_transfer_bytes = Counter(
+            M.KV_TRANSFER_BYTES_TOTAL, "Bytes of KV pulled.", LABELS, registry=self.registry
+        ).labels(*labels)
+        failures = Counter(
+            M.KV_TRANSFER_FAILURES_TOTAL,
+            "Hand-offs that fell back to prefilling or recomputing here, by reason.",
+            [*LABELS, "reason"],
+            registry=self.registry,
+        )
+        self.kv_transfer_failures = {
+            r: failures.labels(*labels, r) for r in HANDOFF_FAILURE_REASONS
+        }
+        prefills = Counter(
+            M.PREFILLS_TOTAL,
+            "Requests whose prompt was prefilled here (local) or on a prefill worker (remote).",
+            [*LABELS, "where"],
+            registry=self.registry,
+        )
+        self.prefills = {where: prefills.labels(*labels, where) for where in ("local", "remote")}
         self.registry.register(_EngineStatsCollector(stats, labels))
 
     def render(self) -> bytes:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+import hmac
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from phasefleet.api.contract import INTERNAL_TOKEN_HEADER, PREFILL_URL_HEADER
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
+from phasefleet.server.handoff import HandoffClient, RemotePrefill
 from phasefleet.server.metrics import WorkerMetrics
 
 ROLES = ("both", "prefill", "decode")
@@ -33,6 +36,10 @@ class WorkerState:
     metrics: WorkerMetrics
     draining: bool = False
     max_request_bytes: int | None = None  # a larger request body gets 413; None: no limit
+    internal_token: str | None = None  # the service's token for /internal/*; None: refused
+    handoff: HandoffClient | None = None  # decode side: talks to prefill workers
+    # Decode side: a prompt with fewer uncached tokens than this is prefilled here, not remotely.
+    remote_prefill_min_tokens: int = 256
     # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=_tokenizer_thread)
@@ -41,6 +48,39 @@ class WorkerState:
         """fn(*args) on the tokenizer thread; what it raises (an APIError) is raised here."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
+
+    def remote_prefill(
+        self, headers: Mapping[str, str], prompts: list[list[int]]
+    ) -> RemotePrefill | None:
+        """Where this request's prompt is prefilled: on the prefill worker the router named (in
+        the prefill-URL header, honoured only with the internal token), or here (None) when
+        there is none, several choices, or a short uncached part (conditional disaggregation)."""
+        url = headers.get(PREFILL_URL_HEADER)
+        if url is None or self.handoff is None or self.internal_token is None or len(prompts) != 1:
+            return None
+        given = headers.get(INTERNAL_TOKEN_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self.internal_token.encode()):
+            return None
+        source = self.engine.kv_source()
+        cached = 0 if source is None else source.cached_prefix_tokens(prompts[0])
+        if len(prompts[0]) - cached < self.remote_prefill_min_tokens:
+            return None
+        return RemotePrefill(self.handoff, url, self.first_token_text)
+
+    async def first_token_text(self, token: int, stop: list[str]) -> tuple[str, bool]:
+        """The text a first token adds and whether a stop string ends the request there."""
+
+        def detokenize() -> tuple[str, bool]:
+            from phasefleet.engine.detokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer, stop)
+            detok.update([token])
+            if detok.stopped:
+                detok.flush()
+                return detok.text(final=True), True
+            return detok.text(final=False), False
+
+        return await self.off_loop(detokenize)
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:

@@ -1,0 +1,217 @@
+"""The KV hand-off between real worker processes over real HTTP: a decode worker told (by the
+router's headers) to prefill on a prefill worker pulls the prompt's KV from it, and whatever
+fails on the way, it answers the request itself, token for token the same."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, PREFILL_URL_HEADER
+from tests.server.worker_proc import Worker, run_worker
+
+TOKEN = "test-internal-token"
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,  # several blocks
+    "Tell me about the sea",  # under one block of 16
+    "one two three four five six seven eight nine ten eleven twelve",
+]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model: Path) -> Iterator[tuple[Worker, Worker, Worker]]:
+    """(prefill, decode, aggregated reference), the first two sharing the internal token."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+    args = ("--num-kv-blocks", "64", "--kv-lease-seconds", "3")
+    try:
+        with (
+            run_worker(tiny_model, "--role", "prefill", *args) as prefill,
+            run_worker(
+                tiny_model, "--role", "decode", "--remote-prefill-min-tokens", "0", *args
+            ) as decode,
+        ):
+            mp.delenv(INTERNAL_TOKEN_ENV)
+            with run_worker(tiny_model, "--num-kv-blocks", "64") as reference:
+                yield prefill, decode, reference
+    finally:
+        mp.undo()
+
+
+def handoff_client(decode: Worker, prefill_url: str, token: str = TOKEN) -> openai.OpenAI:
+    """What the router sends a decode worker: the prefill worker it picked, and the token."""
+    headers = {PREFILL_URL_HEADER: prefill_url, INTERNAL_TOKEN_HEADER: token}
+    return openai.OpenAI(
+        base_url=f"{decode.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        default_headers=headers,
+    )
+
+
+def complete(client: openai.OpenAI, prompt: str, stream: bool = False) -> str:
+    if not stream:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        return out.choices[0].text
+    chunks = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def counter(worker: Worker, name: str, **labels: str) -> float:
+    total = 0.0
+    for key, value in worker.metrics().items():
+        if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += value
+    return total
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_remote_prefill_output_equals_a_single_worker(
+    workers: tuple[Worker, Worker, Worker], stream: bool
+) -> None:
+    prefill, decode, reference = workers
+    remote_before = counter(decode, "phasefleet_prefills_total", where="remote")
+    bytes_before = counter(decode, "phasefleet_kv_transfer_bytes_total")
+    client = handoff_client(decode, prefill.base_url)
+    for prompt in PROMPTS:
+        assert complete(client, prompt, stream) == complete(reference.client(), prompt, stream)
+    assert counter(decode, "phasefleet_prefills_total", where="remote") == remote_before + 3
+    assert counter(decode, "phasefleet_kv_transfer_bytes_total") > bytes_before
+    assert counter(decode, "phasefleet_kv_transfer_failures_total") == 0
+    prefill.wait_until(lambda: counter(prefill, "phasefleet_kv_leases") == 0)  # all released
+
+
+def test_chat_through_a_hand_off_equals_a_single_worker(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    prefill, decode, reference = workers
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a line about the moon and the tide"}
+    ]
+    answers = [
+        c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        for c in (handoff_client(decode, prefill.base_url), reference.client())
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage == answers[1].usage
+
+
+def test_internal_endpoints_refuse_a_missing_or_wrong_token(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    prefill, _, _ = workers
+    body = {"request_id": "x", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}
+    for headers in ({}, {INTERNAL_TOKEN_HEADER: "wrong"}):
+        for method, path in (("POST", "/internal/prefill"), ("GET", "/internal/kv/x")):
+            response = httpx.request(
+                method, prefill.base_url + path, json=body, headers=headers, timeout=10
+            )
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_internal_token"
+    assert counter(prefill, "phasefleet_kv_leases") == 0  # nothing was prefilled
+
+
+def test_a_wrong_token_means_no_remote_prefill(workers: tuple[Worker, Worker, Worker]) -> None:
+    """A client cannot make a decode worker call a URL of its choosing."""
+    prefill, decode, reference = workers
+    local_before = counter(decode, "phasefleet_prefills_total", where="local")
+    client = handoff_client(decode, "http://127.0.0.1:9/nowhere", token="wrong")
+    assert complete(client, PROMPTS[0]) == complete(reference.client(), PROMPTS[0])
+    assert counter(decode, "phasefleet_prefills_total", where="local") == local_before + 1
+
+
+def test_unreachable_prefill_worker_means_a_local_prefill(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    _, decode, reference = workers
+    before = counter(decode, "phasefleet_kv_transfer_failures_total", reason="prefill_unreachable")
+    client = handoff_client(decode, "http://127.0.0.1:9")
+    assert complete(client, PROMPTS[2], stream=True) == complete(
+        reference.client(), PROMPTS[2], stream=True
+    )
+    after = counter(decode, "phasefleet_kv_transfer_failures_total", reason="prefill_unreachable")
+    assert after == before + 1
+
+
+class CutKV(http.server.BaseHTTPRequestHandler):
+    """A proxy to the prefill worker that sends half of every KV pull, then hangs up."""
+
+    upstream = ""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = self.rfile.read(int(self.headers["content-length"]))
+        response = httpx.post(
+            self.upstream + self.path, content=body, headers=dict(self.headers), timeout=60
+        )
+        self.send_response(response.status_code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content)
+
+    def do_GET(self) -> None:  # noqa: N802
+        response = httpx.get(self.upstream + self.path, headers=dict(self.headers), timeout=60)
+        self.send_response(response.status_code)
+        self.send_header("content-length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content[: len(response.content) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        response = httpx.delete(self.upstream + self.path, headers=dict(self.headers), timeout=10)
+        self.send_response(response.status_code)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_a_pull_that_fails_halfway_is_recomputed(workers: tuple[Worker, Worker, Worker]) -> None:
+    prefill, decode, reference = workers
+    handler = type("Cut", (CutKV,), {"upstream": prefill.base_url})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        before = counter(decode, "phasefleet_kv_transfer_failures_total")
+        client = handoff_client(decode, f"http://127.0.0.1:{proxy.server_address[1]}")
+        for stream in (False, True):
+            assert complete(client, PROMPTS[0], stream) == complete(
+                reference.client(), PROMPTS[0], stream
+            )
+        assert counter(decode, "phasefleet_kv_transfer_failures_total") == before + 2
+    finally:
+        proxy.shutdown()
+    prefill.wait_until(lambda: counter(prefill, "phasefleet_kv_leases") == 0)
+
+
+def test_an_unpulled_lease_expires_and_frees_its_blocks(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    prefill, _, _ = workers
+    expired_before = counter(prefill, "phasefleet_kv_lease_expiries_total")
+    headers = {INTERNAL_TOKEN_HEADER: TOKEN}
+    body = {"request_id": "abandoned", "prompt_token_ids": list(range(5, 45)), "max_tokens": 8}
+    answer = httpx.post(
+        prefill.base_url + "/internal/prefill", json=body, headers=headers, timeout=60
+    )
+    assert answer.status_code == 200 and answer.json()["finish_reason"] == "handoff"
+    lease = answer.json()["kv"]["request_id"]
+    prefill.wait_until(
+        lambda: counter(prefill, "phasefleet_kv_lease_expiries_total") > expired_before, 15
+    )
+    gone = httpx.get(f"{prefill.base_url}/internal/kv/{lease}", headers=headers, timeout=10)
+    assert gone.status_code == 404
+    assert counter(prefill, "phasefleet_kv_leases") == 0
+    assert counter(prefill, "phasefleet_kv_cache_usage_perc") == 0
