@@ -396,8 +396,8 @@ def test_settled_service_gets_no_apply(
     time.sleep(5)
     assert _versions(cluster, namespace, ["tiny"]) == before
 
-    applied = re.findall(r"apply \S+: .*", operator.log()[log_size:])
-    assert applied == []
+    applied = re.findall(rf"apply {namespace}/\S+: .*", operator.log()[log_size:])
+    assert applied == [], operator.log()[log_size:][:6000]
     svc = get(cluster, "service", "tiny-router", "-n", namespace)
     assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "metrics"}
     events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")

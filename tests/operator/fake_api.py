@@ -48,6 +48,7 @@ class FakeApi:
         return copy.deepcopy(obj) if obj else None
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """As kube.Kube.list: items carry apiVersion and kind."""
         label, value = label_selector.split("=")
         return [
             copy.deepcopy(o)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from phasefleet.operator.kube import Kube, NamespaceTerminating, Rejected, Transient
+from phasefleet.operator.kube import Gone, Kube, NamespaceTerminating, Rejected, Transient
 from phasefleet.operator.meta import FIELD_MANAGER
 
 
@@ -51,11 +51,14 @@ def test_status_apply_targets_the_subresource():
     )
 
 
-def test_list_fills_in_the_kind():
+def test_list_fills_in_the_kind_and_api_version():
     client = FakeClient(result={"items": [{"metadata": {"name": "a"}}]})
     (item,) = kube(client).list("Service", "ns", "phasefleet.dev/inferenceservice=llm")
-    assert item["kind"] == "Service"
+    assert item["kind"] == "Service" and item["apiVersion"] == "v1"
     assert client.calls[0]["path"] == "/api/v1/namespaces/ns/services"
+    client = FakeClient(result={"items": [{"metadata": {"name": "a"}}]})
+    (dep,) = kube(client).list("Deployment", "ns", "phasefleet.dev/inferenceservice=llm")
+    assert dep["kind"] == "Deployment" and dep["apiVersion"] == "apps/v1"
 
 
 def test_missing_object_is_none_and_delete_of_missing_is_quiet():
@@ -66,6 +69,7 @@ def test_missing_object_is_none_and_delete_of_missing_is_quiet():
 @pytest.mark.parametrize(
     ("status", "body", "error"),
     [
+        (404, "not found", Gone),
         (409, "conflict", Transient),
         (429, "slow down", Transient),
         (503, "unavailable", Transient),

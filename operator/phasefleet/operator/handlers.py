@@ -16,8 +16,8 @@ from typing import Any, cast
 import kopf
 
 from phasefleet.api.contract import CHILD_KINDS, ISVC_LABEL
-from phasefleet.api.crd import GROUP, PLURAL, VERSION
-from phasefleet.operator.kube import Kube, NamespaceTerminating, Rejected, Transient
+from phasefleet.api.crd import GROUP, KIND, PLURAL, VERSION
+from phasefleet.operator.kube import Gone, Kube, NamespaceTerminating, Rejected, Transient
 from phasefleet.operator.reconcile import (
     PROBLEM_RETRY_SECONDS,
     Blocked,
@@ -77,8 +77,16 @@ def reconcile_service(
 ) -> None:
     started = time.monotonic()
     try:
-        with one_at_a_time(body.metadata.namespace or "", body.metadata.name or ""):
-            outcome = reconcile(memo.api, plain(body), _now())
+        namespace, name = body.metadata.namespace or "", body.metadata.name or ""
+        with one_at_a_time(namespace, name):
+            # Re-read under the lock: a child's pass may have written status since kopf's
+            # snapshot, and status is only written when it differs from the live one.
+            live = memo.api.get(KIND, namespace, name)
+            if live is None:
+                return  # deleted meanwhile; the garbage collector removes the children
+            outcome = reconcile(memo.api, live, _now())
+    except (Gone, NamespaceTerminating):
+        return  # deleted, or its namespace is: the garbage collector removes the children
     except InvalidSpec as exc:
         kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc)[:1024])
         raise kopf.PermanentError(str(exc)) from exc
@@ -107,8 +115,8 @@ def child_event(
     try:
         with one_at_a_time(body.metadata.namespace or "", owner):
             outcome = sync_child(memo.api, plain(body), _now())
-    except NamespaceTerminating:
-        return  # children go with their namespace; nothing to restore
+    except (NamespaceTerminating, Gone):
+        return  # the owner or its namespace is going away; nothing to restore
     except (InvalidSpec, Blocked):
         return  # written to the owner's status by the pass; its own handler retries
     except (Transient, Rejected) as exc:

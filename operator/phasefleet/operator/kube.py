@@ -51,6 +51,10 @@ class Rejected(ApiError):
     """The API server refused the request (invalid object, forbidden)."""
 
 
+class Gone(ApiError):
+    """The object (for a status write: the InferenceService) no longer exists."""
+
+
 class NamespaceTerminating(Rejected):
     """The namespace is being deleted: nothing may be created in it any more."""
 
@@ -131,9 +135,9 @@ class Kube:
                 _request_timeout=30,
             )
         except ApiException as exc:
-            if exc.status == 404:
-                raise
             request, code, message = f"{method} {path}", int(exc.status), status_message(exc)
+            if code == 404:
+                raise Gone(request, code, message) from exc
             if code in RETRYABLE:
                 raise Transient(request, code, message) from exc
             if code == 403 and "NamespaceTerminating" in str(exc.body):
@@ -143,11 +147,9 @@ class Kube:
             raise Transient(f"{method} {path}", 0, str(exc)) from exc
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        from kubernetes.client.exceptions import ApiException
-
         try:
             return dict(self._call("GET", _path(kind, namespace, name)))
-        except ApiException:  # only 404 gets here
+        except Gone:
             return None
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
@@ -155,7 +157,9 @@ class Kube:
             "GET", _path(kind, namespace), query=[("labelSelector", label_selector)]
         )
         items = list(result.get("items") or [])
+        api_version = RESOURCES[kind][0].removeprefix("/apis/").removeprefix("/api/")
         for item in items:  # list items come without apiVersion and kind
+            item.setdefault("apiVersion", api_version)
             item.setdefault("kind", kind)
         return items
 
@@ -172,9 +176,7 @@ class Kube:
         return self._apply(obj, "/status")
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        with contextlib.suppress(ApiException):  # already gone
+        with contextlib.suppress(Gone):
             self._call(
                 "DELETE", _path(kind, namespace, name), body={"propagationPolicy": "Background"}
             )

@@ -21,7 +21,7 @@ from phasefleet.api.names import InvalidService, validate_service
 from phasefleet.api.spec import InferenceServiceSpec
 from phasefleet.operator.children import desired_children, key
 from phasefleet.operator.compare import in_sync
-from phasefleet.operator.kube import Api, Rejected
+from phasefleet.operator.kube import Api, NamespaceTerminating, Rejected
 from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, Owner, child_name, is_owned_by
 from phasefleet.operator.status import (
     MAX_CAUSE,
@@ -248,6 +248,8 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
         )
         try:
             after = api.apply(obj)
+        except NamespaceTerminating:
+            raise  # nothing can be created there any more; not a problem with the spec
         except Rejected as exc:
             problem = rejected_problem(owner, obj, exc)
             write_status(api, body, spec, deployments, now, problem)
