@@ -12,7 +12,10 @@ from phasefleet.router.policy import POLICIES
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
-def test_the_operators_router_args_parse(mode: str, policy: str) -> None:
+def test_the_operators_router_args_parse(
+    mode: str, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # outside a pod: DNS
     from phasefleet.api.spec import parse_spec
     from phasefleet.operator.meta import Owner
     from phasefleet.operator.workloads import router_args

@@ -2,8 +2,9 @@
 
 Workers come from `--workers URL,...` (a static list, local use) or, as the operator runs it,
 from `--worker-service` (aggregated) or `--prefill-service` plus `--decode-service`
-(disaggregated): `host:port` of a headless Service, resolved through DNS on every refresh.
-Heavy imports (fastapi, uvicorn) happen inside `run`.
+(disaggregated): `host:port` of a headless Service, read on every refresh from its EndpointSlices
+(in a pod with a ServiceAccount token) or from DNS. Heavy imports (fastapi, uvicorn) happen
+inside `run`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import sys
 
 from phasefleet.router.config import DEFAULT_MAX_ATTEMPTS, DEFAULT_REFRESH_INTERVAL, RouterConfig
 from phasefleet.router.discovery import Discovery, DnsDiscovery, StaticDiscovery
+from phasefleet.router.endpointslices import (
+    SERVICEACCOUNT_DIR,
+    EndpointSliceDiscovery,
+    KubeAccess,
+)
 from phasefleet.router.policy import POLICIES
 
 DEFAULT_PORT = 8000
@@ -34,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pools.add_argument("--worker-service", default=None, help="aggregated pool: host:port")
     pools.add_argument("--prefill-service", default=None, help="prefill pool: host:port")
     pools.add_argument("--decode-service", default=None, help="decode pool: host:port")
+    pools.add_argument(
+        "--discovery",
+        default="auto",
+        choices=("auto", "endpointslices", "dns"),
+        help="how a --*-service is read: its EndpointSlices through the Kubernetes API, or DNS; "
+        "auto: EndpointSlices when a ServiceAccount token is mounted, else DNS",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
@@ -55,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def discoveries(args: argparse.Namespace) -> dict[str, Discovery]:
     """Pool name -> where its workers come from. ValueError unless the flags name exactly one
-    layout: a static list, one aggregated Service, or a prefill and a decode Service."""
+    layout: a static list, one aggregated Service, or a prefill and a decode Service. A Service
+    is read through its EndpointSlices in a pod with a ServiceAccount token, else through DNS."""
     aggregated = [f for f in ("workers", "worker_service") if getattr(args, f)]
     split = [f for f in ("prefill_service", "decode_service") if getattr(args, f)]
     if len(aggregated) + bool(split) != 1 or (split and len(split) != 2):
@@ -65,12 +79,20 @@ def discoveries(args: argparse.Namespace) -> dict[str, Discovery]:
         )
     if args.workers:
         return {"worker": StaticDiscovery([u for u in args.workers.split(",") if u.strip()])}
-    if args.worker_service:
-        return {"worker": DnsDiscovery(args.worker_service)}
-    return {
-        "prefill": DnsDiscovery(args.prefill_service),
-        "decode": DnsDiscovery(args.decode_service),
-    }
+    services = (
+        {"worker": args.worker_service}
+        if args.worker_service
+        else {"prefill": args.prefill_service, "decode": args.decode_service}
+    )
+    access = None if args.discovery == "dns" else KubeAccess.in_cluster()
+    if args.discovery == "endpointslices" and access is None:
+        raise ValueError(
+            "--discovery endpointslices needs KUBERNETES_SERVICE_HOST/PORT and a ServiceAccount "
+            f"token at {SERVICEACCOUNT_DIR}/token"
+        )
+    if access is None:
+        return {name: DnsDiscovery(address) for name, address in services.items()}
+    return {name: EndpointSliceDiscovery(access, address) for name, address in services.items()}
 
 
 def run(args: argparse.Namespace) -> int:
