@@ -104,3 +104,10 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert [r.error is not None for r in faulty_rows] == [False, True, False, True, True]
     assert "not finite" in str(faulty_rows[1].error)
     assert all(r.error is None for r in clean_rows)
+
+
+def test_minus_infinity_logits_are_masked_tokens_not_a_fault() -> None:
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 0.5]] * 2)
+    rows = [row(temperature=0), row(seed=3, top_p=0.9)]
+    assert sample(logits, rows)[0] == 1
+    assert all(r.error is None for r in rows)

@@ -34,7 +34,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     row whose `error` this call set)."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
-    ok = torch.isfinite(logits).all(dim=-1)  # [B]
+    # argmax picks a NaN or +inf when there is one, so checking the picked logit covers the row
+    # (-inf entries are fine: masked tokens).
+    ok = torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1))  # [B]
     idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if idx:
         probs = _probs(logits[idx], [rows[i].params for i in idx])  # [b, V]
