@@ -74,6 +74,8 @@ def build_app(router: Router) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await router.upstream.aclose()
+            for pool in router.pools.values():
+                await pool.discovery.aclose()
 
     app = FastAPI(title="PhaseFleet router", lifespan=lifespan)
     app.state.router = router

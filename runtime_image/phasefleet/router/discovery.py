@@ -30,6 +30,10 @@ class Discovery(Protocol):
 
     async def endpoints(self) -> list[Endpoint]: ...
 
+    async def aclose(self) -> None:
+        """Releases what the source holds (connections); called once at shutdown."""
+        ...
+
 
 def parse_host_port(address: str) -> tuple[str, int]:
     """`host:port` -> (host, port); ValueError naming the address otherwise."""
@@ -62,6 +66,9 @@ class StaticDiscovery:
     async def endpoints(self) -> list[Endpoint]:
         return [Endpoint(url) for url in self.urls]
 
+    async def aclose(self) -> None:
+        pass
+
 
 class DnsDiscovery:
     """Resolves a headless Service's name on every refresh; each address is one ready pod."""
@@ -85,3 +92,6 @@ class DnsDiscovery:
             host = f"[{ip}]" if family == socket.AF_INET6 else ip
             urls.append(f"http://{host}:{self.port}")
         return [Endpoint(url) for url in dict.fromkeys(urls)]
+
+    async def aclose(self) -> None:
+        pass
