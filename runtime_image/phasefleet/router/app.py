@@ -30,8 +30,13 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 async def _refresh_forever(router: Router) -> None:
+    # Rounds start every interval however long the last one took (a slow poll times out after
+    # a second), so a change in the pools is seen within two intervals.
+    interval = router.config.refresh_interval
+    next_round = time.monotonic() + interval
     while True:
-        await asyncio.sleep(router.config.refresh_interval)
+        await asyncio.sleep(max(0.0, next_round - time.monotonic()))
+        next_round = max(next_round + interval, time.monotonic())
         try:
             await router.refresh()
         except Exception:  # one bad round must not stop discovery for good

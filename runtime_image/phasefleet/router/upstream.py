@@ -9,6 +9,7 @@ so the markers below cannot come from generated text.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncGenerator
 
@@ -103,12 +104,16 @@ class Upstream:
         return await self.client.get(url, timeout=timeout)
 
     async def poll(self, base_url: str) -> tuple[bool, WorkerLoad | None]:
-        """(healthy, load) of one worker; (False, None) when it cannot be reached."""
-        try:
-            health = await self.get(f"{base_url}/health")
-            if health.status_code != 200:
-                return False, None
-            metrics = await self.get(f"{base_url}/metrics")
-            return True, parse_load(metrics.text) if metrics.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+        """(healthy, load) of one worker; (False, None) when it cannot be reached. /health and
+        /metrics are asked at once, so a hung worker costs one timeout, not two."""
+        health, metrics = await asyncio.gather(
+            self.get(f"{base_url}/health"), self.get(f"{base_url}/metrics"), return_exceptions=True
+        )
+        if not isinstance(health, httpx.Response) or health.status_code != 200:
             return False, None
+        if not isinstance(metrics, httpx.Response) or metrics.status_code != 200:
+            return True, None
+        try:
+            return True, parse_load(metrics.text)
+        except ValueError:
+            return True, None
