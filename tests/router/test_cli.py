@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from phasefleet.cli import build_parser
@@ -75,3 +78,18 @@ def test_bad_settings_exit_2_with_a_message(
 def test_unknown_policy_is_refused_by_the_parser() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--served-model-name", "m", "--policy", "random"])
+
+
+def test_the_cli_needs_no_server_dependencies() -> None:
+    """The operator image has no fastapi, uvicorn or torch; `phasefleet` must still parse."""
+    probe = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client', 'torch'):\n"
+        "    sys.modules[name] = None\n"
+        "from phasefleet.cli import build_parser\n"
+        "args = build_parser().parse_args(['router', '--served-model-name', 'm',\n"
+        "                                  '--worker-service', 'w.ns.svc:8000'])\n"
+        "print(args.command, args.policy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["router", "least-loaded"]

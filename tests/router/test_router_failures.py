@@ -8,6 +8,8 @@ with Retry-After. No worker: 503 naming the pool.
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,50 @@ def test_worker_killed_before_the_first_token_is_retried_elsewhere(
         )
         assert text == expected.choices[0].text
         assert router.metrics()[RETRIES] == 1  # then the dead worker is skipped
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_worker_killed_while_the_request_waits_in_its_queue(
+    doomed: Worker, pair: tuple[Worker, Worker], stream: bool
+) -> None:
+    healthy = pair[0]
+    healthy.wait_until(lambda: running(healthy) == 0)
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 6}
+    expected = healthy.client().completions.create(model="tiny", prompt=PROMPT, **greedy)
+    filler = doomed.client().completions.create(model="tiny", prompt=PROMPT, stream=True, **LONG)
+    args = ("--workers", worker_list(doomed, healthy), "--policy", "round-robin")
+    try:
+        doomed.wait_until(lambda: running(doomed) == 1)
+        with run_router(*args) as router:
+            client = router.client()
+            texts: list[str] = []
+
+            def ask() -> None:
+                res = client.completions.create(
+                    model="tiny", prompt=PROMPT, stream=stream, **greedy
+                )
+                if stream:
+                    texts.append("".join(c.choices[0].text for c in res))  # type: ignore[union-attr]
+                else:
+                    texts.append(res.choices[0].text)  # type: ignore[union-attr]
+
+            for _ in range(2):  # round-robin: one of two lands on the doomed worker
+                asking = threading.Thread(target=ask)
+                asking.start()
+                queued = False
+                while asking.is_alive() and not queued:
+                    queued = doomed.metric("phasefleet_num_requests_waiting") == 1
+                    time.sleep(0.02)
+                if queued:
+                    break
+                asking.join()
+            assert queued, "no request was queued on the doomed worker"
+            kill(doomed)  # the request waits there: no token has reached the client
+            asking.join(timeout=60)
+            assert texts[-1] == expected.choices[0].text
+            assert router.metrics()[RETRIES] == 1
+    finally:
+        filler.close()
 
 
 def test_worker_killed_mid_stream_ends_only_that_stream(

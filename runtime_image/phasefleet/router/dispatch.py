@@ -249,14 +249,17 @@ class Router:
             if kind is Event.DONE:
                 timer.finished()
                 return
+            failed = False  # the worker sent an in-band error: not a finished request
             try:
                 async for event in events:
                     seen = classify(event)
                     if seen is Event.TOKEN:
                         timer.token(self.clock())
+                    failed = failed or seen is Event.ERROR
                     yield event
                     if seen is Event.DONE:
-                        timer.finished()
+                        if not failed:
+                            timer.finished()
                         return
                 reason = "the stream ended without [DONE]"
             except httpx.HTTPError as exc:
