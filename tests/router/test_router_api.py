@@ -185,3 +185,25 @@ def test_concurrent_streams_all_complete(via_router: openai.OpenAI) -> None:
     for t in threads:
         t.join(timeout=120)
     assert results == [20] * 6
+
+
+def test_prefix_aware_keeps_a_shared_prefix_on_one_worker(
+    workers: tuple[Worker, Worker],
+) -> None:
+    def hits() -> list[float]:
+        return [w.metric("phasefleet_prefix_cache_hits_total") for w in workers]
+
+    def served() -> list[float]:
+        return [w.metric("phasefleet_prompt_tokens_total") for w in workers]
+
+    shared = "You are a careful assistant. Answer in one short sentence. " * 12  # ~700 chars
+    with run_router("--workers", worker_list(*workers), "--policy", "prefix-aware") as router:
+        client = router.client()
+        hits_before, served_before = hits(), served()
+        for question in ("What is a prime?", "Why is the sky blue?", "Name a river.", "Hi?"):
+            client.completions.create(model="tiny", prompt=shared + question, max_tokens=2)
+        new_hits = [after - before for after, before in zip(hits(), hits_before, strict=True)]
+        new_tokens = [after - before for after, before in zip(served(), served_before, strict=True)]
+    # Every request went to the worker that holds the prefix, and the later three hit its cache.
+    assert sorted(new_tokens)[0] == 0
+    assert max(new_hits) > 0 and min(new_hits) == 0

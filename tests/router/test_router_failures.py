@@ -176,6 +176,7 @@ def test_no_ready_worker_answers_503_naming_the_pool() -> None:
     nobody = f"http://127.0.0.1:{free_port()}"
     with run_router("--workers", nobody) as router:
         assert httpx.get(f"{router.base_url}/health").json()["ready_workers"] == {"worker": 0}
+        assert [m.id for m in router.client().models.list().data] == ["tiny"]
         for stream in (False, True):
             with pytest.raises(openai.InternalServerError) as caught:
                 router.client().completions.create(
