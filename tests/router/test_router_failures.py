@@ -187,6 +187,7 @@ def test_no_ready_worker_answers_503_naming_the_pool() -> None:
             error = caught.value.response.json()["error"]
             assert error["message"] == f"no ready worker in pool 'worker' ({nobody})"
             assert error["type"] == "service_unavailable"
+            assert error["code"] == "no_ready_worker"
 
 
 def test_a_client_that_leaves_aborts_its_request_on_the_worker(pair: tuple[Worker, Worker]) -> None:

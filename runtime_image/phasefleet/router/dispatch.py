@@ -160,15 +160,17 @@ class Router:
             return retries[-1].answer
         if retries:
             message = f"no worker in {pool.describe()} could serve the request: {retries[-1]}"
+            code = "workers_failed"
         else:
             message = f"no ready worker in {pool.describe()}"
             if pool.discovery_error:
                 message += f"; discovery failed: {pool.discovery_error}"
+            code = "no_ready_worker"
         return APIError(
             503,
             message,
             type="service_unavailable",
-            code="no_ready_worker",
+            code=code,
             headers={"Retry-After": str(DEFAULT_RETRY_AFTER)},
         ).response()
 
