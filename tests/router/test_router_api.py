@@ -129,6 +129,8 @@ def test_bad_request_passes_through_unchanged(router: Router, workers: tuple[Wor
     )
     assert malformed.status_code == 400
     assert malformed.json()["error"]["type"] == "invalid_request_error"
+    retries = 'phasefleet_router_retries_total{model_name="tiny",role="router"}'
+    assert router.metrics()[retries] == 0  # a bad request is not retried elsewhere
 
 
 def test_user_seen_latency_metrics(router: Router, via_router: openai.OpenAI) -> None:
