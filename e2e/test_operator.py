@@ -365,6 +365,7 @@ def test_restart_is_idempotent(
     wait(resumed, 60, "resume handlers to run")
     time.sleep(3)
     assert _versions(cluster, namespace, names) == before
+    assert re.findall(rf"apply {namespace}/\S+", operator.log()[log_size:]) == []  # not even no-ops
     for name in names:
         assert len(children(cluster, namespace, name)) == 9  # no duplicates
     denied = re.findall(r"forbidden: User \S+ cannot [^']*", operator.log())
