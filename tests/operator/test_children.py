@@ -78,7 +78,7 @@ def test_worker_pod_template():
         and annotations["prometheus.io/port"] == "8000"
     )
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
     for name in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[name]["timeoutSeconds"] >= 1, name
     live = container["livenessProbe"]

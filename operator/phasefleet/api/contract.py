@@ -12,6 +12,7 @@ from enum import StrEnum
 WORKER_PORT = 8000  # the worker's HTTP port: OpenAI API, /health, /metrics, /internal/*
 ROUTER_PORT = 8000  # the router's HTTP port: OpenAI API, /health, /metrics
 HEALTH_PATH = "/health"  # 200 when ready for new work; 503 while loading or draining
+LIVENESS_PATH = "/health/live"  # 200 unless the process is broken or stuck (restart it)
 METRICS_PATH = "/metrics"  # Prometheus text format
 
 # The service's internal token, required on the workers' /internal/* endpoints: the operator

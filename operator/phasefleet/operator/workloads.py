@@ -9,6 +9,7 @@ from typing import Any
 
 from phasefleet.api.contract import (
     HEALTH_PATH,
+    LIVENESS_PATH,
     POOL_ENGINE_ROLE,
     ROUTER_PORT,
     WORKER_PORT,
@@ -138,8 +139,9 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dic
     return volumes, mounts
 
 
-# Each probe's path: all are HEALTH_PATH until the worker serves a separate liveness endpoint.
-STARTUP_PATH = READINESS_PATH = LIVENESS_PATH = HEALTH_PATH
+# Startup and readiness wait for /health (ready for work); liveness asks only whether the
+# process is broken or stuck, so a loading or draining pod is never restarted.
+STARTUP_PATH = READINESS_PATH = HEALTH_PATH
 
 
 def _probes(startup_seconds: int) -> dict[str, Any]:

@@ -93,6 +93,11 @@ def build_app(router: Router) -> FastAPI:
         ready = {name: pool.ready_count() for name, pool in router.pools.items()}
         return JSONResponse({"status": "ok", "ready_workers": ready})
 
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        # Liveness: the event loop answers. Worker trouble is never a reason to restart it.
+        return JSONResponse({"status": "alive"})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)

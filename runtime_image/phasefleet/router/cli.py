@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV, ROUTER_PORT, RouterFlag
 from phasefleet.router.config import DEFAULT_MAX_ATTEMPTS, DEFAULT_REFRESH_INTERVAL, RouterConfig
-from phasefleet.router.discovery import Discovery, DnsDiscovery, StaticDiscovery
+from phasefleet.router.discovery import (
+    Discovery,
+    DnsDiscovery,
+    FileDiscovery,
+    StaticDiscovery,
+    read_members,
+)
 from phasefleet.router.endpointslices import (
     SERVICEACCOUNT_DIR,
     EndpointSliceDiscovery,
@@ -22,24 +31,37 @@ from phasefleet.router.endpointslices import (
 )
 from phasefleet.router.policy import POLICIES
 
-DEFAULT_PORT = 8000
 GRACEFUL_SHUTDOWN_TIMEOUT = 25  # seconds open streams get after SIGTERM (grace period is 30)
 
 logger = logging.getLogger("phasefleet.router")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--served-model-name", required=True, help="the name clients send")
+    parser.add_argument(RouterFlag.SERVED_MODEL_NAME, required=True, help="the name clients send")
     parser.add_argument(
-        "--policy", default="least-loaded", choices=POLICIES, help="how a worker is picked"
+        RouterFlag.POLICY, default="least-loaded", choices=POLICIES, help="how a worker is picked"
     )
     pools = parser.add_argument_group(
-        "workers", "one of: --workers, --worker-service, or --prefill-service with --decode-service"
+        "workers",
+        "one of: --workers, --workers-file, --worker-service, or --prefill-service with "
+        "--decode-service",
     )
     pools.add_argument("--workers", default=None, help="static list: URL[,URL...]")
-    pools.add_argument("--worker-service", default=None, help="aggregated pool: host:port")
-    pools.add_argument("--prefill-service", default=None, help="prefill pool: host:port")
-    pools.add_argument("--decode-service", default=None, help="decode pool: host:port")
+    pools.add_argument(
+        "--workers-file",
+        default=None,
+        help='JSON {"worker": [URL...]} or {"prefill": [...], "decode": [...]}, re-read on '
+        "every refresh (the local fleet's membership)",
+    )
+    pools.add_argument(
+        RouterFlag.pool_service("worker"), default=None, help="aggregated pool: host:port"
+    )
+    pools.add_argument(
+        RouterFlag.pool_service("prefill"), default=None, help="prefill pool: host:port"
+    )
+    pools.add_argument(
+        RouterFlag.pool_service("decode"), default=None, help="decode pool: host:port"
+    )
     pools.add_argument(
         "--discovery",
         default="auto",
@@ -50,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
-    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument(RouterFlag.PORT, type=int, default=ROUTER_PORT)
     server.add_argument(
         "--max-attempts",
         type=int,
@@ -70,13 +92,21 @@ def discoveries(args: argparse.Namespace) -> dict[str, Discovery]:
     """Pool name -> where its workers come from. ValueError unless the flags name exactly one
     layout: a static list, one aggregated Service, or a prefill and a decode Service. A Service
     is read through its EndpointSlices in a pod with a ServiceAccount token, else through DNS."""
-    aggregated = [f for f in ("workers", "worker_service") if getattr(args, f)]
+    aggregated = [f for f in ("workers", "workers_file", "worker_service") if getattr(args, f)]
     split = [f for f in ("prefill_service", "decode_service") if getattr(args, f)]
     if len(aggregated) + bool(split) != 1 or (split and len(split) != 2):
         raise ValueError(
-            "give exactly one of --workers, --worker-service, or both --prefill-service and "
-            "--decode-service"
+            "give exactly one of --workers, --workers-file, --worker-service, or both "
+            "--prefill-service and --decode-service"
         )
+    if args.workers_file:
+        names = set(read_members(Path(args.workers_file)))
+        if names not in ({"worker"}, {"prefill", "decode"}):
+            raise ValueError(
+                f"the workers file {args.workers_file} must name the pool worker, or prefill "
+                f"and decode; it names {sorted(names)}"
+            )
+        return {name: FileDiscovery(args.workers_file, name) for name in sorted(names)}
     if args.workers:
         return {"worker": StaticDiscovery([u for u in args.workers.split(",") if u.strip()])}
     services = (
@@ -105,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         max_attempts=args.max_attempts,
         refresh_interval=args.refresh_interval,
+        internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
     )
     try:
         config.validate()

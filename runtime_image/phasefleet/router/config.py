@@ -16,6 +16,7 @@ class RouterConfig:
     policy: str  # policy.POLICIES
     max_attempts: int = DEFAULT_MAX_ATTEMPTS  # workers tried per request before giving up
     refresh_interval: float = DEFAULT_REFRESH_INTERVAL  # seconds between discovery + load polls
+    internal_token: str | None = None  # the service's token: needed to name a prefill worker
 
     def validate(self) -> None:
         if self.policy not in POLICIES:

@@ -5,6 +5,8 @@ against what it knows. An endpoint with `ready=False` is terminating: it gets no
 finishes the ones it has. A worker missing from the answer is gone.
 
 - `StaticDiscovery`: a fixed list of URLs (`--workers`, the local fleet).
+- `FileDiscovery`: one pool of a JSON file `{pool: [url, ...]}` that a local fleet rewrites as
+  workers start and drain (`--workers-file`, `phasefleet serve`).
 - `DnsDiscovery`: the A records of a headless Service (`--worker-service host:port`); cluster
   DNS lists the ready pods only, so terminating ones simply disappear.
 """
@@ -12,8 +14,10 @@ finishes the ones it has. A worker missing from the answer is gone.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 
@@ -68,6 +72,38 @@ class StaticDiscovery:
 
     async def aclose(self) -> None:
         pass
+
+
+class FileDiscovery:
+    """One pool's URLs from a JSON file {pool: [url, ...]}, read on every refresh (the writer
+    replaces it atomically). A worker dropped from the file is gone: it finishes what it has."""
+
+    def __init__(self, path: str | Path, pool: str) -> None:
+        self.path = Path(path)
+        self.pool = pool
+
+    def describe(self) -> str:
+        return f"{self.path}[{self.pool}]"
+
+    async def endpoints(self) -> list[Endpoint]:
+        urls = read_members(self.path).get(self.pool, [])
+        return [Endpoint(normalize_url(u)) for u in urls]
+
+    async def aclose(self) -> None:
+        pass
+
+
+def read_members(path: Path) -> dict[str, list[str]]:
+    """The pools of a workers file; ValueError naming the file when it is not {pool: [url]}."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the workers file {path}: {exc}") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(v, list) and all(isinstance(u, str) for u in v) for v in data.values()
+    ):
+        raise ValueError(f"the workers file {path} must hold {{pool: [url, ...]}}")
+    return data
 
 
 class DnsDiscovery:

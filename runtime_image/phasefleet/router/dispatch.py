@@ -9,12 +9,11 @@ too, and if every worker tried was full the client gets 429 with Retry-After. A 
 a failure ends that stream with an error event and `data: [DONE]`; nothing else is touched.
 
 Pools: aggregated mode has one, `worker`. In disaggregated mode the router knows `prefill` and
-`decode`; until workers serve the KV hand-off (docs/router.md "Disaggregated mode"), every
-request goes whole to a decode worker, which prefills it itself (the hand-off's step 6 for every
-prompt). The hand-off slots in at `Router.generate`: choose a prefill worker from
-`pools["prefill"]` (same `rank`, with `matched` from the prefix index), POST /internal/prefill,
-send its first token to the client, then open the decode stream on a `pools["decode"]` worker
-through `_open_stream`, whose relay and metrics stay as they are.
+`decode`: a request goes to a decode worker, with the prefill worker picked for it (prefix
+affinity balanced with prompt-token backlog) and the internal token in two headers; the decode
+worker runs the KV hand-off itself, or prefills locally when its cache already holds most of
+the prompt (docs/architecture.md "Prefill to decode hand-off"). With no ready prefill worker the
+decode worker prefills every prompt itself.
 """
 
 from __future__ import annotations
@@ -29,9 +28,10 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from phasefleet.api.contract import INTERNAL_TOKEN_HEADER, PREFILL_URL_HEADER
 from phasefleet.router.config import RouterConfig
 from phasefleet.router.metrics import RouterMetrics, StreamTimer
-from phasefleet.router.policy import PrefixIndex, prefix_chunks, rank
+from phasefleet.router.policy import PrefixIndex, prefix_chunks, rank, rank_prefill
 from phasefleet.router.pool import WorkerPool
 from phasefleet.router.upstream import Event, Upstream, classify, sse_events
 from phasefleet.server.errors import APIError
@@ -105,31 +105,58 @@ class Router:
         self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
-        self.prefix_index = PrefixIndex()
+        self.prefix_index = PrefixIndex()  # the generation pool's workers
+        self.prefill_index = PrefixIndex()  # the prefill pool's workers
         self.turn = 0  # rotation counter for round-robin and tie-breaks
 
     @property
     def generation_pool(self) -> WorkerPool:
-        """The pool whole requests go to: `worker`, or `decode` until the hand-off lands."""
+        """The pool requests are sent to: `worker` (aggregated) or `decode`."""
         return self.pools.get("worker") or self.pools["decode"]
 
     async def refresh(self) -> None:
         for pool in self.pools.values():
             for url in await pool.refresh():
                 self.prefix_index.forget(url)
+                self.prefill_index.forget(url)
+
+    def choose_prefill(self, chunks: list[int]) -> str | None:
+        """The prefill worker for a request in disaggregated mode; None: the decode worker
+        prefills it (no prefill pool, none ready, or no token to authorize the hand-off)."""
+        pool = self.pools.get("prefill")
+        if pool is None or not self.config.internal_token:
+            return None
+        candidates = pool.candidates(self.clock())
+        if not candidates:
+            return None
+        matched = self.prefill_index.match(chunks) if chunks else {}
+        url = rank_prefill(self.config.policy, candidates, self.turn, matched)[0]
+        if chunks:
+            self.prefill_index.record(chunks, url)
+        return url
 
     def choose(self, pool: WorkerPool, chunks: list[int], tried: set[str]) -> str | None:
         candidates = pool.candidates(self.clock(), exclude=tried)
         if not candidates:
             return None
-        matched = self.prefix_index.match(chunks) if chunks else None
+        matched = (
+            self.prefix_index.match(chunks)
+            if chunks and self.config.policy == "prefix-aware"
+            else None
+        )
         self.turn += 1
         return rank(self.config.policy, candidates, self.turn, matched)[0]
 
     async def generate(self, path: str, body: bytes, arrival: float) -> Response:
         """POST `path` (/v1/completions or /v1/chat/completions) with the client's raw body."""
         pool = self.generation_pool
-        chunks = prefix_chunks(prompt_text(body)) if self.config.policy == "prefix-aware" else []
+        affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
+        chunks = prefix_chunks(prompt_text(body)) if affinity else []
+        headers = {"content-type": "application/json"}
+        prefill_url = self.choose_prefill(chunks)
+        if prefill_url is not None and self.config.internal_token:
+            headers[PREFILL_URL_HEADER] = prefill_url
+            headers[INTERNAL_TOKEN_HEADER] = self.config.internal_token
         tried: set[str] = set()
         retries: list[_Retry] = []
         while len(tried) < self.config.max_attempts:
@@ -140,7 +167,7 @@ class Router:
                 self.metrics.retries.inc()
             tried.add(url)
             try:
-                return await self._attempt(pool, url, path, body, arrival, chunks)
+                return await self._attempt(pool, url, path, body, headers, arrival, chunks)
             except _Retry as retry:
                 logger.info("worker %s failed before the first token: %s", url, retry)
                 retries.append(retry)
@@ -175,19 +202,24 @@ class Router:
         ).response()
 
     async def _attempt(
-        self, pool: WorkerPool, url: str, path: str, body: bytes, arrival: float, chunks: list[int]
+        self,
+        pool: WorkerPool,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        arrival: float,
+        chunks: list[int],
     ) -> Response:
         pool.acquire(url)
         handed_off = False  # the relay owns the response and the in-flight count
         resp: httpx.Response | None = None
         try:
             try:
-                resp = await self.upstream.post(
-                    url + path, body, {"content-type": "application/json"}
-                )
+                resp = await self.upstream.post(url + path, body, headers)
                 if resp.status_code != 200:
                     return await self._not_ok(pool, url, resp)
-                if chunks:
+                if chunks and self.config.policy == "prefix-aware":
                     self.prefix_index.record(chunks, url)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     relay = await self._open_stream(pool, url, resp, arrival)

@@ -25,6 +25,7 @@ POLICIES = ("least-loaded", "round-robin", "prefix-aware")
 WAITING_WEIGHT = 1.0  # a waiting request counts this much on top of itself: the batch is full
 KV_WEIGHT = 4.0  # requests' worth of a full KV cache (near preemption)
 AFFINITY_SLACK = 4.0  # load units a prefix owner may exceed the least-loaded worker by
+TYPICAL_PROMPT = 512.0  # prompt tokens one unit of prefill backlog stands for
 PREFIX_CHUNK_CHARS = 64  # prompt characters per hashed chunk (about a 16-token KV block)
 MAX_PREFIX_CHUNKS = 256  # chunks hashed per prompt (the first 16 Ki characters)
 PREFIX_INDEX_CAPACITY = 200_000  # chunk hashes remembered, least recently used dropped first
@@ -37,6 +38,7 @@ class WorkerLoad:
     running: float  # phasefleet_num_requests_running
     waiting: float  # phasefleet_num_requests_waiting
     kv_usage: float  # phasefleet_kv_cache_usage_perc, 0..1
+    prefill_pending: float = 0.0  # phasefleet_prefill_tokens_pending: prompt tokens queued
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,35 @@ def rank_prefix_aware(
         return by_load
     best = max(owners, key=lambda url: matched[url])  # max() keeps the first of equals
     return [best] + [url for url in by_load if url != best]
+
+
+def prefill_score(c: Candidate) -> float:
+    """A prefill worker's backlog in units of typical prompts; lower is better."""
+    pending = 0.0 if c.load is None else c.load.prefill_pending + c.load.waiting * TYPICAL_PROMPT
+    return c.inflight + pending / TYPICAL_PROMPT
+
+
+def rank_prefill(
+    policy: str, candidates: Sequence[Candidate], turn: int, matched: dict[str, int]
+) -> list[str]:
+    """Prefill workers in the order to try: round-robin as asked, else the one whose prefix
+    cache holds the longest prefix of this prompt unless its backlog exceeds the lightest by
+    more than AFFINITY_SLACK prompts, else the smallest backlog of prompt tokens."""
+    if policy == "round-robin":
+        return rank_round_robin(candidates, turn)
+    rotated = _rotated(candidates, turn)
+    by_backlog = _busy_last(sorted(rotated, key=prefill_score))
+    if not by_backlog or policy == "least-loaded":
+        return by_backlog
+    scores = {c.url: prefill_score(c) for c in candidates}
+    lightest = scores[by_backlog[0]]
+    owners = [
+        u for u in by_backlog if matched.get(u, 0) > 0 and scores[u] <= lightest + AFFINITY_SLACK
+    ]
+    if not owners:
+        return by_backlog
+    best = max(owners, key=lambda url: matched[url])
+    return [best] + [url for url in by_backlog if url != best]
 
 
 def rank(

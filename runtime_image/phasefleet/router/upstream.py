@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator
 
 import httpx
 
+from phasefleet.api.contract import Metric
 from phasefleet.router.policy import WorkerLoad
 
 CONNECT_TIMEOUT = 2.0  # seconds to open a connection to a worker
@@ -28,9 +29,10 @@ _NO_CHOICES = b'"choices":[]'  # the usage chunk
 _ROLE = b'"role":"assistant"'  # a chat stream's opening chunk, before any token
 
 # The worker's gauges that make up its load.
-RUNNING = "phasefleet_num_requests_running"
-WAITING = "phasefleet_num_requests_waiting"
-KV_USAGE = "phasefleet_kv_cache_usage_perc"
+RUNNING = Metric.NUM_REQUESTS_RUNNING
+WAITING = Metric.NUM_REQUESTS_WAITING
+KV_USAGE = Metric.KV_CACHE_USAGE_PERC
+PREFILL_PENDING = Metric.PREFILL_TOKENS_PENDING
 
 
 class Event(enum.Enum):
@@ -75,12 +77,17 @@ def parse_load(text: str) -> WorkerLoad:
     for line in text.splitlines():
         if line.startswith("phasefleet_"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in (RUNNING, WAITING, KV_USAGE):
+            if name in (RUNNING, WAITING, KV_USAGE, PREFILL_PENDING):
                 values[name] = float(line.rsplit(" ", 1)[1])
     missing = {RUNNING, WAITING, KV_USAGE} - values.keys()
     if missing:
         raise ValueError(f"the worker's /metrics lacks {', '.join(sorted(missing))}")
-    return WorkerLoad(running=values[RUNNING], waiting=values[WAITING], kv_usage=values[KV_USAGE])
+    return WorkerLoad(
+        running=values[RUNNING],
+        waiting=values[WAITING],
+        kv_usage=values[KV_USAGE],
+        prefill_pending=values.get(PREFILL_PENDING, 0.0),
+    )
 
 
 class Upstream:
