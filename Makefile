@@ -56,12 +56,10 @@ bench-operator: venv tools
 operator-image:
 	docker build -f operator/Dockerfile -t ghcr.io/phasefleet/phasefleet-operator:0.1.0 .
 
-TINY_MODEL := $(PHASEFLEET_CACHE)/models/tiny-llama
-
-# One worker on a tiny random model, in the foreground on port 8000 (Ctrl-C stops it).
+# A local fleet (router, 1 prefill and 1 decode worker) on a tiny random model, in the
+# foreground on port 8000; Ctrl-C drains and stops every process.
 run: venv
-	test -f $(TINY_MODEL)/config.json || $(VENV)/bin/phasefleet make-tiny $(TINY_MODEL)
-	$(VENV)/bin/phasefleet worker --model $(TINY_MODEL) --served-model-name tiny --port 8000
+	$(VENV)/bin/phasefleet serve --model tiny --served-model-name tiny --prefill 1 --decode 1 --port 8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("phasefleet.local.cli", "run a local fleet: router + prefill and decode workers"),
     "worker": ("phasefleet.server.cli", "run one engine worker (the container entrypoint)"),
     "router": ("phasefleet.router.cli", "run the router: the OpenAI front door over the workers"),
     "make-tiny": ("phasefleet.engine.tiny", "write a small random model and tokenizer to a folder"),

@@ -1,0 +1,139 @@
+"""`phasefleet serve`: a local fleet (router + prefill and decode workers) behind one port.
+
+    phasefleet serve --model tiny                        # 1 prefill + 1 decode worker
+    phasefleet serve --model DIR --prefill 2 --decode 2 --port 8000
+    phasefleet serve --model DIR --aggregated --workers 2
+
+Ctrl-C (or SIGTERM) drains the router and every worker, then exits; no process is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phasefleet.local.fleet import Fleet
+
+logger = logging.getLogger("phasefleet.serve")
+
+TINY = "tiny"  # --model tiny: a small random model, written once into the cache
+
+
+def tiny_model_dir() -> Path:
+    cache = os.environ.get("PHASEFLEET_CACHE") or str(Path.home() / ".cache" / "phasefleet")
+    return Path(cache) / "models" / "tiny-llama"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help=f"Hugging Face model folder, or `{TINY}` (a random model)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients send (default: the folder's)"
+    )
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument(
+        "--aggregated", action="store_true", help="one pool of workers that do both phases"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="workers with --aggregated")
+    parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument(
+        "--worker-args", default="", help='extra `phasefleet worker` flags, e.g. "--max-num-seqs 8"'
+    )
+    parser.add_argument(
+        "--router-args", default="", help='extra `phasefleet router` flags, e.g. "--policy random"'
+    )
+    parser.add_argument("--run-dir", default=None, help="logs and state (default: a temp folder)")
+    parser.add_argument(
+        "--drain-timeout", type=float, default=25.0, help="seconds in-flight requests get on stop"
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+
+
+def resolve_model(model: str) -> str:
+    if model != TINY:
+        return model
+    folder = tiny_model_dir()
+    if not (folder / "config.json").is_file():
+        from phasefleet.engine.tiny import make_tiny
+
+        logger.info("writing a tiny random model to %s", folder)
+        make_tiny(folder)
+    return str(folder)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from phasefleet.local.fleet import Fleet, FleetConfig
+
+    pools = {"worker": args.workers} if args.aggregated else {
+        "prefill": args.prefill, "decode": args.decode,
+    }  # fmt: skip
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="phasefleet-serve-"))
+    try:
+        model = resolve_model(args.model)
+        config = FleetConfig(
+            model=model,
+            served_model_name=args.served_model_name or Path(model).name,
+            port=args.port,
+            pools=pools,
+            run_dir=run_dir,
+            worker_args=shlex.split(args.worker_args),
+            router_args=shlex.split(args.router_args),
+            host=args.host,
+            drain_timeout=args.drain_timeout,
+        )
+        fleet = Fleet(config)
+    except ValueError as exc:
+        print(f"phasefleet serve: {exc}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    layout = ", ".join(f"{n} {pool}" for pool, n in pools.items())
+    logger.info("starting %s worker(s) on %s; logs in %s", layout, model, run_dir)
+    try:
+        fleet.start()
+    except RuntimeError as exc:
+        print(f"phasefleet serve: {exc}", file=sys.stderr)
+        fleet.stop()
+        return 1
+    print(_banner(fleet), flush=True)
+    code = 0
+    while not stop.wait(1.0):
+        dead = fleet.dead_children()
+        if dead:
+            for child in dead:
+                print(
+                    f"phasefleet serve: {child.name} exited:\n{child.log_tail()}", file=sys.stderr
+                )
+            code = 1
+            break
+    logger.info("draining and stopping the fleet")
+    fleet.stop()
+    return code
+
+
+def _banner(fleet: Fleet) -> str:
+    name = fleet.config.served_model_name
+    message = '{"role": "user", "content": "Hello"}'
+    body = f'{{"model": "{name}", "messages": [{message}], "max_tokens": 16}}'
+    return (
+        f"PhaseFleet is serving {name} at {fleet.url}/v1 (OpenAI API; Ctrl-C stops it)\n\n"
+        f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+        f"    -d '{body}'\n"
+    )

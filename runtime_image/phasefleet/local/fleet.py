@@ -1,0 +1,173 @@
+"""A local fleet: worker processes per pool and one router in front of them, on 127.0.0.1.
+
+The fleet writes its membership to a JSON file ({pool: [url, ...]}) that the router re-reads on
+every refresh, so workers added or drained while it runs (by a person or the autoscaler) join
+or leave the router without a restart. Workers are added to the file only once healthy, and
+removed from it before they are told to drain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV, EngineRole, RouterFlag, WorkerFlag
+from phasefleet.local.process import Child
+
+logger = logging.getLogger("phasefleet.serve")
+
+PHASEFLEET = [sys.executable, "-m", "phasefleet.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class FleetConfig:
+    model: str  # Hugging Face model folder
+    served_model_name: str
+    port: int  # the router's port: the fleet's one endpoint
+    pools: dict[str, int]  # pool -> workers: {"prefill": N, "decode": M} or {"worker": N}
+    run_dir: Path  # logs and the membership file
+    worker_args: list[str] = field(default_factory=list)  # passed to every worker
+    router_args: list[str] = field(default_factory=list)  # passed to the router
+    host: str = "127.0.0.1"  # where the router listens
+    startup_timeout: float = 300.0  # seconds a worker gets to load its model
+    drain_timeout: float = 25.0  # seconds in-flight requests get on stop
+
+    def validate(self) -> None:
+        if set(self.pools) not in ({"prefill", "decode"}, {"worker"}):
+            raise ValueError(
+                f"pools must be prefill and decode, or worker, got {sorted(self.pools)}"
+            )
+        for pool, count in self.pools.items():
+            if count < 1:
+                raise ValueError(f"--{pool} must be >= 1 worker, got {count}")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face model folder, got {self.model!r}")
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig) -> None:
+        config.validate()
+        self.config = config
+        self.token = secrets.token_urlsafe(32)  # the fleet's internal token (never logged)
+        self.members_path = config.run_dir / "workers.json"
+        self.workers: dict[str, list[Child]] = {pool: [] for pool in config.pools}
+        self.router: Child | None = None
+        self._serial = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _env(self) -> dict[str, str]:
+        return {INTERNAL_TOKEN_ENV: self.token}
+
+    def _new_worker(self, pool: str) -> Child:
+        name = f"{pool}-{self._serial}"
+        self._serial += 1
+        port = free_port()
+        role = EngineRole.BOTH if pool == "worker" else EngineRole(pool)
+        argv = [
+            *PHASEFLEET, "worker",
+            WorkerFlag.MODEL, self.config.model,
+            WorkerFlag.SERVED_MODEL_NAME, self.config.served_model_name,
+            WorkerFlag.ROLE, role.value,
+            "--host", "127.0.0.1",
+            WorkerFlag.PORT, str(port),
+            WorkerFlag.DRAIN_TIMEOUT, str(self.config.drain_timeout),
+            *self.config.worker_args,
+        ]  # fmt: skip
+        return Child(name, argv, port, self.config.run_dir / f"{name}.log", self._env())
+
+    def _write_members(self) -> None:
+        members = {pool: [w.url for w in ws] for pool, ws in self.workers.items()}
+        tmp = self.members_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(members))
+        os.replace(tmp, self.members_path)  # the router never reads a half-written file
+
+    def start(self) -> None:
+        """Starts every worker, waits until all are healthy, then the router."""
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        self._write_members()
+        started = [
+            (pool, self._new_worker(pool))
+            for pool, n in self.config.pools.items()
+            for _ in range(n)
+        ]
+        for _, child in started:
+            child.start()
+        with ThreadPoolExecutor(len(started)) as executor:
+            waits = [
+                executor.submit(c.wait_healthy, self.config.startup_timeout) for _, c in started
+            ]
+            for wait in waits:
+                wait.result()
+        for pool, child in started:
+            self.workers[pool].append(child)
+        self._write_members()
+        argv = [
+            *PHASEFLEET, "router",
+            RouterFlag.SERVED_MODEL_NAME, self.config.served_model_name,
+            "--host", self.config.host,
+            RouterFlag.PORT, str(self.config.port),
+            "--workers-file", str(self.members_path),
+            *self.config.router_args,
+        ]  # fmt: skip
+        self.router = Child("router", argv, self.config.port, self.config.run_dir / "router.log")
+        self.router.env = self._env()
+        self.router.start()
+        self.router.wait_healthy(60.0)
+
+    def add_worker(self, pool: str) -> Child:
+        """Starts one more worker in `pool`; it joins the router once healthy."""
+        child = self._new_worker(pool)
+        child.start()
+        child.wait_healthy(self.config.startup_timeout)
+        self.workers[pool].append(child)
+        self._write_members()
+        logger.info("%s joined (%s)", child.name, child.url)
+        return child
+
+    def remove_worker(self, child: Child, refresh_wait: float = 2.0) -> None:
+        """Takes a worker out of the router's list, then drains it (its in-flight requests
+        finish) and waits for it to exit."""
+        for workers in self.workers.values():
+            if child in workers:
+                workers.remove(child)
+        self._write_members()
+        time.sleep(refresh_wait)  # the router re-reads the file at least this often
+        child.terminate()
+        child.wait(self.config.drain_timeout + 5.0)
+        logger.info("%s drained and stopped", child.name)
+
+    def dead_children(self) -> list[Child]:
+        everyone = [*(w for ws in self.workers.values() for w in ws)]
+        if self.router is not None:
+            everyone.append(self.router)
+        return [c for c in everyone if c.popen is not None and not c.running()]
+
+    def stop(self) -> None:
+        """Drains the router (its open streams finish), then every worker; none is left."""
+        if self.router is not None:
+            self.router.terminate()
+        workers = [w for ws in self.workers.values() for w in ws]
+        for worker in workers:
+            worker.terminate()
+        grace = self.config.drain_timeout + 5.0
+        if self.router is not None:
+            self.router.wait(grace)
+        for worker in workers:
+            worker.wait(grace)

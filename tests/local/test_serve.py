@@ -1,0 +1,107 @@
+"""`phasefleet serve`: a local fleet behind one port, run as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.worker_proc import free_port, run_worker
+
+STARTUP_TIMEOUT = 240.0  # seconds: three processes load the model on a shared 2-core machine
+
+
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_serve_answers_like_one_worker_and_ctrl_c_leaves_nothing(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "phasefleet.cli", "serve", "--model", str(tiny_model),
+        "--served-model-name", "tiny", "--port", str(port), "--run-dir", str(tmp_path),
+        "--worker-args", "--num-kv-blocks 64 --remote-prefill-min-tokens 0",
+    ]  # fmt: skip
+    log = (tmp_path / "serve.out").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while "PhaseFleet is serving" not in (tmp_path / "serve.out").read_text():
+            assert proc.poll() is None, (tmp_path / "serve.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.out").read_text()
+            time.sleep(0.5)
+        banner = (tmp_path / "serve.out").read_text()
+        assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner
+        fleet = children_of(proc.pid)
+        assert len(fleet) >= 3  # router, prefill worker, decode worker
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        prompt = "The harbour lights came on one by one " * 3
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        with run_worker(tiny_model, "--num-kv-blocks", "64") as reference:
+            want = reference.client().completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0
+            )
+        assert got.choices[0].text == want.choices[0].text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'role="router"' in metrics
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in fleet) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in fleet if alive(pid)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def test_serve_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "phasefleet.cli", "serve", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "model must be a Hugging Face model folder" in out.stderr
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from phasefleet.engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", seed=0)
