@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
+from e2e.harness.podrunner import RUN_LABEL, RUN_VALUE
 from e2e.harness.prometheus import Prometheus
 
 _started: list[ControlPlane] = []
@@ -46,6 +47,23 @@ def namespace(cluster: ControlPlane) -> Iterator[str]:
 
 
 @pytest.fixture
+def run_namespace(cluster: ControlPlane, namespace: str) -> str:
+    """A fresh namespace whose pods the pod runner runs as local processes."""
+    cluster.kubectl("label", "namespace", namespace, f"{RUN_LABEL}={RUN_VALUE}")
+    return namespace
+
+
+@pytest.fixture(scope="session")
+def image_model(cluster: ControlPlane) -> str:
+    """The tiny model "baked into the image" at /models/tiny-llama (the examples' path):
+    written under the cluster's image root, where the pod runner maps that path."""
+    from phasefleet.engine.tiny import make_tiny
+
+    make_tiny(cluster.image_root / "models" / "tiny-llama", arch="llama", seed=0)
+    return "/models/tiny-llama"
+
+
+@pytest.fixture
 def start_prometheus() -> Iterator[Callable[[list[dict[str, Any]]], Prometheus]]:
     """Starts real Prometheus servers with the given scrape configs; stops them after."""
     servers: list[Prometheus] = []
@@ -72,4 +90,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and _started:
         for name, tail in _started[0].log_tails(lines=30).items():
             report.sections.append((f"{name} log (last 30 lines)", tail))
+        for path in sorted(_started[0].pods_dir.glob("*/*.log")):
+            tail = "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+            report.sections.append((f"pod {path.parent.name} {path.stem} (last 20 lines)", tail))
     return report

@@ -20,7 +20,7 @@ def test_second_cluster_tears_down_without_strays() -> None:
     try:
         plane.start()
         pids = plane.pids()
-        assert len(pids) == 5  # etcd, apiserver, controller-manager, scheduler, kwok
+        assert len(pids) == 6  # etcd, apiserver, controller-manager, scheduler, kwok, pod runner
         nodes = plane.get_json("nodes")["items"]
         assert len(nodes) == 3
     finally:

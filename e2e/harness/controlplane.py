@@ -10,6 +10,7 @@ import secrets
 import shutil
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,11 +20,18 @@ from typing import Any
 
 from e2e.harness.nodes import FAKE_NODES, node_manifests
 from e2e.harness.pki import Pki, make_pki
-from e2e.harness.process import Component, free_port
+from e2e.harness.podnet import claim_block, ensure_local_route, release_block
+from e2e.harness.podrunner import stray_process_groups
+from e2e.harness.process import Component, free_port, process_group_alive, stop_process_group
+
+REPO = Path(__file__).resolve().parents[2]
 
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service's ClusterIP: first address of SERVICE_CIDR
-POD_CIDR = "10.244.0.1/16"  # KWOK hands fake pod IPs from here
+# KWOK's only pod stage: a bound pod gets its IPs and waits for its containers. The pod runner,
+# not KWOK, then makes it Ready (or not) and deletes it once its containers are stopped; KWOK's
+# default stages would mark every pod Ready at once and delete it without its grace period.
+KWOK_POD_STAGES = Path(__file__).with_name("kwok-pod-stages.yaml")
 
 
 def tools_bin_dir() -> Path:
@@ -44,6 +52,7 @@ class ControlPlane:
     bin_dir: Path
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     apiserver_port: int = 0
+    pod_cidr: str = ""  # KWOK hands pod IPs from here (podnet.py: local, not loopback)
     components: list[Component] = field(default_factory=list)
 
     @property
@@ -57,6 +66,16 @@ class ControlPlane:
     @property
     def logs_dir(self) -> Path:
         return self.workdir / "logs"
+
+    @property
+    def image_root(self) -> Path:
+        """The files of "the image" pods run from: container path /x is image_root/x."""
+        return self.workdir / "image"
+
+    @property
+    def pods_dir(self) -> Path:
+        """A folder per pod the runner runs: volumes, one log and pid file per container."""
+        return self.workdir / "pods"
 
     @property
     def env(self) -> dict[str, str]:
@@ -78,6 +97,9 @@ class ControlPlane:
         self.apiserver_port = free_port()
         (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
         self._write_kubeconfig(pki)
+        ensure_local_route()  # if it cannot, the runner says so on each pod it cannot run
+        block = claim_block(self.workdir)
+        self.pod_cidr = f"{block.network_address + 1}/{block.prefixlen}"
         deadline = time.monotonic() + timeout
         try:
             etcd_url = self._start_etcd()
@@ -90,6 +112,7 @@ class ControlPlane:
             self.kubectl("apply", "-f", "-", input=node_manifests())
             self._wait_until(self._controllers_running, deadline, "controller-manager")
             self._wait_until(self._nodes_ready, deadline, "KWOK nodes Ready")
+            self._start_pod_runner()
         except BaseException:
             self.stop()
             raise
@@ -97,11 +120,24 @@ class ControlPlane:
     def stop(self) -> None:
         for component in reversed(self.components):
             component.stop()
+        # Containers of a runner that died without stopping them.
+        for group in stray_process_groups(self.pods_dir):
+            if process_group_alive(group):
+                stop_process_group(group, grace_seconds=5)
+
+    def pod_log(self, namespace: str, pod: str, container: str) -> str:
+        """What a run pod's container printed (all its restarts)."""
+        for folder in self.pods_dir.glob(f"{namespace}_{pod}_*"):
+            path = folder / f"{container}.log"
+            if path.exists():
+                return path.read_text(errors="replace")
+        return "(no log)"
 
     def destroy(self) -> None:
         """Stops everything and removes the work directory."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        release_block(self.workdir)
 
     def pids(self) -> list[int]:
         return [c.pid for c in self.components if c.pid is not None]
@@ -154,6 +190,19 @@ class ControlPlane:
             log_path=self.logs_dir / f"{name}.log",
             env=env,
         )
+        component.start()
+        self.components.append(component)
+
+    def _start_pod_runner(self) -> None:
+        self.image_root.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "e2e.harness.podrunner",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--workdir={self.pods_dir}",
+            f"--image-root={self.image_root}",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        component = Component("pod-runner", argv, self.logs_dir / "pod-runner.log", env=env)
         component.start()
         self.components.append(component)
 
@@ -229,10 +278,11 @@ class ControlPlane:
 
     def _kwok_args(self) -> list[str]:
         return [
+            f"--config={KWOK_POD_STAGES}",
             f"--kubeconfig={self.kubeconfig}",
             "--manage-all-nodes=false",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            f"--cidr={POD_CIDR}",
+            f"--cidr={self.pod_cidr}",
             "--node-ip=10.240.0.1",
             "--node-lease-duration-seconds=40",
             f"--server-address=127.0.0.1:{free_port()}",

@@ -1,0 +1,284 @@
+"""Every InferenceService really serves: the operator's pods run as local processes (the pod
+runner, e2e/harness/podrunner.py), each at its own pod IP, Ready only when its readiness probe
+passes. The official `openai` client talks to a router pod that finds the example's workers
+through EndpointSlices with its ServiceAccount token, and greedy output equals a worker started
+directly on the same model."""
+
+from __future__ import annotations
+
+import ipaddress
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from e2e.harness.controlplane import ControlPlane
+from e2e.harness.podnet import POD_RANGE
+from e2e.harness.wait import wait_for
+from e2e.test_operator_support import (
+    Operator,
+    get,
+    install_chart,
+    is_ready,
+    service_account_kubeconfig,
+)
+from phasefleet.api.contract import ROUTER_PORT, WORKER_PORT
+
+ROOT = Path(__file__).resolve().parents[1]
+AGGREGATED = ROOT / "examples" / "tiny-aggregated.yaml"
+PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5"]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ControlPlane) -> Iterator[Operator]:
+    install_chart(cluster)
+    workdir = Path(tempfile.mkdtemp(prefix="phasefleet-operator-"))
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig")
+    op = Operator(cluster, kubeconfig, workdir)
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: ControlPlane, image_model: str) -> Iterator[Any]:
+    """A worker started directly (no Kubernetes) on the same files and settings."""
+    from tests.server.worker_proc import run_worker
+
+    local = cluster.image_root / image_model.lstrip("/")
+    with run_worker(local, "--dtype", "float32", "--max-model-len", "512") as worker:
+        yield worker
+
+
+def pods(cluster: ControlPlane, namespace: str, role: str) -> list[dict[str, Any]]:
+    found = get(cluster, "pods", "-n", namespace, "-l", f"phasefleet.dev/role={role}")
+    return list((found or {}).get("items", []))
+
+
+def ready_ips(cluster: ControlPlane, namespace: str, role: str) -> list[str]:
+    """Pod IPs of the role's pods that are Ready and not terminating."""
+    return sorted(
+        p["status"]["podIP"]
+        for p in pods(cluster, namespace, role)
+        if not p["metadata"].get("deletionTimestamp")
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions") or []
+        )
+    )
+
+
+def client(ip: str, port: int) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://{ip}:{port}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def complete(api: openai.OpenAI, prompt: str, stream: bool, **extra: Any) -> str:
+    if not stream:
+        answer = api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **extra
+        )
+        return answer.choices[0].text
+    chunks = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, **extra
+    )
+    return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+
+@pytest.fixture
+def serve(
+    cluster: ControlPlane, operator: Operator, run_namespace: str, image_model: str
+) -> Callable[[Path], str]:
+    """Applies an example in a run namespace and waits until it is Ready; returns its name."""
+
+    def apply(example: Path) -> str:
+        cluster.kubectl("apply", "-n", run_namespace, "-f", str(example))
+        name = str(cluster.get_json("-f", str(example), "-n", run_namespace)["metadata"]["name"])
+        try:
+            wait_for(lambda: is_ready(cluster, run_namespace, name), 240, f"{name} Ready")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\noperator log tail:\n{operator.log()[-3000:]}") from None
+        return name
+
+    return apply
+
+
+# A router pod with its own ServiceAccount, allowed to list EndpointSlices: what the router
+# needs to find workers in a pod (docs/router.md). The operator's router pod does not have one
+# yet (automountServiceAccountToken: false, the `default` account).
+ROUTER_WITH_ACCOUNT = """
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: router}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: router}
+rules:
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: router}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: router}
+subjects:
+- {kind: ServiceAccount, name: router}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: router
+  labels: {app: router}
+spec:
+  serviceAccountName: router
+  containers:
+  - name: router
+    image: phasefleet/engine:test
+    command: [phasefleet]
+    args: [router, --port, "8000", --served-model-name, tiny, --worker-service, WORKERS]
+    env: [{name: HOME, value: /tmp}]
+    ports: [{name: http, containerPort: 8000}]
+    readinessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 5}
+    volumeMounts: [{name: tmp, mountPath: /tmp}]
+  volumes: [{name: tmp, emptyDir: {}}]
+"""
+
+
+def router_with_account(cluster: ControlPlane, namespace: str, workers: str) -> str:
+    """Starts ROUTER_WITH_ACCOUNT in front of the `workers` Service; returns its pod IP."""
+    manifest = ROUTER_WITH_ACCOUNT.replace("WORKERS", f"{workers}.{namespace}.svc:8000")
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
+
+    def ready_ip() -> str | None:
+        pod = get(cluster, "pod", "router", "-n", namespace) or {}
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
+        return str(pod["status"]["podIP"]) if ready else None
+
+    return str(wait_for(ready_ip, 60, "the router pod Ready"))
+
+
+def wait_router_sees(ip: str, ready: dict[str, int]) -> None:
+    def sees() -> bool:
+        health = httpx.get(f"http://{ip}:{ROUTER_PORT}/health", timeout=5).json()
+        return bool(health["ready_workers"] == ready)
+
+    wait_for(sees, 30, f"router at {ip} to see {ready} ready workers")
+
+
+def test_pods_are_ready_only_once_their_probe_passes(
+    cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str
+) -> None:
+    serve(AGGREGATED)
+    for role in ("worker", "router"):
+        for pod in pods(cluster, run_namespace, role):
+            ip = pod["status"]["podIP"]
+            assert ipaddress.ip_address(ip) in POD_RANGE, ip
+            (status,) = pod["status"]["containerStatuses"]
+            assert status["ready"] and status["started"] and "running" in status["state"]
+            assert status["restartCount"] == 0
+            port = WORKER_PORT if role == "worker" else ROUTER_PORT
+            assert httpx.get(f"http://{ip}:{port}/health", timeout=5).status_code == 200
+            log = cluster.pod_log(
+                run_namespace, pod["metadata"]["name"], pod["spec"]["containers"][0]["name"]
+            )
+            # The runner probed the process itself; the pod turned Ready after that.
+            assert '"GET /health HTTP/1.1" 200' in log
+    ips = [
+        p["status"]["podIP"] for r in ("worker", "router") for p in pods(cluster, run_namespace, r)
+    ]
+    assert len(set(ips)) == 3
+
+
+def test_a_pod_gets_its_service_account_as_from_a_kubelet(
+    cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
+) -> None:
+    """A token from the TokenRequest API, the cluster CA and the namespace at the standard
+    path: the router lists the worker pool's EndpointSlices with them."""
+    name = serve(AGGREGATED)
+    ip = router_with_account(cluster, run_namespace, f"{name}-worker")
+    wait_router_sees(ip, {"worker": 2})
+    through_router = client(ip, ROUTER_PORT)
+    for prompt in PROMPTS:
+        want = complete(reference.client(), prompt, stream=False)
+        assert complete(through_router, prompt, stream=False) == want
+        assert complete(through_router, prompt, stream=True) == want
+    (volume,) = [
+        v
+        for v in cluster.get_json("pod", "router", "-n", run_namespace)["spec"]["volumes"]
+        if v["name"].startswith("kube-api-access-")
+    ]
+    assert volume["projected"]["sources"][0]["serviceAccountToken"]["path"] == "token"
+
+
+def test_deleting_a_worker_pod_during_streams(
+    cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
+) -> None:
+    name = serve(AGGREGATED)
+    ip = router_with_account(cluster, run_namespace, f"{name}-worker")
+    wait_router_sees(ip, {"worker": 2})
+    long: dict[str, Any] = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}
+    want = reference.client().completions.create(
+        model="tiny", prompt=PROMPTS[0], temperature=0, **long
+    )
+    want_text = want.choices[0].text
+    results: list[str | BaseException] = []
+
+    def stream() -> None:
+        try:
+            chunks = client(ip, ROUTER_PORT).completions.create(
+                model="tiny", prompt=PROMPTS[0], temperature=0, stream=True, **long
+            )
+            results.append("".join(c.choices[0].text for c in chunks if c.choices))
+        except BaseException as exc:  # recorded, asserted below
+            results.append(exc)
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # every stream has its first tokens
+    (victim, survivor) = pods(cluster, run_namespace, "worker")
+    cluster.kubectl(
+        "delete", "pod", victim["metadata"]["name"], "-n", run_namespace, "--wait=false"
+    )
+    for thread in threads:
+        thread.join(timeout=180)
+    assert [r if isinstance(r, BaseException) else r == want_text for r in results] == [True] * 4
+
+    # The Deployment's new pod is started by the runner and joins the router's pool.
+    def replaced() -> list[str] | None:
+        ips = ready_ips(cluster, run_namespace, "worker")
+        gone = get(cluster, "pod", victim["metadata"]["name"], "-n", run_namespace) is None
+        return ips if gone and len(ips) == 2 and victim["status"]["podIP"] not in ips else None
+
+    ips = wait_for(replaced, 180, "a new worker pod Ready and the old one gone")
+    (new_ip,) = set(ips) - {survivor["status"]["podIP"]}
+    wait_router_sees(ip, {"worker": 2})
+    router = client(ip, ROUTER_PORT)
+    before = httpx.get(f"http://{new_ip}:{WORKER_PORT}/metrics", timeout=5).text
+    for prompt in PROMPTS * 2:
+        assert complete(router, prompt, stream=False) == complete(
+            reference.client(), prompt, stream=False
+        )
+    after = httpx.get(f"http://{new_ip}:{WORKER_PORT}/metrics", timeout=5).text
+    assert generation_tokens(after) > generation_tokens(before), f"{name}: new pod got no work"
+
+
+def generation_tokens(metrics: str) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("phasefleet_generation_tokens_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
