@@ -472,3 +472,49 @@ def test_pool_scaled_to_zero_is_ready(
     isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
     assert "prefill scaled to 0" in condition(isvc, "Ready")["message"]
     assert isvc["status"]["prefillReady"] == "0/0"
+
+
+GPU_NODES = ("kwok-gpu-0", "kwok-gpu-1")  # 8 GPUs each (e2e/harness/nodes.py)
+
+
+def test_gpu_pool_rolls_on_a_full_cluster(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    """Two 8-GPU decode pods fill both GPU nodes; a spec change still rolls them, because a
+    GPU pool replaces pods in place (maxSurge 0) instead of waiting for a spare GPU."""
+
+    def gpu_nodes_free() -> bool:
+        pods = get(cluster, "pods", "-A")["items"]
+        return not any(p["spec"].get("nodeName") in GPU_NODES for p in pods)
+
+    wait(gpu_nodes_free, 90, "earlier tests' pods gone from the GPU nodes")
+    decode = {
+        "replicas": 2,
+        "resources": {"limits": {"nvidia.com/gpu": 8}},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    apply(cluster, namespace, tiny(decode=decode))
+    wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "tiny Ready on all 16 GPUs")
+    dep = get(cluster, "deployment", "tiny-decode", "-n", namespace)
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+    cluster.kubectl(
+        "patch", "inferenceservice", "tiny", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"decode": {"maxNumSeqs": 8}}}),
+    )  # fmt: skip
+
+    def rolled() -> bool:
+        dep = get(cluster, "deployment", "tiny-decode", "-n", namespace)
+        status = dep.get("status") or {}
+        isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
+        return (
+            status.get("observedGeneration") == dep["metadata"]["generation"] == 2
+            and status.get("updatedReplicas") == 2
+            and status.get("readyReplicas") == 2
+            and status.get("replicas") == 2
+            and condition(isvc, "Ready").get("status") == "True"
+        )
+
+    wait(rolled, 120, "decode rolled onto the same GPUs")
+    pods = get(cluster, "pods", "-n", namespace, "-l", "phasefleet.dev/role=decode")["items"]
+    assert {p["spec"]["nodeName"] for p in pods} == set(GPU_NODES)
