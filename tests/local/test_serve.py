@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from tests.server.worker_proc import free_port, run_worker
 
@@ -98,10 +97,3 @@ def test_serve_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "model must be a Hugging Face model folder" in out.stderr
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from phasefleet.engine.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", seed=0)

@@ -144,11 +144,19 @@ class Fleet:
     def remove_worker(self, child: Child, refresh_wait: float = 2.0) -> None:
         """Takes a worker out of the router's list, then drains it (its in-flight requests
         finish) and waits for it to exit."""
+        self.retire(child)
+        time.sleep(refresh_wait)  # the router re-reads the file at least this often
+        self.drain(child)
+
+    def retire(self, child: Child) -> None:
+        """Out of the router's list: it gets no new requests, keeps serving those it has."""
         for workers in self.workers.values():
             if child in workers:
                 workers.remove(child)
         self._write_members()
-        time.sleep(refresh_wait)  # the router re-reads the file at least this often
+
+    def drain(self, child: Child) -> None:
+        """SIGTERM: the worker finishes its in-flight requests and exits; waits for that."""
         child.terminate()
         child.wait(self.config.drain_timeout + 5.0)
         logger.info("%s drained and stopped", child.name)

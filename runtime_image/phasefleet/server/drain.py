@@ -1,7 +1,9 @@
 """DrainingServer: uvicorn with a graceful SIGTERM, as Kubernetes sends before killing a pod.
 
 On SIGTERM the worker keeps listening but answers /health and new requests with 503 (and
-Retry-After), lets in-flight requests finish, then shuts down and exits 0. Requests still running
+Retry-After), lets in-flight requests finish and, on a prefill worker, waits until the decode
+workers have pulled and released every KV lease (or the leases expire), then shuts down and
+exits 0. Requests still running
 after `drain_timeout` seconds are cut off. A second SIGTERM, or SIGINT, shuts down at once the way
 plain uvicorn does.
 """
@@ -41,10 +43,14 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
             in_flight = self.state.engine.in_flight
-            if in_flight == 0:
-                logger.info("drained: no requests in flight, shutting down")
+            stats = self.state.engine.stats()
+            leases = stats.num_kv_leases if stats is not None else 0
+            if in_flight == 0 and leases == 0:
+                logger.info("drained: no requests in flight and no KV leased, shutting down")
                 self.should_exit = True
             elif time.monotonic() > self.drain_deadline:
-                logger.warning("drain timeout: cutting off %d request(s)", in_flight)
+                logger.warning(
+                    "drain timeout: cutting off %d request(s) and %d KV lease(s)", in_flight, leases
+                )
                 self.should_exit = True
         return await super().on_tick(counter)
