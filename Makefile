@@ -7,7 +7,7 @@ PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
 .PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean \
-	crds bench-operator operator-image
+	crds bench-operator operator-image demo demo-down
 
 all: venv
 
@@ -42,6 +42,14 @@ cluster-up: venv tools
 	$(PY) -m e2e.harness.cli up
 
 cluster-down: venv
+	$(PY) -m e2e.harness.cli down
+
+# The operator and the tiny example served for real (the e2e pod runner); prints the router's
+# URL. Pod IPs need a local route (e2e/harness/podnet.py): run as root.
+demo: venv tools
+	$(PY) -m e2e.harness.cli demo
+
+demo-down: venv
 	$(PY) -m e2e.harness.cli down
 
 # The InferenceService CRD, generated from phasefleet.api (a unit test fails when stale).

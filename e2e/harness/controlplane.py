@@ -201,7 +201,8 @@ class ControlPlane:
             f"--workdir={self.pods_dir}",
             f"--image-root={self.image_root}",
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         component = Component("pod-runner", argv, self.logs_dir / "pod-runner.log", env=env)
         component.start()
         self.components.append(component)

@@ -265,9 +265,11 @@ class PodRunner:
     def base_env(self, pod: dict[str, Any]) -> dict[str, str]:
         """What every container gets besides its own env: the API server (the kubelet's
         KUBERNETES_SERVICE_* point at the `kubernetes` Service; here at the real address,
-        as there is no kube-proxy), PATH and the pod's hostname."""
+        as there is no kube-proxy), PATH, PYTHONPATH and the pod's hostname."""
         host, port = self.apiserver
+        image = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
         return {
+            **image,  # part of "the image": where its Python finds phasefleet
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "LANG": "C.UTF-8",
             "HOSTNAME": pod["metadata"]["name"],
