@@ -1,0 +1,303 @@
+"""Trace replay against three local fleets with the same workers and CPU threads: aggregated
+without chunked prefill, aggregated with chunked prefill, and disaggregated (prefill + decode).
+
+A segment of the Azure 2023 conversation trace is replayed with its arrival times; prompt and
+output lengths are divided by --scale to fit the bench model on a CPU. Every request streams
+through the fleet's router; the client times every token. Printed side by side: TTFT, ITL and
+TPOT p50/p99 and goodput; then router overhead (the same requests straight to a worker and
+through the router) and hand-off bandwidth (KV pulls against one loopback TCP socket).
+
+    .venv/bin/python bench/disagg_replay.py --model /tmp/pf-bench --duration 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from itl_plot import plot_itl
+from kv_bandwidth import (
+    HandoffTotals,
+    Pull,
+    handoff_totals,
+    pull_kv,
+    socket_seconds,
+)
+from latency_stats import Summary, Targets, summarize
+from router_overhead import Overhead, measure_overhead
+from stream_client import RequestTiming, stream_completion
+from trace_segment import AZURE_CONV, TraceRequest, load_segment
+
+from phasefleet.local.fleet import Fleet, FleetConfig, free_port
+
+MODEL_NAME = "bench"
+WARMUP_PROMPTS = (8, 48, 128, 256, 512)  # tokens; each sent twice, so both workers see it
+
+
+@dataclass
+class SideResults:
+    """What a setup measured besides the replay."""
+
+    load_before: float = 0.0  # 1-minute load average when the replay started
+    load_after: float = 0.0
+    overhead: Overhead | None = None  # aggregated setups
+    handoffs: HandoffTotals | None = None  # disaggregated: the replay's pulls
+    pulls: list[tuple[Pull, float]] = field(default_factory=list)  # (pull, socket seconds)
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    pools: dict[str, int]
+    worker_args: list[str]
+    measure_overhead: bool = False  # router vs straight to a worker, after the replay
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="e.g. make-tiny DIR --preset bench")
+    p.add_argument("--trace", type=Path, default=AZURE_CONV)
+    p.add_argument("--start", type=float, default=0.0, help="segment start, s into the trace")
+    p.add_argument("--duration", type=float, default=30.0, help="segment length, seconds")
+    p.add_argument("--scale", type=float, default=8.0, help="divide trace lengths by this")
+    p.add_argument("--max-prompt", type=int, default=1024, help="prompt cap after scaling")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per worker")
+    p.add_argument("--chunk", type=int, default=128, help="token budget with chunked prefill")
+    p.add_argument("--remote-min", type=int, default=32, help="--remote-prefill-min-tokens")
+    p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per worker")
+    p.add_argument("--ttft-target", type=float, default=2.0, help="seconds, for goodput")
+    p.add_argument("--tpot-target", type=float, default=0.15, help="seconds, for goodput")
+    p.add_argument("--overhead-pairs", type=int, default=20)
+    p.add_argument("--pull-tokens", type=int, default=2048, help="prompt of the timed pulls")
+    p.add_argument("--pulls", type=int, default=3)
+    p.add_argument("--plot", type=Path, default=Path(__file__).with_name("disagg_itl.png"))
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    return p.parse_args()
+
+
+def setups(args: argparse.Namespace, longest: int) -> list[Setup]:
+    whole = max(2048, longest + 64)  # one step holds the longest prompt plus a batch of decodes
+    common = ["--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"]
+    return [
+        Setup(
+            "aggregated, no chunking",
+            {"worker": 2},
+            [*common, "--max-num-batched-tokens", str(whole)],
+        ),
+        Setup(
+            f"aggregated, chunked ({args.chunk})",
+            {"worker": 2},
+            [*common, "--max-num-batched-tokens", str(args.chunk)],
+            measure_overhead=True,
+        ),
+        Setup(
+            "disaggregated 1P+1D",
+            {"prefill": 1, "decode": 1},
+            [
+                *common,
+                "--max-num-batched-tokens",
+                str(whole),
+                "--remote-prefill-min-tokens",
+                str(args.remote_min),
+            ],
+        ),
+    ]
+
+
+async def replay(
+    client: httpx.AsyncClient, url: str, segment: list[TraceRequest]
+) -> list[RequestTiming]:
+    zero = time.perf_counter()
+
+    async def one(r: TraceRequest) -> RequestTiming:
+        await asyncio.sleep(max(0.0, r.offset - (time.perf_counter() - zero)))
+        return await stream_completion(
+            client, url, MODEL_NAME, r.prompt_token_ids, r.max_tokens, zero
+        )
+
+    return list(await asyncio.gather(*(one(r) for r in segment)))
+
+
+async def warm_up(client: httpx.AsyncClient, url: str, vocab: int) -> None:
+    """oneDNN builds a primitive per row count the first time it sees it: pay that here."""
+    for n in WARMUP_PROMPTS:
+        for _ in range(2):
+            prompt = [10 + (i * 7919 + n) % (vocab - 10) for i in range(n)]
+            t = await stream_completion(client, url, MODEL_NAME, prompt, 8, time.perf_counter())
+            if not t.ok:
+                raise RuntimeError(f"warm-up request failed: {t.error}")
+
+
+def run_setup(
+    args: argparse.Namespace, setup: Setup, segment: list[TraceRequest], vocab: int, run_dir: Path
+) -> tuple[list[RequestTiming], SideResults]:
+    fleet = Fleet(
+        FleetConfig(
+            model=str(args.model),
+            served_model_name=MODEL_NAME,
+            port=free_port(),
+            pools=setup.pools,
+            run_dir=run_dir / setup.name.split()[0].replace(",", ""),
+            worker_args=setup.worker_args,
+            router_args=["--log-level", "warning"],
+            drain_timeout=5.0,
+        )
+    )
+    extra = SideResults()
+    print(f"[{setup.name}] starting {setup.pools}", flush=True)
+    fleet.start()
+    try:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+
+        async def drive() -> list[RequestTiming]:
+            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                await warm_up(client, fleet.url, vocab)
+                time.sleep(2.0)  # the router's load poll sees idle workers again
+                decode = fleet.workers["decode"][0].url if "decode" in setup.pools else None
+                before = None if decode is None else await handoff_totals(client, decode)
+                extra.load_before = os.getloadavg()[0]
+                timings = await replay(client, fleet.url, segment)
+                extra.load_after = os.getloadavg()[0]
+                if decode is not None and before is not None:
+                    extra.handoffs = (await handoff_totals(client, decode)) - before
+                if setup.measure_overhead:
+                    extra.overhead = await measure_overhead(
+                        client,
+                        fleet.url,
+                        fleet.workers["worker"][0].url,
+                        MODEL_NAME,
+                        args.overhead_pairs,
+                        64,
+                        16,
+                        vocab,
+                    )
+                return timings
+
+        timings = asyncio.run(drive())
+        if "prefill" in setup.pools:
+            with httpx.Client() as sync:
+                prompt = [10 + (i * 104729) % (vocab - 10) for i in range(args.pull_tokens)]
+                for i in range(args.pulls):
+                    prompt[0] = 10 + i  # no prefix-cache hit on the prefill worker
+                    pull = pull_kv(sync, fleet.workers["prefill"][0].url, fleet.token, prompt)
+                    extra.pulls.append((pull, min(socket_seconds(pull.nbytes) for _ in range(3))))
+    finally:
+        fleet.stop()
+    return timings, extra
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def print_table(summaries: dict[str, Summary], loads: dict[str, tuple[float, float]]) -> None:
+    rows: list[tuple[str, ...]] = [
+        ("setup", *summaries),
+        ("requests (failed)", *(f"{s.requests} ({s.failed})" for s in summaries.values())),
+        (
+            "TTFT p50 / p99 ms",
+            *(f"{ms(s.ttft_p50)} / {ms(s.ttft_p99)}" for s in summaries.values()),
+        ),
+        ("ITL p50 / p99 ms", *(f"{ms(s.itl_p50)} / {ms(s.itl_p99)}" for s in summaries.values())),
+        ("ITL max ms", *(ms(s.itl_max) for s in summaries.values())),
+        (
+            "TPOT p50 / p99 ms",
+            *(f"{ms(s.tpot_p50)} / {ms(s.tpot_p99)}" for s in summaries.values()),
+        ),
+        ("met both targets", *(f"{s.met}/{s.requests}" for s in summaries.values())),
+        ("goodput req/s", *(f"{s.goodput:.2f}" for s in summaries.values())),
+        ("output tok/s", *(f"{s.throughput:.1f}" for s in summaries.values())),
+        ("load avg before / after", *(f"{a:.1f} / {b:.1f}" for a, b in loads.values())),
+    ]
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for row in rows[1:]:
+        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # every worker inherits it
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    segment = load_segment(
+        args.trace, args.start, args.duration, args.scale, args.max_prompt, vocab
+    )
+    lengths = sorted(len(r.prompt_token_ids) for r in segment)
+    print(
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load "
+        f"{os.getloadavg()[0]:.1f}; segment {args.start:.0f}+{args.duration:.0f} s of "
+        f"{args.trace.name}: {len(segment)} requests, prompt tokens p50 "
+        f"{lengths[len(lengths) // 2]} max {lengths[-1]} (sum {sum(lengths)}), output tokens "
+        f"sum {sum(r.max_tokens for r in segment)}; {args.threads} thread(s) per worker",
+        flush=True,
+    )
+    targets = Targets(args.ttft_target, args.tpot_target)
+    runs: dict[str, list[RequestTiming]] = {}
+    summaries: dict[str, Summary] = {}
+    loads: dict[str, tuple[float, float]] = {}
+    extras: dict[str, SideResults] = {}
+    with tempfile.TemporaryDirectory(prefix="pf-replay-") as tmp:
+        for setup in setups(args, lengths[-1]):
+            timings, extra = run_setup(args, setup, segment, vocab, Path(tmp))
+            runs[setup.name], extras[setup.name] = timings, extra
+            summaries[setup.name] = summarize(timings, targets)
+            loads[setup.name] = (extra.load_before, extra.load_after)
+            print(f"[{setup.name}] {summaries[setup.name]}", flush=True)
+
+    print(f"\ngoodput targets: TTFT <= {args.ttft_target} s and TPOT <= {args.tpot_target} s\n")
+    print_table(summaries, loads)
+
+    print("\nrouter overhead (p50, one request at a time, interleaved):")
+    for name, extra in extras.items():
+        o = extra.overhead
+        if o is not None:
+            print(
+                f"  {name}, {o.pairs} pairs: TTFT direct {o.direct_ttft_p50 * 1000:.1f} ms, "
+                f"router {o.router_ttft_p50 * 1000:.1f} ms, "
+                f"+{(o.router_ttft_p50 - o.direct_ttft_p50) * 1000:.1f} ms; ITL direct "
+                f"{o.direct_itl_p50 * 1000:.2f} ms, router {o.router_itl_p50 * 1000:.2f} ms, "
+                f"+{(o.router_itl_p50 - o.direct_itl_p50) * 1000:.2f} ms"
+            )
+    print("\nhand-off bandwidth:")
+    for extra in extras.values():
+        h = extra.handoffs
+        if h is not None and h.pulls:
+            print(
+                f"  replay: {h.pulls} pulls by the decode worker, "
+                f"{h.nbytes / h.pulls / 1e6:.2f} MB each on average, "
+                f"{h.nbytes / h.seconds / 1e9:.2f} GB/s (bytes / summed pull seconds)"
+            )
+        for pull, sock in extra.pulls:
+            socket_gbps = pull.nbytes / sock / 1e9
+            print(
+                f"  {pull.num_tokens} tokens, {pull.nbytes / 1e6:.1f} MB: pull {pull.gbps:.2f} "
+                f"GB/s ({pull.seconds * 1000:.1f} ms); one loopback TCP socket "
+                f"{socket_gbps:.2f} GB/s ({sock * 1000:.1f} ms); ratio "
+                f"{pull.gbps / socket_gbps:.2f}"
+            )
+    plot_itl(
+        runs,
+        long_prompt=args.chunk * 2,
+        path=args.plot,
+        title=f"per-token ITL, {args.trace.name} {args.start:.0f}+{args.duration:.0f} s, "
+        f"lengths / {args.scale:g}, 2 workers x {args.threads} thread",
+    )
+    print(f"\nplot: {args.plot}")
+    if args.json is not None:
+        numbers = {
+            name: {"summary": asdict(summaries[name]), "side": asdict(extras[name])}
+            for name in summaries
+        }
+        args.json.write_text(json.dumps(numbers, indent=1))
+
+
+if __name__ == "__main__":
+    main()
