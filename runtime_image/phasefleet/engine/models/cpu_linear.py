@@ -167,9 +167,10 @@ def plan_key(weight: torch.Tensor, has_bias: bool) -> str:
 
 
 def _measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[str, int], float]:
-    """measure(path, rows): best seconds of one call of that path on a random [rows, in] input,
-    over calls for about MEASURE_S (the first oneDNN call of a shape, which builds its
-    primitive, untimed). Packs nothing until called: a cached plan times nothing."""
+    """measure(path, rows): best seconds of one call of that path on a random [rows, in] input
+    (wall time, or CPU time with one torch thread), over calls for about MEASURE_S (the first
+    oneDNN call of a shape, which builds its primitive, untimed). Packs nothing until called:
+    a cached plan times nothing."""
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     packed: list[torch.Tensor] = []
     gen = torch.Generator().manual_seed(0)
@@ -191,11 +192,13 @@ def _measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[str, 
         if path == "onednn" and rows not in warm:
             call()  # builds and caches oneDNN's primitive for this shape
             warm.add(rows)
+        # One thread: its CPU time, which other processes' time slices do not inflate.
+        tick = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         best, spent, calls = float("inf"), 0.0, 0
         while calls == 0 or (spent < MEASURE_S and calls < MAX_CALLS):
-            start = time.perf_counter()
+            start = tick()
             call()
-            took = time.perf_counter() - start
+            took = tick() - start
             best, spent, calls = min(best, took), spent + took, calls + 1
         return best
 
