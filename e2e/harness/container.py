@@ -143,6 +143,8 @@ class Container:
             self._exited(self.popen.returncode, "Error", now)
         if self.popen is None:
             if not self.done and not terminating and now >= self.next_start:
+                if self.last_terminated is not None:
+                    self.restart_count += 1  # the kubelet counts restarts made, not planned
                 self.start()
             return
         self._probe(now, terminating)
@@ -166,7 +168,6 @@ class Container:
             delay = self.backoff_base
         else:
             delay = min(self.backoff_base * 2 ** min(self.restart_count, 10), BACKOFF_CAP_SECONDS)
-        self.restart_count += 1
         self.next_start = now + delay
 
     def _probe(self, now: float, terminating: bool) -> None:
