@@ -21,6 +21,7 @@ from e2e.test_operator_support import (
     CHART,
     ROOT,
     Operator,
+    can_i,
     get,
     is_ready,
     service_account_kubeconfig,
@@ -98,16 +99,16 @@ def test_watched_namespaces_get_roles_not_a_cluster_role(cluster: ControlPlane) 
 
 
 def test_reading_secrets_is_opt_in(cluster: ControlPlane) -> None:
-    def resources(*args: str) -> list[str]:
+    def verbs(resource: str, *args: str) -> set[str]:
         (role,) = [
             d for d in render(cluster, *args)
             if d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-discovery")
         ]  # fmt: skip
-        return [r for rule in role["rules"] for r in rule["resources"]]
+        return {v for rule in role["rules"] if resource in rule["resources"] for v in rule["verbs"]}
 
-    assert "secrets" not in resources()
-    assert "pods" in resources()  # a missing token Secret is read from the pods' state instead
-    assert "secrets" in resources("--set", "rbac.readSecrets=true")
+    assert verbs("secrets") == {"create"}  # each service's internal token, never read back
+    assert "list" in verbs("pods")  # a missing token Secret is read from the pods' state instead
+    assert verbs("secrets", "--set", "rbac.readSecrets=true") == {"create", "get"}
 
 
 def test_rights_never_go_to_the_default_service_account(cluster: ControlPlane) -> None:
@@ -153,11 +154,6 @@ def podmonitor_crd(cluster: ControlPlane) -> Iterator[None]:
     cluster.kubectl("wait", "--for=condition=Established", "crd/podmonitors.monitoring.coreos.com")
     yield
     cluster.kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--wait=false")
-
-
-def can_i(cluster: ControlPlane, sa: str, *args: str) -> bool:
-    result = cluster.kubectl("auth", "can-i", "--as", sa, *args, check=False)
-    return result.stdout.strip() == "yes"
 
 
 def test_install_namespaced_with_least_privilege(

@@ -19,6 +19,7 @@ from e2e.harness.controlplane import ControlPlane
 from e2e.harness.wait import wait_for
 from e2e.test_operator_support import (
     Operator,
+    can_i,
     condition,
     get,
     install_chart,
@@ -30,6 +31,15 @@ from phasefleet.api import contract
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 CHILD_KINDS = tuple(child.kind.lower() for child in contract.CHILD_KINDS)
+
+
+def expected_children(name: str, pools: list[str]) -> set[str]:
+    """ "kind/name" of every child an InferenceService with these pools should have."""
+    return {
+        f"{child.kind.lower()}/{child_name}"
+        for child in contract.CHILD_KINDS
+        for child_name in child.names(name, pools)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +142,7 @@ def test_example_gets_children_status_and_columns(
 
     wait(lambda: is_ready(cluster, namespace, name), 120, f"{name} Ready")
     kids = children(cluster, namespace, name)
-    expected = {f"{k}/{name}-{r}" for k in CHILD_KINDS for r in [*roles, "router"]}
+    expected = expected_children(name, list(roles))
     assert set(kids) == expected
     for obj in kids.values():
         (ref,) = obj["metadata"]["ownerReferences"]
@@ -158,6 +168,19 @@ def test_example_gets_children_status_and_columns(
         if "tokenSecret" in hf:
             env = {e["name"]: e for e in container["env"]}
             assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == hf["tokenSecret"]["name"]
+
+    # The router's own account reads its namespace's EndpointSlices and nothing else.
+    router_sa = f"system:serviceaccount:{namespace}:{name}-router"
+    here = ["-n", namespace]
+    for verb in ("get", "list", "watch"):
+        assert can_i(cluster, router_sa, verb, "endpointslices.discovery.k8s.io", *here)
+    assert not can_i(cluster, router_sa, "list", "endpointslices.discovery.k8s.io", "-n", "default")
+    for verb, resource in (("get", "secrets"), ("list", "pods"), ("create", "endpointslices")):
+        assert not can_i(cluster, router_sa, verb, resource, *here), (verb, resource)
+    token = get(cluster, "secret", f"{name}-internal", *here)
+    assert token["metadata"]["ownerReferences"][0]["name"] == name and token["data"]["token"]
+    router_pod = kids[f"deployment/{name}-router"]["spec"]["template"]["spec"]
+    assert router_pod["serviceAccountName"] == f"{name}-router"
 
     stored = get(cluster, "inferenceservice", name, "-n", namespace)
     status = stored["status"]
@@ -251,7 +274,7 @@ def test_mode_change_replaces_the_pools(
         "-p",
         json.dumps(patch),
     )
-    expected = {f"{k}/tiny-{r}" for k in CHILD_KINDS for r in ("worker", "router")}
+    expected = expected_children("tiny", ["worker"])
     wait(lambda: set(children(cluster, namespace, "tiny")) == expected, 90, "pools replaced")
     wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "aggregated tiny Ready")
     isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
@@ -294,7 +317,8 @@ def test_delete_garbage_collects_children(
     cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
 ) -> None:
     apply(cluster, namespace, tiny())
-    wait(lambda: len(children(cluster, namespace, "tiny")) == 9, 60, "children created")
+    want = len(expected_children("tiny", ["prefill", "decode"]))
+    wait(lambda: len(children(cluster, namespace, "tiny")) == want, 60, "children created")
     cluster.kubectl("delete", "inferenceservice", "tiny", "-n", namespace, "--wait=true")
     wait(lambda: not children(cluster, namespace, "tiny"), 90, "children garbage-collected")
     selector = "phasefleet.dev/inferenceservice=tiny"
@@ -367,7 +391,7 @@ def test_restart_is_idempotent(
     assert _versions(cluster, namespace, names) == before
     assert re.findall(rf"apply {namespace}/\S+", operator.log()[log_size:]) == []  # not even no-ops
     for name in names:
-        assert len(children(cluster, namespace, name)) == 9  # no duplicates
+        assert len(children(cluster, namespace, name)) == 12  # no duplicates
     denied = re.findall(r"forbidden: User \S+ cannot [^']*", operator.log())
     assert not denied, denied  # the chart's RBAC covered everything so far
 

@@ -112,3 +112,9 @@ def condition(isvc: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 def is_ready(cluster: ControlPlane, namespace: str, name: str) -> bool:
     isvc = get(cluster, "inferenceservice", name, "-n", namespace)
     return condition(isvc, "Ready").get("status") == "True"
+
+
+def can_i(cluster: ControlPlane, user: str, *args: str) -> bool:
+    """`kubectl auth can-i --as user ...`: what the API server's RBAC allows that user."""
+    result = cluster.kubectl("auth", "can-i", "--as", user, *args, check=False)
+    return result.stdout.strip() == "yes"

@@ -30,8 +30,9 @@ def test_child_kinds_have_rest_paths():
         prefix, plural = RESOURCES[child.kind]
         assert plural == child.plural
         assert prefix.endswith(child.api_version)
-    assert contract.CHILD_KINDS[1].group == "apps"
-    assert contract.CHILD_KINDS[0].group == ""
+    groups = {child.kind: child.group for child in contract.CHILD_KINDS}
+    assert groups["Deployment"] == "apps" and groups["Service"] == ""
+    assert groups["Role"] == "rbac.authorization.k8s.io"
 
 
 def test_worker_metrics_expose_every_contract_name():

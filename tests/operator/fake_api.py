@@ -93,6 +93,15 @@ class FakeApi:
         if self.objects.pop((kind, namespace, name), None) is not None:
             self.writes.append(("delete", kind, name))
 
+    def create(self, obj: dict[str, Any]) -> bool:
+        """As kube.Kube.create: an existing object of that name is left as it is."""
+        meta = obj["metadata"]
+        if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
+            return False
+        self.writes.append(("create", obj["kind"], meta["name"]))
+        self.add(obj)
+        return True
+
     def create_event(self, event: dict[str, Any]) -> None:
         self.events.append(copy.deepcopy(event))
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.spec import OPERATOR_ENV, Role
-from phasefleet.operator.children import desired_children, endpoint, key, pool_replicas
+from phasefleet.operator.children import (
+    desired_children,
+    endpoint,
+    internal_token_secret,
+    key,
+    pool_replicas,
+)
 from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, SPEC_HASH_ANNOTATION
 from phasefleet.operator.workloads import worker_deployment
 from tests.operator.factories import make_owner, make_spec
@@ -22,12 +29,52 @@ def _pod(dep: dict[str, Any]) -> dict[str, Any]:
 
 def test_disaggregated_children_and_names():
     children = _by_key(desired_children(make_owner(), make_spec()))
-    kinds = ("Deployment", "Service", "PodDisruptionBudget")
-    roles = ("prefill", "decode", "router")
-    assert set(children) == {(kind, f"llm-{role}") for kind in kinds for role in roles}
+    expected = {
+        (child.kind, name)
+        for child in CHILD_KINDS
+        for name in child.names("llm", ["prefill", "decode"])
+    }
+    assert set(children) == expected
+    assert len(expected) == 12  # 3 per pool and router, plus the router's account, role, binding
     assert children[("Service", "llm-prefill")]["spec"]["clusterIP"] == "None"
     assert children[("Service", "llm-router")]["spec"]["ports"][0]["port"] == 80
     assert endpoint(make_owner()) == "http://llm-router.team-a.svc:80"
+
+
+def test_router_reads_endpointslices_under_its_own_account_only() -> None:
+    children = _by_key(desired_children(make_owner(), make_spec()))
+    (rule,) = children[("Role", "llm-router")]["rules"]
+    assert rule == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
+    binding = children[("RoleBinding", "llm-router")]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "llm-router", "namespace": "team-a"}
+    ]
+    assert binding["roleRef"]["name"] == "llm-router"
+    router = _pod(children[("Deployment", "llm-router")])
+    assert router["serviceAccountName"] == "llm-router"
+    assert router["automountServiceAccountToken"] is True
+    for role in ("prefill", "decode"):  # workers talk to no API: no token at all
+        pod = _pod(children[("Deployment", f"llm-{role}")])
+        assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+
+
+def test_router_and_workers_get_the_internal_token_from_the_secret() -> None:
+    children = _by_key(desired_children(make_owner(), make_spec()))
+    want = {
+        "name": "PHASEFLEET_INTERNAL_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "llm-internal", "key": "token"}},
+    }
+    for role in ("prefill", "decode", "router"):
+        env = _pod(children[("Deployment", f"llm-{role}")])["containers"][0]["env"]
+        assert want in env, role
+    secret = internal_token_secret(make_owner())
+    assert secret["metadata"]["name"] == "llm-internal"
+    assert len(secret["stringData"]["token"]) >= 32
+    assert internal_token_secret(make_owner())["stringData"] != secret["stringData"]  # random
 
 
 def test_aggregated_has_one_worker_pool():

@@ -33,7 +33,8 @@ def condition(body: dict, type_: str) -> dict:
 def test_first_reconcile_creates_children_and_status():
     api, body = setup()
     outcome = reconcile(api, body, NOW)
-    assert len(outcome.applied) == 9 and outcome.status_written
+    assert len(outcome.applied) == 13 and outcome.status_written  # Secret + 12 children
+    assert outcome.applied[0] == "Secret/llm-internal"
     status = fresh(api)["status"]
     assert status["endpoint"] == "http://llm-router.team-a.svc:80"
     assert status["observedGeneration"] == 1
@@ -41,6 +42,23 @@ def test_first_reconcile_creates_children_and_status():
     assert condition(fresh(api), "Ready")["status"] == "False"
     assert condition(fresh(api), "Progressing")["status"] == "True"
     assert condition(fresh(api), "Degraded")["status"] == "False"
+
+
+def test_internal_token_is_made_once_and_never_overwritten():
+    api, body = setup()
+    api.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "llm-internal", "namespace": NAMESPACE},
+            "stringData": {"token": "made-before"},
+        }
+    )
+    reconcile(api, body, NOW)
+    secret = api.objects[("Secret", NAMESPACE, "llm-internal")]
+    assert secret["stringData"] == {"token": "made-before"}
+    assert ("create", "Secret", "llm-internal") not in api.writes
+    assert not [a for a in api.applies if a[0] == "Secret"]  # never applied (or read back)
 
 
 def test_ready_once_pods_are_ready_and_second_pass_writes_nothing():

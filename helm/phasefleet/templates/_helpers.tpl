@@ -63,6 +63,21 @@ Roles. docs/operator.md explains each rule.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# The router's own identity: a ServiceAccount bound to a Role that reads EndpointSlices.
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, delete]
+# Kubernetes lets a Role grant only what its creator holds: the router's Role reads these.
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+# Each service's internal token: created once, never read back (no get, list or watch).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 # Check that the model's PVC exists before creating pods that would hang on it.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]

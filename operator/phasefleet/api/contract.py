@@ -16,8 +16,10 @@ LIVENESS_PATH = "/health/live"  # 200 unless the process is broken or stuck (res
 METRICS_PATH = "/metrics"  # Prometheus text format
 
 # The service's internal token, required on the workers' /internal/* endpoints: the operator
-# keeps it in a Secret and passes it to the router and workers in this variable.
+# creates it once, random, in the Secret `<name>-internal` (key `token`), and passes it to the
+# router and workers in this variable.
 INTERNAL_TOKEN_ENV = "PHASEFLEET_INTERNAL_TOKEN"
+INTERNAL_TOKEN_KEY = "token"
 INTERNAL_TOKEN_HEADER = "X-PhaseFleet-Internal-Token"
 # Set by the router (with the token) on a request to a decode worker: the prefill worker it
 # picked. The decode worker prefills there, or locally when the uncached prompt is short.
@@ -111,6 +113,12 @@ class ChildKind:
     api_version: str  # "v1" or "group/version"
     kind: str
     plural: str  # the REST resource name, as RBAC rules and watches name it
+    router_only: bool = False  # one for the router (its API identity), not one per pool
+
+    def names(self, owner: str, pools: list[str]) -> list[str]:
+        """The names of this kind's children of InferenceService `owner` with these pools."""
+        roles = [ROUTER_ROLE] if self.router_only else [*pools, ROUTER_ROLE]
+        return [f"{owner}-{role}" for role in roles]
 
     @property
     def group(self) -> str:
@@ -122,7 +130,12 @@ class ChildKind:
 
 
 # Every child kind, in apply order: drives apply, watches and the RBAC the chart must grant.
+# The router reads its pools' EndpointSlices under its own ServiceAccount, bound to a Role that
+# allows only that, in its namespace.
 CHILD_KINDS = (
+    ChildKind("v1", "ServiceAccount", "serviceaccounts", router_only=True),
+    ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles", router_only=True),
+    ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings", router_only=True),
     ChildKind("v1", "Service", "services"),
     ChildKind("apps/v1", "Deployment", "deployments"),
     ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from phasefleet.api.base import ApiModel, FreeForm, Quantity, Rule
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV
 
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_IMAGE = "ghcr.io/phasefleet/phasefleet:0.1.0"
@@ -106,6 +107,7 @@ OPERATOR_ENV = (
     "POD_NAME",
     "HF_REVISION",
     "HF_TOKEN",
+    INTERNAL_TOKEN_ENV,
 )
 
 
@@ -127,6 +129,24 @@ class RuntimeSpec(ApiModel):
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV of shared prefixes.")
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="Appended to `phasefleet worker`."
+    )
+    remote_prefill_min_tokens: int = Field(
+        default=512,
+        ge=0,
+        le=1048576,
+        description=(
+            "Disaggregated mode: a prompt with fewer uncached tokens than this is prefilled by"
+            " the decode worker itself, not handed off (tokens; 0: hand off every prompt)."
+        ),
+    )
+    kv_lease_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description=(
+            "How long a prefill worker keeps a prompt's KV for the decode worker to pull"
+            " (seconds); an unpulled lease expires and the decode worker recomputes."
+        ),
     )
 
     rules = (

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import secrets
 from typing import Any
 
-from phasefleet.api.contract import WORKER_PORT
+from phasefleet.api.contract import INTERNAL_TOKEN_KEY, WORKER_PORT
 from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
 from phasefleet.operator.meta import (
     APPLIED_HASH_ANNOTATION,
@@ -15,7 +16,12 @@ from phasefleet.operator.meta import (
     metadata,
     selector,
 )
-from phasefleet.operator.workloads import router_deployment, spec_hash, worker_deployment
+from phasefleet.operator.workloads import (
+    internal_token_secret_name,
+    router_deployment,
+    spec_hash,
+    worker_deployment,
+)
 
 ROUTER_SERVICE_PORT = 80
 
@@ -63,6 +69,54 @@ def router_service(owner: Owner) -> dict[str, Any]:
     }
 
 
+def router_service_account(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(owner, child_name(owner.name, ROUTER), ROUTER),
+        "automountServiceAccountToken": False,  # only the router pod mounts it, by its own spec
+    }
+
+
+def router_role(owner: Owner) -> dict[str, Any]:
+    """Read the EndpointSlices of this namespace: the router's discovery, and nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(owner, child_name(owner.name, ROUTER), ROUTER),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+
+
+def router_role_binding(owner: Owner) -> dict[str, Any]:
+    name = child_name(owner.name, ROUTER)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(owner, name, ROUTER),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+
+
+def internal_token_secret(owner: Owner) -> dict[str, Any]:
+    """The service's internal token: random, created once (never applied again, never read)."""
+    meta = metadata(owner, internal_token_secret_name(owner.name), ROUTER)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {INTERNAL_TOKEN_KEY: secrets.token_urlsafe(32)},
+    }
+
+
 def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
     """At most one healthy pod of a pool is evicted at a time (node drains, upgrades).
 
@@ -86,7 +140,11 @@ def desired_children(
 ) -> list[dict[str, Any]]:
     """All children in apply order; `live_replicas` maps Deployment name -> spec.replicas."""
     live_replicas = live_replicas or {}
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = [
+        router_service_account(owner),
+        router_role(owner),
+        router_role_binding(owner),
+    ]
     for role, pool in spec.pools().items():
         live = live_replicas.get(child_name(owner.name, role.value))
         out.append(headless_service(owner, role))

@@ -72,6 +72,8 @@ class Api(Protocol):
 
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
 
+    def create(self, obj: dict[str, Any]) -> bool: ...
+
     def create_event(self, event: dict[str, Any]) -> None: ...
 
 
@@ -180,6 +182,18 @@ class Kube:
             self._call(
                 "DELETE", _path(kind, namespace, name), body={"propagationPolicy": "Background"}
             )
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Creates the object unless one of its name exists (then leaves it as it is): True
+        when created. Needs only the `create` verb, so the object is never read back."""
+        meta = obj["metadata"]
+        try:
+            self._call("POST", _path(obj["kind"], meta["namespace"]), body=obj)
+        except Transient as exc:
+            if exc.code == 409:  # AlreadyExists
+                return False
+            raise
+        return True
 
     def create_event(self, event: dict[str, Any]) -> None:
         path = f"/api/v1/namespaces/{event['metadata']['namespace']}/events"

@@ -19,10 +19,17 @@ from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.crd import API_VERSION, KIND
 from phasefleet.api.names import InvalidService, validate_service
 from phasefleet.api.spec import InferenceServiceSpec
-from phasefleet.operator.children import desired_children, key
+from phasefleet.operator.children import desired_children, internal_token_secret, key
 from phasefleet.operator.compare import in_sync
 from phasefleet.operator.kube import Api, NamespaceTerminating, Rejected
-from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, Owner, child_name, is_owned_by
+from phasefleet.operator.meta import (
+    ISVC_LABEL,
+    ROLE_LABEL,
+    ROUTER,
+    Owner,
+    child_name,
+    is_owned_by,
+)
 from phasefleet.operator.status import (
     MAX_CAUSE,
     Problem,
@@ -31,6 +38,7 @@ from phasefleet.operator.status import (
     pool_ready,
     status_changed,
 )
+from phasefleet.operator.workloads import internal_token_secret_name
 
 log = logging.getLogger(__name__)
 PROBLEM_RETRY_SECONDS = 20  # how soon a missing PVC or Secret, or a rejected child, is retried
@@ -236,6 +244,11 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
     outcome = Outcome(parent=body)
     live_replicas = {name: int(d["spec"].get("replicas") or 0) for name, d in deployments.items()}
     desired = desired_children(owner, spec, live_replicas)
+    # A new service (or one from before the hand-off) gets its internal token, made once. It
+    # is never applied again or read: pods get it from the Secret itself.
+    new_service = ("ServiceAccount", child_name(owner.name, ROUTER)) not in live
+    if new_service and api.create(internal_token_secret(owner)):
+        outcome.applied.append(f"Secret/{internal_token_secret_name(owner.name)}")
     for obj in desired:
         before = live.get(key(obj))
         if before is not None and in_sync(before, obj):

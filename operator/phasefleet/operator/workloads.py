@@ -9,6 +9,8 @@ from typing import Any
 
 from phasefleet.api.contract import (
     HEALTH_PATH,
+    INTERNAL_TOKEN_ENV,
+    INTERNAL_TOKEN_KEY,
     LIVENESS_PATH,
     POOL_ENGINE_ROLE,
     ROUTER_PORT,
@@ -92,6 +94,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         WorkerFlag.MAX_NUM_SEQS, str(pool.max_num_seqs),
         WorkerFlag.BLOCK_SIZE, str(spec.runtime.block_size),
         WorkerFlag.DRAIN_TIMEOUT, str(drain_timeout(pool)),
+        WorkerFlag.KV_LEASE_SECONDS, str(spec.runtime.kv_lease_seconds),
+        WorkerFlag.REMOTE_PREFILL_MIN_TOKENS, str(spec.runtime.remote_prefill_min_tokens),
     ]  # fmt: skip
     if spec.model.dtype != "auto":
         args += [WorkerFlag.DTYPE, spec.model.dtype]
@@ -102,7 +106,17 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
     return args + list(spec.runtime.extra_args)
 
 
-def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def internal_token_secret_name(owner_name: str) -> str:
+    return f"{owner_name}-internal"
+
+
+def internal_token_env(owner_name: str) -> dict[str, Any]:
+    """The service's internal token, from the Secret the operator created for it."""
+    ref = {"name": internal_token_secret_name(owner_name), "key": INTERNAL_TOKEN_KEY}
+    return {"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _env(owner_name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -110,6 +124,7 @@ def _env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        internal_token_env(owner_name),
     ]
     hf = spec.model.hf
     if hf is not None and hf.revision:
@@ -256,7 +271,7 @@ def worker_deployment(
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["phasefleet"],
         "args": worker_args(owner.name, spec, role, pool),
-        "env": _env(spec),
+        "env": _env(owner.name, spec),
         "resources": {k: v for k, v in resources.items() if v},
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
@@ -306,7 +321,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["phasefleet"],
         "args": router_args(owner, spec),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, internal_token_env(owner.name)],
         "resources": {
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "1Gi"},
@@ -318,6 +333,9 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any
     pod_spec = {
         "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
         "volumes": [{"name": "tmp", "emptyDir": {}}],
+        # The router reads its pools' EndpointSlices with this account's token (and only it).
+        "serviceAccountName": child_name(owner.name, ROUTER),
+        "automountServiceAccountToken": True,
     }
     digest = spec_hash(container)
     template = _pod_template(owner, ROUTER, container, pod_spec, digest, ROUTER_PORT)
