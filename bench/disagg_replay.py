@@ -28,7 +28,9 @@ from kv_bandwidth import (
     HandoffTotals,
     Pull,
     handoff_totals,
+    lease_kv,
     pull_kv,
+    pull_kv_raw,
     socket_seconds,
 )
 from latency_stats import Summary, Targets, summarize
@@ -48,9 +50,10 @@ class SideResults:
 
     load_before: float = 0.0  # 1-minute load average when the replay started
     load_after: float = 0.0
-    overhead: Overhead | None = None  # aggregated setups
+    overhead: Overhead | None = None  # the 1-worker fleet
     handoffs: HandoffTotals | None = None  # disaggregated: the replay's pulls
-    pulls: list[tuple[Pull, float]] = field(default_factory=list)  # (pull, socket seconds)
+    # (httpx pull, bare-socket pull, socket seconds for the same bytes)
+    pulls: list[tuple[Pull, Pull, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--ttft-target", type=float, default=2.0, help="seconds, for goodput")
     p.add_argument("--tpot-target", type=float, default=0.15, help="seconds, for goodput")
-    p.add_argument("--overhead-pairs", type=int, default=20)
+    p.add_argument("--overhead-pairs", type=int, default=30)
     p.add_argument("--pull-tokens", type=int, default=2048, help="prompt of the timed pulls")
     p.add_argument("--pulls", type=int, default=3)
     p.add_argument("--plot", type=Path, default=Path(__file__).with_name("disagg_itl.png"))
@@ -96,7 +99,6 @@ def setups(args: argparse.Namespace, longest: int) -> list[Setup]:
             f"aggregated, chunked ({args.chunk})",
             {"worker": 2},
             [*common, "--max-num-batched-tokens", str(args.chunk)],
-            measure_overhead=True,
         ),
         Setup(
             "disaggregated 1P+1D",
@@ -145,7 +147,7 @@ def run_setup(
             served_model_name=MODEL_NAME,
             port=free_port(),
             pools=setup.pools,
-            run_dir=run_dir / setup.name.split()[0].replace(",", ""),
+            run_dir=run_dir / "".join(c if c.isalnum() else "-" for c in setup.name),
             worker_args=setup.worker_args,
             router_args=["--log-level", "warning"],
             drain_timeout=5.0,
@@ -164,7 +166,7 @@ def run_setup(
                 decode = fleet.workers["decode"][0].url if "decode" in setup.pools else None
                 before = None if decode is None else await handoff_totals(client, decode)
                 extra.load_before = os.getloadavg()[0]
-                timings = await replay(client, fleet.url, segment)
+                timings = await replay(client, fleet.url, segment) if segment else []
                 extra.load_after = os.getloadavg()[0]
                 if decode is not None and before is not None:
                     extra.handoffs = (await handoff_totals(client, decode)) - before
@@ -185,10 +187,14 @@ def run_setup(
         if "prefill" in setup.pools:
             with httpx.Client() as sync:
                 prompt = [10 + (i * 104729) % (vocab - 10) for i in range(args.pull_tokens)]
+                prefill = fleet.workers["prefill"][0].url
                 for i in range(args.pulls):
-                    prompt[0] = 10 + i  # no prefix-cache hit on the prefill worker
-                    pull = pull_kv(sync, fleet.workers["prefill"][0].url, fleet.token, prompt)
-                    extra.pulls.append((pull, min(socket_seconds(pull.nbytes) for _ in range(3))))
+                    prompt[0] = 10 + 2 * i  # no prefix-cache hit on the prefill worker
+                    pull = pull_kv(sync, lease_kv(sync, prefill, fleet.token, prompt), fleet.token)
+                    sock = min(socket_seconds(pull.nbytes) for _ in range(3))
+                    prompt[0] = 11 + 2 * i
+                    url = lease_kv(sync, prefill, fleet.token, prompt)
+                    extra.pulls.append((pull, pull_kv_raw(sync, url, fleet.token), sock))
     finally:
         fleet.stop()
     return timings, extra
@@ -251,6 +257,14 @@ def main() -> None:
             summaries[setup.name] = summarize(timings, targets)
             loads[setup.name] = (extra.load_before, extra.load_after)
             print(f"[{setup.name}] {summaries[setup.name]}", flush=True)
+        # one worker behind the router, so both paths reach the same engine
+        alone = Setup(
+            "router overhead, 1 worker",
+            {"worker": 1},
+            ["--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"],
+            measure_overhead=True,
+        )
+        _, extras[alone.name] = run_setup(args, alone, [], vocab, Path(tmp))
 
     print(f"\ngoodput targets: TTFT <= {args.ttft_target} s and TPOT <= {args.tpot_target} s\n")
     print_table(summaries, loads)
@@ -271,16 +285,18 @@ def main() -> None:
         h = extra.handoffs
         if h is not None and h.pulls:
             print(
-                f"  replay: {h.pulls} pulls by the decode worker, "
+                f"  replay: prompts prefilled remote {h.remote}, local {h.local}, hand-off "
+                f"failures {h.failures}; {h.pulls} pulls by the decode worker, "
                 f"{h.nbytes / h.pulls / 1e6:.2f} MB each on average, "
                 f"{h.nbytes / h.seconds / 1e9:.2f} GB/s (bytes / summed pull seconds)"
             )
-        for pull, sock in extra.pulls:
+        for pull, raw, sock in extra.pulls:
             socket_gbps = pull.nbytes / sock / 1e9
             print(
-                f"  {pull.num_tokens} tokens, {pull.nbytes / 1e6:.1f} MB: pull {pull.gbps:.2f} "
-                f"GB/s ({pull.seconds * 1000:.1f} ms); one loopback TCP socket "
-                f"{socket_gbps:.2f} GB/s ({sock * 1000:.1f} ms); ratio "
+                f"  {args.pull_tokens} tokens, {pull.nbytes / 1e6:.1f} MB: httpx pull "
+                f"{pull.gbps:.2f} GB/s ({pull.seconds * 1000:.0f} ms), bare-socket GET "
+                f"{raw.gbps:.2f} GB/s ({raw.seconds * 1000:.0f} ms); one loopback TCP socket "
+                f"{socket_gbps:.2f} GB/s ({sock * 1000:.0f} ms); httpx pull / socket "
                 f"{pull.gbps / socket_gbps:.2f}"
             )
     plot_itl(
