@@ -34,14 +34,6 @@ class Fleet:
     members: Path  # the router's workers file
 
 
-def counter(worker: Worker, name: str, **labels: str) -> float:
-    total = 0.0
-    for key, value in worker.metrics().items():
-        if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     members = tmp_path_factory.mktemp("fleet") / "workers.json"
@@ -73,14 +65,14 @@ def complete(client: openai.OpenAI, prompt: str, stream: bool, max_tokens: int =
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_router_output_equals_an_aggregated_worker(fleet: Fleet, stream: bool) -> None:
-    remote = counter(fleet.decode, "phasefleet_prefills_total", where="remote")
+    remote = fleet.decode.counter("phasefleet_prefills_total", where="remote")
     for prompt in PROMPTS[:6] + PROMPTS[:2]:  # the repeats hit both workers' prefix caches
         got = complete(fleet.router.client(), prompt, stream)
         assert got == complete(fleet.reference.client(), prompt, stream), prompt
-    assert counter(fleet.decode, "phasefleet_prefills_total", where="remote") > remote
-    assert counter(fleet.decode, "phasefleet_kv_transfer_bytes_total") > 0
-    assert counter(fleet.decode, "phasefleet_kv_transfer_failures_total") == 0
-    assert counter(fleet.prefill, "phasefleet_prompt_tokens_total") > 0
+    assert fleet.decode.counter("phasefleet_prefills_total", where="remote") > remote
+    assert fleet.decode.counter("phasefleet_kv_transfer_bytes_total") > 0
+    assert fleet.decode.counter("phasefleet_kv_transfer_failures_total") == 0
+    assert fleet.prefill.counter("phasefleet_prompt_tokens_total") > 0
 
 
 def test_chat_through_the_router_equals_an_aggregated_worker(fleet: Fleet) -> None:
@@ -131,13 +123,13 @@ def test_a_prefill_worker_that_dies_costs_no_request(fleet: Fleet, tiny_model: P
             time.sleep(1.5)  # the router has read the new membership
             doomed.proc.send_signal(signal.SIGKILL)
             doomed.proc.wait(timeout=10)
-            local = counter(fleet.decode, "phasefleet_prefills_total", where="local")
-            remote = counter(fleet.decode, "phasefleet_prefills_total", where="remote")
+            local = fleet.decode.counter("phasefleet_prefills_total", where="local")
+            remote = fleet.decode.counter("phasefleet_prefills_total", where="remote")
             prompt = PROMPTS[7]
             got = complete(fleet.router.client(), prompt, stream=True)
             assert got == complete(fleet.reference.client(), prompt, stream=True)
-            assert counter(fleet.decode, "phasefleet_prefills_total", where="local") == local + 1
-            assert counter(fleet.decode, "phasefleet_prefills_total", where="remote") == remote
+            assert fleet.decode.counter("phasefleet_prefills_total", where="local") == local + 1
+            assert fleet.decode.counter("phasefleet_prefills_total", where="remote") == remote
         finally:
             fleet.members.write_text(
                 json.dumps({"prefill": [fleet.prefill.base_url], "decode": [fleet.decode.base_url]})

@@ -67,28 +67,20 @@ def complete(client: openai.OpenAI, prompt: str, stream: bool = False) -> str:
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
-def counter(worker: Worker, name: str, **labels: str) -> float:
-    total = 0.0
-    for key, value in worker.metrics().items():
-        if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_remote_prefill_output_equals_a_single_worker(
     workers: tuple[Worker, Worker, Worker], stream: bool
 ) -> None:
     prefill, decode, reference = workers
-    remote_before = counter(decode, "phasefleet_prefills_total", where="remote")
-    bytes_before = counter(decode, "phasefleet_kv_transfer_bytes_total")
+    remote_before = decode.counter("phasefleet_prefills_total", where="remote")
+    bytes_before = decode.counter("phasefleet_kv_transfer_bytes_total")
     client = handoff_client(decode, prefill.base_url)
     for prompt in PROMPTS:
         assert complete(client, prompt, stream) == complete(reference.client(), prompt, stream)
-    assert counter(decode, "phasefleet_prefills_total", where="remote") == remote_before + 3
-    assert counter(decode, "phasefleet_kv_transfer_bytes_total") > bytes_before
-    assert counter(decode, "phasefleet_kv_transfer_failures_total") == 0
-    prefill.wait_until(lambda: counter(prefill, "phasefleet_kv_leases") == 0)  # all released
+    assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 3
+    assert decode.counter("phasefleet_kv_transfer_bytes_total") > bytes_before
+    assert decode.counter("phasefleet_kv_transfer_failures_total") == 0
+    prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0)  # all released
 
 
 def test_chat_through_a_hand_off_equals_a_single_worker(
@@ -118,28 +110,28 @@ def test_internal_endpoints_refuse_a_missing_or_wrong_token(
             )
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "invalid_internal_token"
-    assert counter(prefill, "phasefleet_kv_leases") == 0  # nothing was prefilled
+    assert prefill.counter("phasefleet_kv_leases") == 0  # nothing was prefilled
 
 
 def test_a_wrong_token_means_no_remote_prefill(workers: tuple[Worker, Worker, Worker]) -> None:
     """A client cannot make a decode worker call a URL of its choosing."""
     prefill, decode, reference = workers
-    local_before = counter(decode, "phasefleet_prefills_total", where="local")
+    local_before = decode.counter("phasefleet_prefills_total", where="local")
     client = handoff_client(decode, "http://127.0.0.1:9/nowhere", token="wrong")
     assert complete(client, PROMPTS[0]) == complete(reference.client(), PROMPTS[0])
-    assert counter(decode, "phasefleet_prefills_total", where="local") == local_before + 1
+    assert decode.counter("phasefleet_prefills_total", where="local") == local_before + 1
 
 
 def test_unreachable_prefill_worker_means_a_local_prefill(
     workers: tuple[Worker, Worker, Worker],
 ) -> None:
     _, decode, reference = workers
-    before = counter(decode, "phasefleet_kv_transfer_failures_total", reason="prefill_unreachable")
+    before = decode.counter("phasefleet_kv_transfer_failures_total", reason="prefill_unreachable")
     client = handoff_client(decode, "http://127.0.0.1:9")
     assert complete(client, PROMPTS[2], stream=True) == complete(
         reference.client(), PROMPTS[2], stream=True
     )
-    after = counter(decode, "phasefleet_kv_transfer_failures_total", reason="prefill_unreachable")
+    after = decode.counter("phasefleet_kv_transfer_failures_total", reason="prefill_unreachable")
     assert after == before + 1
 
 
@@ -184,23 +176,23 @@ def test_a_pull_that_fails_halfway_is_recomputed(workers: tuple[Worker, Worker, 
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
-        before = counter(decode, "phasefleet_kv_transfer_failures_total")
+        before = decode.counter("phasefleet_kv_transfer_failures_total")
         client = handoff_client(decode, f"http://127.0.0.1:{proxy.server_address[1]}")
         for stream in (False, True):
             assert complete(client, PROMPTS[0], stream) == complete(
                 reference.client(), PROMPTS[0], stream
             )
-        assert counter(decode, "phasefleet_kv_transfer_failures_total") == before + 2
+        assert decode.counter("phasefleet_kv_transfer_failures_total") == before + 2
     finally:
         proxy.shutdown()
-    prefill.wait_until(lambda: counter(prefill, "phasefleet_kv_leases") == 0)
+    prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0)
 
 
 def test_an_unpulled_lease_expires_and_frees_its_blocks(
     workers: tuple[Worker, Worker, Worker],
 ) -> None:
     prefill, _, _ = workers
-    expired_before = counter(prefill, "phasefleet_kv_lease_expiries_total")
+    expired_before = prefill.counter("phasefleet_kv_lease_expiries_total")
     headers = {INTERNAL_TOKEN_HEADER: TOKEN}
     body = {"request_id": "abandoned", "prompt_token_ids": list(range(5, 45)), "max_tokens": 8}
     answer = httpx.post(
@@ -209,9 +201,9 @@ def test_an_unpulled_lease_expires_and_frees_its_blocks(
     assert answer.status_code == 200 and answer.json()["finish_reason"] == "handoff"
     lease = answer.json()["kv"]["request_id"]
     prefill.wait_until(
-        lambda: counter(prefill, "phasefleet_kv_lease_expiries_total") > expired_before, 15
+        lambda: prefill.counter("phasefleet_kv_lease_expiries_total") > expired_before, 15
     )
     gone = httpx.get(f"{prefill.base_url}/internal/kv/{lease}", headers=headers, timeout=10)
     assert gone.status_code == 404
-    assert counter(prefill, "phasefleet_kv_leases") == 0
-    assert counter(prefill, "phasefleet_kv_cache_usage_perc") == 0
+    assert prefill.counter("phasefleet_kv_leases") == 0
+    assert prefill.counter("phasefleet_kv_cache_usage_perc") == 0

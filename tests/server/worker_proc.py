@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import httpx
 import openai
+
+from phasefleet.local.fleet import free_port
 
 STARTUP_TIMEOUT = 120.0  # seconds; the CPU is shared with other test processes
 # `phasefleet worker`, through the console script's own entry point.
@@ -30,12 +31,6 @@ def parse_metrics(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -60,6 +55,14 @@ class Worker:
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, e.g. 'phasefleet_kv_cache_usage_perc{...}'."""
         return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
+
+    def counter(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples whose labels include `labels` (e.g. reason="...")."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+                total += value
+        return total
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled-by-le sample, by bare name."""
