@@ -2,10 +2,10 @@
 this machine, see podnet.py); the runner does the rest.
 
 - In a namespace labelled `e2e.phasefleet.dev/pod-runner=run`, each container's command runs as
-  a local process listening on the pod's IP (podspec.py, volumes.py, container.py). The pod is
-  Ready only while the containers' readiness probes pass. Deleting the pod runs the preStop
-  sleep, SIGTERM, SIGKILL at the end of the grace period, then deletes the pod object (grace 0,
-  as the kubelet does once its containers are gone).
+  a local process listening on the pod's IP (podlife.py, podspec.py, volumes.py,
+  container.py). The pod is Ready only while the containers' readiness probes pass. Deleting
+  the pod runs the preStop sleep, SIGTERM, SIGKILL at the end of the grace period, then deletes
+  the pod object (grace 0, as the kubelet does once its containers are gone).
 - Elsewhere the runner acts as KWOK's "fast" stages did: Running and Ready at once, deleted at
   once. The other e2e tests' pods (a Llama on a GPU the machine does not have) run nothing.
 
@@ -26,219 +26,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from e2e.harness.container import Container, now_rfc3339
+from e2e.harness.container import now_rfc3339
 from e2e.harness.kubeapi import MERGE_PATCH, ApiError, KubeApi
-from e2e.harness.podnet import is_local, not_local_message
-from e2e.harness.podspec import ContainerConfigError, container_env, launch_plan
-from e2e.harness.volumes import lookup_key, path_map
+from e2e.harness.podlife import PodLife, conditions, delete_now, pod_path
 
 RUN_LABEL = "e2e.phasefleet.dev/pod-runner"  # on a namespace: "run" its pods' containers
 RUN_VALUE = "run"
 SYNC_SECONDS = 0.5  # between lists of every pod
-TICK_SECONDS = 0.2  # between a pod's container checks
-CONFIG_RETRY_SECONDS = 2.0  # a CreateContainerConfigError is retried this often
 
 log = logging.getLogger("podrunner")
-
-
-def pod_path(pod: dict[str, Any]) -> str:
-    meta = pod["metadata"]
-    return f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
-
-
-def conditions(pod: dict[str, Any], ready: bool, message: str) -> list[dict[str, Any]]:
-    """The pod's conditions with Ready and ContainersReady set; a transition time moves only
-    when the status changes."""
-    status = "True" if ready else "False"
-    out = [
-        c
-        for c in pod["status"].get("conditions") or []
-        if c["type"] not in ("Ready", "ContainersReady")
-    ]
-    previous = {c["type"]: c for c in pod["status"].get("conditions") or []}
-    for kind in ("ContainersReady", "Ready"):
-        old = previous.get(kind, {})
-        cond: dict[str, Any] = {
-            "type": kind,
-            "status": status,
-            "lastProbeTime": None,
-            "lastTransitionTime": (
-                old["lastTransitionTime"] if old.get("status") == status else now_rfc3339()
-            ),
-        }
-        if not ready:
-            cond.update(reason="ContainersNotReady", message=message)
-        out.append(cond)
-    return out
-
-
-def delete_now(api: KubeApi, pod: dict[str, Any]) -> None:
-    """What the kubelet sends once a pod's containers are gone: grace 0, this UID only."""
-    body = {
-        "apiVersion": "v1",
-        "kind": "DeleteOptions",
-        "gracePeriodSeconds": 0,
-        "preconditions": {"uid": pod["metadata"]["uid"]},
-    }
-    try:
-        api.delete(pod_path(pod), body)
-    except ApiError as exc:
-        if exc.status not in (404, 409):
-            raise
-
-
-class PodLife(threading.Thread):
-    """One run pod: its containers from start to the deletion of the pod object."""
-
-    def __init__(self, runner: PodRunner, pod: dict[str, Any]):
-        meta = pod["metadata"]
-        super().__init__(name=f"pod {meta['namespace']}/{meta['name']}", daemon=True)
-        self.runner = runner
-        self.pod = pod
-        self.folder = runner.pods_dir / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
-        self.containers: list[Container] = []
-        self.config_error: str | None = None
-        self.gone = threading.Event()  # the pod object vanished (force delete)
-        self.last_status: Any = None
-
-    @property
-    def deleting(self) -> bool:
-        return bool(self.pod["metadata"].get("deletionTimestamp"))
-
-    def run(self) -> None:
-        try:
-            self._live()
-        except Exception:
-            log.exception("%s failed", self.name)
-            self.stop_all(grace=5)
-
-    def _live(self) -> None:
-        while not self.containers:
-            if self.deleting or self.gone.is_set() or self.runner.stopping.is_set():
-                break
-            try:
-                self.containers = self._plan()
-                self.config_error = None
-            except ContainerConfigError as exc:
-                self.config_error = str(exc)
-                self._report()
-                time.sleep(CONFIG_RETRY_SECONDS)
-        while not (self.deleting or self.gone.is_set() or self.runner.stopping.is_set()):
-            for container in self.containers:
-                container.step(terminating=False)
-            self._report()
-            time.sleep(TICK_SECONDS)
-        if self.runner.stopping.is_set():
-            return  # the runner stops every pod itself
-        grace = self.pod["metadata"].get("deletionGracePeriodSeconds")
-        self.stop_all(grace=0 if self.gone.is_set() else grace)
-        if not self.gone.is_set():
-            self._report()
-            delete_now(self.runner.api, self.pod)
-
-    def stop_all(self, grace: float | None) -> None:
-        threads = [
-            threading.Thread(target=container.stop, args=(grace,)) for container in self.containers
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
-    def _plan(self) -> list[Container]:
-        api, pod = self.runner.api, self.pod
-        namespace = pod["metadata"]["namespace"]
-        spec = pod["spec"]
-        if not is_local(pod["status"]["podIP"]):
-            raise ContainerConfigError(not_local_message(pod["status"]["podIP"]))
-        containers = []
-        for item in spec["containers"]:
-            env = container_env(
-                pod, item, lambda kind, name, key: lookup_key(api, namespace, kind, name, key)
-            )
-            paths = path_map(
-                api, pod, item, self.folder / "volumes", self.runner.image_root.resolve()
-            )
-            plan = launch_plan(
-                pod,
-                item,
-                env,
-                paths,
-                self.runner.python,
-                self.runner.base_env(pod),
-                self.runner.max_probe_period,
-            )
-            containers.append(
-                Container(
-                    plan=plan,
-                    host=pod["status"]["podIP"],
-                    log_path=self.folder / f"{item['name']}.log",
-                    pid_path=self.folder / f"{item['name']}.pid",
-                    restart_policy=spec.get("restartPolicy", "Always"),
-                    grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
-                    backoff_base=self.runner.backoff_base,
-                )
-            )
-        return containers
-
-    def _report(self) -> None:
-        """Writes status through the status subresource when it changed."""
-        images = {c["name"]: c.get("image", "") for c in self.pod["spec"]["containers"]}
-        if self.config_error is not None:
-            statuses = [
-                {
-                    "name": name,
-                    "image": image,
-                    "imageID": "",
-                    "ready": False,
-                    "started": False,
-                    "restartCount": 0,
-                    "state": {
-                        "waiting": {
-                            "reason": "CreateContainerConfigError",
-                            "message": self.config_error,
-                        }
-                    },
-                }
-                for name, image in images.items()
-            ]
-        else:
-            statuses = [c.status(images[c.plan.name]) for c in self.containers]
-        ready = bool(statuses) and all(s["ready"] for s in statuses)
-        unready = [s["name"] for s in statuses if not s["ready"]]
-        phase = "Running" if any("running" in s["state"] for s in statuses) else "Pending"
-        if statuses and all("terminated" in s["state"] for s in statuses):
-            codes = [s["state"]["terminated"]["exitCode"] for s in statuses]
-            phase = "Succeeded" if not any(codes) else "Failed"
-        key = (statuses_key(statuses), phase)
-        if key == self.last_status:
-            return
-        message = f"containers with unready status: [{' '.join(unready)}]"
-        body = {
-            "status": {
-                "phase": phase,
-                "conditions": conditions(self.pod, ready, message),
-                "containerStatuses": statuses,
-            }
-        }
-        try:
-            self.pod = self.runner.api.patch(f"{pod_path(self.pod)}/status", body, MERGE_PATCH)
-            self.last_status = key
-        except ApiError as exc:
-            if exc.status != 404:
-                log.warning("%s: status not written: %s", self.name, exc)
-
-
-def statuses_key(statuses: list[dict[str, Any]]) -> str:
-    """What a status write would change (not the back-off countdown in a message)."""
-    parts = []
-    for s in statuses:
-        state = dict(s["state"])
-        waiting = state.get("waiting")
-        if waiting:
-            state = {"waiting": {"reason": waiting["reason"]}}
-        parts.append(repr((s["name"], s["ready"], s["started"], s["restartCount"], state)))
-    return "|".join(parts)
 
 
 class PodRunner:
@@ -290,27 +86,36 @@ class PodRunner:
         pods = self.api.get("/api/v1/pods?fieldSelector=spec.nodeName%21%3D")["items"]
         seen = set()
         for pod in pods:
-            uid = pod["metadata"]["uid"]
-            seen.add(uid)
-            life = self.lives.get(uid)
-            if life is not None:
-                life.pod["metadata"] = pod["metadata"]
-                continue
-            if not (pod.get("status") or {}).get("podIP"):
-                if pod["metadata"].get("deletionTimestamp"):
-                    delete_now(self.api, pod)  # KWOK never started it
-                continue
-            if pod["metadata"]["namespace"] in run and not pod["metadata"].get("deletionTimestamp"):
-                life = PodLife(self, pod)
-                self.lives[uid] = life
-                life.start()
-            else:
-                self.pretend(pod)
+            seen.add(pod["metadata"]["uid"])
+            try:
+                self.sync_pod(pod, pod["metadata"]["namespace"] in run)
+            except ApiError as exc:
+                meta = pod["metadata"]
+                log.warning("pod %s/%s: %s", meta["namespace"], meta["name"], exc)
         for uid, life in list(self.lives.items()):
             if uid not in seen:
                 life.gone.set()
             if not life.is_alive() and uid not in seen:
                 del self.lives[uid]
+
+    def sync_pod(self, pod: dict[str, Any], run: bool) -> None:
+        uid, deleting = pod["metadata"]["uid"], bool(pod["metadata"].get("deletionTimestamp"))
+        life = self.lives.get(uid)
+        if life is not None:
+            life.pod["metadata"] = pod["metadata"]
+            if deleting and not life.is_alive():
+                delete_now(self.api, pod)  # its thread failed; its containers are stopped
+            return
+        if not (pod.get("status") or {}).get("podIP"):
+            if deleting:
+                delete_now(self.api, pod)  # KWOK never started it
+            return
+        if run and not deleting:
+            life = PodLife(self, pod)
+            self.lives[uid] = life
+            life.start()
+        else:
+            self.pretend(pod)
 
     def pretend(self, pod: dict[str, Any]) -> None:
         """A pod whose containers are not run: Ready at once, gone at once when deleted."""
