@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import median
 
 import httpx
 from itl_plot import plot_itl
@@ -78,6 +79,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--ttft-target", type=float, default=2.0, help="seconds, for goodput")
     p.add_argument("--tpot-target", type=float, default=0.15, help="seconds, for goodput")
+    p.add_argument("--rounds", type=int, default=1, help="replays of every setup, pooled")
     p.add_argument("--overhead-pairs", type=int, default=30)
     p.add_argument("--pull-tokens", type=int, default=2048, help="prompt of the timed pulls")
     p.add_argument("--pulls", type=int, default=3)
@@ -247,16 +249,23 @@ def main() -> None:
     )
     targets = Targets(args.ttft_target, args.tpot_target)
     runs: dict[str, list[RequestTiming]] = {}
-    summaries: dict[str, Summary] = {}
     loads: dict[str, tuple[float, float]] = {}
     extras: dict[str, SideResults] = {}
     with tempfile.TemporaryDirectory(prefix="pf-replay-") as tmp:
-        for setup in setups(args, lengths[-1]):
-            timings, extra = run_setup(args, setup, segment, vocab, Path(tmp))
-            runs[setup.name], extras[setup.name] = timings, extra
-            summaries[setup.name] = summarize(timings, targets)
-            loads[setup.name] = (extra.load_before, extra.load_after)
-            print(f"[{setup.name}] {summaries[setup.name]}", flush=True)
+        pooled: dict[str, list[list[RequestTiming]]] = {}
+        for round_ in range(args.rounds):  # setups alternate, so outside load hits each alike
+            for setup in setups(args, lengths[-1]):
+                timings, extra = run_setup(args, setup, segment, vocab, Path(tmp))
+                if round_ == 0:
+                    runs[setup.name], extras[setup.name] = timings, extra
+                pooled.setdefault(setup.name, []).append(timings)
+                load = loads.get(setup.name, (extra.load_before, extra.load_after))
+                loads[setup.name] = (
+                    max(load[0], extra.load_before),
+                    max(load[1], extra.load_after),
+                )
+                print(f"[{setup.name}] round {round_ + 1}: {summarize([timings], targets)}")
+        summaries = {name: summarize(t, targets) for name, t in pooled.items()}
         # one worker behind the router, so both paths reach the same engine
         alone = Setup(
             "router overhead, 1 worker",
@@ -282,6 +291,16 @@ def main() -> None:
             )
     print("\nhand-off bandwidth:")
     for extra in extras.values():
+        if extra.pulls:
+            ratios = sorted(p.gbps / (p.nbytes / sock / 1e9) for p, _, sock in extra.pulls)
+            print(
+                f"  median of {len(ratios)}: httpx pull "
+                f"{median(p.gbps for p, _, _ in extra.pulls):.2f} GB/s, bare-socket GET "
+                f"{median(r.gbps for _, r, _ in extra.pulls):.2f} GB/s, socket "
+                f"{median(p.nbytes / sock / 1e9 for p, _, sock in extra.pulls):.2f} GB/s, "
+                f"httpx pull / socket {median(ratios):.2f}"
+            )
+    for extra in extras.values():
         h = extra.handoffs
         if h is not None and h.pulls:
             print(
@@ -303,7 +322,7 @@ def main() -> None:
         runs,
         long_prompt=args.chunk * 2,
         path=args.plot,
-        title=f"per-token ITL, {args.trace.name} {args.start:.0f}+{args.duration:.0f} s, "
+        title=f"per-token ITL (round 1), {args.trace.name} {args.start:.0f}+{args.duration:.0f} s, "
         f"lengths / {args.scale:g}, 2 workers x {args.threads} thread",
     )
     print(f"\nplot: {args.plot}")

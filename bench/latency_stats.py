@@ -34,7 +34,10 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def summarize(timings: list[RequestTiming], targets: Targets) -> Summary:
+def summarize(rounds: list[list[RequestTiming]], targets: Targets) -> Summary:
+    """Percentiles over every request of every round; goodput and throughput over the rounds'
+    summed spans (each from its first request sent to its last token)."""
+    timings = [t for r in rounds for t in r]
     done = [t for t in timings if t.ok]
     ttfts = [t.ttft for t in done]
     itls = [gap for t in done for _, gap in t.gaps()]
@@ -42,9 +45,10 @@ def summarize(timings: list[RequestTiming], targets: Targets) -> Summary:
     met = sum(
         1 for t in done if t.ttft <= targets.ttft and (t.tpot is None or t.tpot <= targets.tpot)
     )
-    start = min((t.sent for t in timings), default=0.0)
-    end = max((t.token_times[-1] for t in done), default=start)
-    span = max(end - start, 1e-9)
+    span = 1e-9
+    for r in rounds:
+        start = min((t.sent for t in r), default=0.0)
+        span += max((t.token_times[-1] for t in r if t.ok), default=start) - start
     return Summary(
         requests=len(timings),
         failed=len(timings) - len(done),
