@@ -219,8 +219,8 @@ def fake_timings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     empty in-process cache. Returns the weight shapes that were 'timed'."""
     timed: list[tuple[int, ...]] = []
 
-    def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Measure:
-        timed.append(tuple(weight.shape))
+    def measure(weights: list[torch.Tensor], bias: torch.Tensor | None) -> Measure:
+        timed.append(tuple(weights[0].shape))
         return lambda path, rows: dict(
             zip(ROWS, MIXED.onednn_s if path == "onednn" else MIXED.torch_s, strict=True)
         ).get(rows, 1.0)
@@ -297,3 +297,15 @@ def test_an_engine_whose_linears_mix_both_paths_matches_transformers(
     prompts = random_prompts([3, 17, 40, 9], seed=3)
     for prompt, out in zip(prompts, eng.generate(prompts, greedy), strict=True):
         assert out.output_token_ids == hf_greedy(name, prompt, greedy.max_tokens)
+
+
+def test_small_row_counts_are_timed_over_more_weight_than_the_cache_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weights = [torch.randn(4, 8), torch.randn(4, 8)]  # 128 bytes each
+    monkeypatch.setattr(cpu_linear, "COLD_BYTES", 500)
+    cold = cpu_linear._cold_set(weights)
+    assert len(cold) == 4 and cold[0] is weights[0] and cold[1] is weights[1]
+    assert cold[2] is not weights[0] and torch.equal(cold[2], weights[0])  # a copy
+    measure = cpu_linear._measure(weights, None)
+    assert measure("onednn", 2) > 0 and measure("torch", 64) > 0

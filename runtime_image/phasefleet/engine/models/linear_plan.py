@@ -18,10 +18,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PATHS = ("onednn", "torch")
-# Row counts timed at load: every decode size up to 4, then doubling up to 64 (the default
-# max_num_seqs), then one prefill size; above 256 rows the choice at 256 holds (the matmul
-# itself dominates there; oneDNN was 1.15x faster at 2048 rows). Few, to keep loading short.
-CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 256)
+# Row counts timed at load: every decode size up to 4, then doubling up to 128 (prefill chunks
+# and big batches); above 128 rows the choice at 128 holds (the matmul itself dominates there;
+# oneDNN was 1.15x faster at 2048 rows). Few, to keep loading short.
+CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128)
 ROUNDS = 2  # timing rounds, alternating which path goes first; each side keeps its best
 SWITCH_COST = 0.1  # using both paths must save this much (sum of relative slowdowns)
 CACHE_ENV = "PHASEFLEET_CPU_LINEAR_CACHE"  # plans file; empty: no file
