@@ -43,6 +43,7 @@ from phasefleet.local.fleet import Fleet, FleetConfig, free_port
 
 MODEL_NAME = "bench"
 WARMUP_PROMPTS = (8, 48, 128, 256, 512)  # tokens; each sent twice, so both workers see it
+WARMUP_BATCH = 48  # concurrent warm-up requests
 
 
 @dataclass
@@ -131,13 +132,28 @@ async def replay(
 
 
 async def warm_up(client: httpx.AsyncClient, url: str, vocab: int) -> None:
-    """oneDNN builds a primitive per row count the first time it sees it: pay that here."""
+    """oneDNN builds a primitive per row count the first time it sees it: pay that here, for
+    prefills of several lengths and for decode batches of every size up to WARMUP_BATCH."""
+
+    def prompt(n: int, salt: int) -> list[int]:
+        return [10 + (i * 7919 + n * 31 + salt) % (vocab - 10) for i in range(n)]
+
     for n in WARMUP_PROMPTS:
-        for _ in range(2):
-            prompt = [10 + (i * 7919 + n) % (vocab - 10) for i in range(n)]
-            t = await stream_completion(client, url, MODEL_NAME, prompt, 8, time.perf_counter())
+        for salt in range(2):
+            t = await stream_completion(
+                client, url, MODEL_NAME, prompt(n, salt), 8, time.perf_counter()
+            )
             if not t.ok:
                 raise RuntimeError(f"warm-up request failed: {t.error}")
+    zero = time.perf_counter()
+    batch = await asyncio.gather(
+        *(
+            stream_completion(client, url, MODEL_NAME, prompt(8 + 7 * i % 60, i), 2 + i, zero)
+            for i in range(WARMUP_BATCH)
+        )
+    )  # they end one step apart: every batch size from WARMUP_BATCH down to 1
+    if not all(t.ok for t in batch):
+        raise RuntimeError(f"warm-up request failed: {[t.error for t in batch if not t.ok]}")
 
 
 def run_setup(
@@ -328,7 +344,11 @@ def main() -> None:
     print(f"\nplot: {args.plot}")
     if args.json is not None:
         numbers = {
-            name: {"summary": asdict(summaries[name]), "side": asdict(extras[name])}
+            name: {
+                "summary": asdict(summaries[name]),
+                "side": asdict(extras[name]),
+                "round_1": [asdict(t) for t in runs[name]],
+            }
             for name in summaries
         }
         args.json.write_text(json.dumps(numbers, indent=1))
