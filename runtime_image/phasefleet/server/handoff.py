@@ -8,6 +8,7 @@ token on. `HandoffFailed.reason` says which, for the failures counter.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ import httpx
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
 from phasefleet.engine.kv_transfer import KVLayout
+from phasefleet.server.kv_pull import PullError, get_into
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
 
 PREFILL_PATH = "/internal/prefill"
 KV_PATH = "/internal/kv/{request_id}"
-PULL_CHUNK_BYTES = 1 << 20  # bytes read from the socket at a time
 
 
 class HandoffFailed(Exception):
@@ -124,29 +125,14 @@ class HandoffClient:
         num_blocks = -(-result.num_prompt_tokens // block_size)
         expected = layout.payload_bytes(num_blocks)
         buffer = bytearray(expected)
-        received = 0
         url = prefill_url.rstrip("/") + KV_PATH.format(request_id=result.kv_request_id)
         started = time.monotonic()
-        try:
-            async with self.client.stream(
-                "GET", url, headers=self._headers(), timeout=self.pull_timeout
-            ) as response:
-                if response.status_code == 404:
-                    raise HandoffFailed("lease_expired", "the prefill worker no longer holds it")
-                if response.status_code != 200:
-                    raise HandoffFailed("pull_failed", f"status {response.status_code}")
-                async for chunk in response.aiter_raw(PULL_CHUNK_BYTES):
-                    end = received + len(chunk)
-                    if end > expected:
-                        raise HandoffFailed("pull_failed", f"more than {expected} bytes sent")
-                    buffer[received:end] = chunk
-                    received = end
-                    if time.monotonic() - started > self.pull_timeout:
-                        raise HandoffFailed("pull_timeout", f"over {self.pull_timeout}s")
-        except httpx.TimeoutException:
-            raise HandoffFailed("pull_timeout", f"over {self.pull_timeout}s") from None
-        except httpx.HTTPError as exc:
-            raise HandoffFailed("pull_failed", repr(exc)) from None
+        try:  # the socket fills `buffer` in a thread; the event loop goes on meanwhile
+            received = await asyncio.to_thread(
+                get_into, url, self._headers(), memoryview(buffer), self.pull_timeout
+            )
+        except PullError as exc:
+            raise HandoffFailed(exc.reason, str(exc)) from None
         if received != expected:
             raise HandoffFailed("pull_short", f"{received} of {expected} bytes")
         return torch.frombuffer(buffer, dtype=torch.uint8), time.monotonic() - started
