@@ -54,6 +54,7 @@ class SideResults:
     load_after: float = 0.0
     overhead: Overhead | None = None  # the 1-worker fleet
     handoffs: HandoffTotals | None = None  # disaggregated: the replay's pulls
+    worker_pulls: HandoffTotals | None = None  # --pull-tokens prompts through the router
     # (httpx pull, bare-socket pull, socket seconds for the same bytes)
     pulls: list[tuple[Pull, Pull, float]] = field(default_factory=list)
 
@@ -80,6 +81,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--ttft-target", type=float, default=2.0, help="seconds, for goodput")
     p.add_argument("--tpot-target", type=float, default=0.15, help="seconds, for goodput")
+    p.add_argument(
+        "--setups",
+        type=lambda v: v.split(","),
+        default=[],
+        help="only these: aggregated, disaggregated, router (first words of the names)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="replays of every setup, pooled")
     p.add_argument("--overhead-pairs", type=int, default=30)
     p.add_argument("--pull-tokens", type=int, default=2048, help="prompt of the timed pulls")
@@ -213,6 +220,22 @@ def run_setup(
                     prompt[0] = 11 + 2 * i
                     url = lease_kv(sync, prefill, fleet.token, prompt)
                     extra.pulls.append((pull, pull_kv_raw(sync, url, fleet.token), sock))
+
+                async def worker_pulls() -> HandoffTotals:
+                    """Long prompts through the router: the decode worker's own pulls."""
+                    decode = fleet.workers["decode"][0].url
+                    async with httpx.AsyncClient(timeout=600) as client:
+                        before = await handoff_totals(client, decode)
+                        for i in range(args.pulls):
+                            prompt[0] = 1000 + i
+                            t = await stream_completion(
+                                client, fleet.url, MODEL_NAME, prompt, 2, time.perf_counter()
+                            )
+                            if not t.ok:
+                                raise RuntimeError(f"long-prompt request failed: {t.error}")
+                        return (await handoff_totals(client, decode)) - before
+
+                extra.worker_pulls = asyncio.run(worker_pulls())
     finally:
         fleet.stop()
     return timings, extra
@@ -271,6 +294,8 @@ def main() -> None:
         pooled: dict[str, list[list[RequestTiming]]] = {}
         for round_ in range(args.rounds):  # setups alternate, so outside load hits each alike
             for setup in setups(args, lengths[-1]):
+                if args.setups and setup.name.split()[0].strip(",") not in args.setups:
+                    continue
                 timings, extra = run_setup(args, setup, segment, vocab, Path(tmp))
                 if round_ == 0:
                     runs[setup.name], extras[setup.name] = timings, extra
@@ -289,7 +314,8 @@ def main() -> None:
             ["--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"],
             measure_overhead=True,
         )
-        _, extras[alone.name] = run_setup(args, alone, [], vocab, Path(tmp))
+        if not args.setups or "router" in args.setups:
+            _, extras[alone.name] = run_setup(args, alone, [], vocab, Path(tmp))
 
     print(f"\ngoodput targets: TTFT <= {args.ttft_target} s and TPOT <= {args.tpot_target} s\n")
     print_table(summaries, loads)
@@ -324,6 +350,13 @@ def main() -> None:
                 f"failures {h.failures}; {h.pulls} pulls by the decode worker, "
                 f"{h.nbytes / h.pulls / 1e6:.2f} MB each on average, "
                 f"{h.nbytes / h.seconds / 1e9:.2f} GB/s (bytes / summed pull seconds)"
+            )
+        w = extra.worker_pulls
+        if w is not None and w.pulls:
+            print(
+                f"  decode worker's own pulls of {args.pull_tokens}-token prompts (its metrics): "
+                f"{w.pulls} pulls, {w.nbytes / w.pulls / 1e6:.1f} MB each, "
+                f"{w.nbytes / w.seconds / 1e9:.2f} GB/s; failures {w.failures}"
             )
         for pull, raw, sock in extra.pulls:
             socket_gbps = pull.nbytes / sock / 1e9

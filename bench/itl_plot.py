@@ -19,7 +19,10 @@ def plot_itl(
     path: Path,
     title: str,
 ) -> None:
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs)), sharex=True, sharey=True)
+    fig, grid = plt.subplots(
+        len(runs), 1, figsize=(11, 2.6 * len(runs)), sharex=True, sharey=True, squeeze=False
+    )
+    axes = list(grid[:, 0])
     for ax, (name, timings) in zip(axes, runs.items(), strict=True):
         points = [g for t in timings if t.ok for g in t.gaps()]
         ax.scatter([w for w, _ in points], [gap * 1000 for _, gap in points], s=5, alpha=0.5, lw=0)
