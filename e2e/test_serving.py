@@ -1,8 +1,8 @@
 """Every InferenceService really serves: the operator's pods run as local processes (the pod
 runner, e2e/harness/podrunner.py), each at its own pod IP, Ready only when its readiness probe
-passes. The official `openai` client talks to a router pod that finds the example's workers
-through EndpointSlices with its ServiceAccount token, and greedy output equals a worker started
-directly on the same model."""
+passes. The official `openai` client talks to the router's pod, which finds the workers through
+EndpointSlices with its ServiceAccount's token (filled in by the runner from the TokenRequest
+API), and greedy output equals a worker started directly on the same model."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from phasefleet.api.contract import ROUTER_PORT, WORKER_PORT
 
 ROOT = Path(__file__).resolve().parents[1]
 AGGREGATED = ROOT / "examples" / "tiny-aggregated.yaml"
+DISAGGREGATED = ROOT / "examples" / "tiny-disaggregated.yaml"
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5"]
 MAX_TOKENS = 16
 
@@ -103,71 +104,12 @@ def serve(
         cluster.kubectl("apply", "-n", run_namespace, "-f", str(example))
         name = str(cluster.get_json("-f", str(example), "-n", run_namespace)["metadata"]["name"])
         try:
-            wait_for(lambda: is_ready(cluster, run_namespace, name), 240, f"{name} Ready")
+            wait_for(lambda: is_ready(cluster, run_namespace, name), 360, f"{name} Ready")
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}\noperator log tail:\n{operator.log()[-3000:]}") from None
         return name
 
     return apply
-
-
-# A router pod with its own ServiceAccount, allowed to list EndpointSlices: what the router
-# needs to find workers in a pod (docs/router.md). The operator's router pod does not have one
-# yet (automountServiceAccountToken: false, the `default` account).
-ROUTER_WITH_ACCOUNT = """
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: router}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata: {name: router}
-rules:
-- apiGroups: [discovery.k8s.io]
-  resources: [endpointslices]
-  verbs: [list]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: router}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: router}
-subjects:
-- {kind: ServiceAccount, name: router}
----
-apiVersion: v1
-kind: Pod
-metadata:
-  name: router
-  labels: {app: router}
-spec:
-  serviceAccountName: router
-  containers:
-  - name: router
-    image: phasefleet/engine:test
-    command: [phasefleet]
-    args: [router, --port, "8000", --served-model-name, tiny, --worker-service, WORKERS]
-    env: [{name: HOME, value: /tmp}]
-    ports: [{name: http, containerPort: 8000}]
-    readinessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 5}
-    volumeMounts: [{name: tmp, mountPath: /tmp}]
-  volumes: [{name: tmp, emptyDir: {}}]
-"""
-
-
-def router_with_account(cluster: ControlPlane, namespace: str, workers: str) -> str:
-    """Starts ROUTER_WITH_ACCOUNT in front of the `workers` Service; returns its pod IP."""
-    manifest = ROUTER_WITH_ACCOUNT.replace("WORKERS", f"{workers}.{namespace}.svc:8000")
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest)
-
-    def ready_ip() -> str | None:
-        pod = get(cluster, "pod", "router", "-n", namespace) or {}
-        ready = any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in (pod.get("status") or {}).get("conditions") or []
-        )
-        return str(pod["status"]["podIP"]) if ready else None
-
-    return str(wait_for(ready_ip, 60, "the router pod Ready"))
 
 
 def wait_router_sees(ip: str, ready: dict[str, int]) -> None:
@@ -202,32 +144,41 @@ def test_pods_are_ready_only_once_their_probe_passes(
     assert len(set(ips)) == 3
 
 
-def test_a_pod_gets_its_service_account_as_from_a_kubelet(
+def test_aggregated_example_answers_through_its_router(
     cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
 ) -> None:
-    """A token from the TokenRequest API, the cluster CA and the namespace at the standard
-    path: the router lists the worker pool's EndpointSlices with them."""
     name = serve(AGGREGATED)
-    ip = router_with_account(cluster, run_namespace, f"{name}-worker")
+    (router,) = pods(cluster, run_namespace, "router")
+    assert router["spec"]["serviceAccountName"] == f"{name}-router"
+    assert any(v["name"].startswith("kube-api-access-") for v in router["spec"]["volumes"])
+    ip = router["status"]["podIP"]
     wait_router_sees(ip, {"worker": 2})
     through_router = client(ip, ROUTER_PORT)
+    direct = reference.client()
     for prompt in PROMPTS:
-        want = complete(reference.client(), prompt, stream=False)
+        want = complete(direct, prompt, stream=False)
         assert complete(through_router, prompt, stream=False) == want
         assert complete(through_router, prompt, stream=True) == want
-    (volume,) = [
-        v
-        for v in cluster.get_json("pod", "router", "-n", run_namespace)["spec"]["volumes"]
-        if v["name"].startswith("kube-api-access-")
-    ]
-    assert volume["projected"]["sources"][0]["serviceAccountToken"]["path"] == "token"
+    chat = through_router.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    want_chat = direct.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content == want_chat.choices[0].message.content
 
 
 def test_deleting_a_worker_pod_during_streams(
     cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
 ) -> None:
     name = serve(AGGREGATED)
-    ip = router_with_account(cluster, run_namespace, f"{name}-worker")
+    (ip,) = ready_ips(cluster, run_namespace, "router")
     wait_router_sees(ip, {"worker": 2})
     long: dict[str, Any] = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}
     want = reference.client().completions.create(
@@ -273,12 +224,54 @@ def test_deleting_a_worker_pod_during_streams(
             reference.client(), prompt, stream=False
         )
     after = httpx.get(f"http://{new_ip}:{WORKER_PORT}/metrics", timeout=5).text
-    assert generation_tokens(after) > generation_tokens(before), f"{name}: new pod got no work"
+    tokens = "phasefleet_generation_tokens_total"
+    assert sample(after, tokens) > sample(before, tokens), f"{name}: the new pod got no work"
 
 
-def generation_tokens(metrics: str) -> float:
+def test_disaggregated_example_answers_through_its_router(
+    cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
+) -> None:
+    name = serve(DISAGGREGATED)
+    (ip,) = ready_ips(cluster, run_namespace, "router")
+    wait_router_sees(ip, {"prefill": 1, "decode": 1})
+    through_router = client(ip, ROUTER_PORT)
+    direct = reference.client()
+    wants = {prompt: complete(direct, prompt, stream=False) for prompt in PROMPTS}
+    for prompt, want in wants.items():  # short prompts: the decode worker prefills them
+        assert complete(through_router, prompt, stream=False) == want
+        assert complete(through_router, prompt, stream=True) == want
+
+    # Every prompt prefilled remotely: the operator rolls both pools, the runner replaces pods.
+    patch = '{"spec": {"runtime": {"remotePrefillMinTokens": 0}}}'
+    cluster.kubectl(
+        "patch", "inferenceservice", name, "-n", run_namespace, "--type=merge", "-p", patch
+    )
+    wait_for(lambda: rolled_out(cluster, run_namespace, name), 240, "both pools rolled")
+    wait_router_sees(ip, {"prefill": 1, "decode": 1})
+    for prompt, want in wants.items():
+        assert complete(through_router, prompt, stream=False) == want
+        assert complete(through_router, prompt, stream=True) == want
+    (decode,) = ready_ips(cluster, run_namespace, "decode")
+    metrics = httpx.get(f"http://{decode}:{WORKER_PORT}/metrics", timeout=5).text
+    assert sample(metrics, "phasefleet_prefills_total", 'where="remote"') == 2 * len(PROMPTS)
+    assert sample(metrics, "phasefleet_kv_transfer_bytes_total") > 0
+
+
+def rolled_out(cluster: ControlPlane, namespace: str, name: str) -> bool:
+    """The new generation observed, Ready, and one pod per pool left (old ones gone)."""
+    isvc = get(cluster, "inferenceservice", name, "-n", namespace) or {}
+    observed = (isvc.get("status") or {}).get("observedGeneration")
+    return (
+        observed == isvc["metadata"]["generation"]
+        and is_ready(cluster, namespace, name)
+        and all(len(pods(cluster, namespace, role)) == 1 for role in ("prefill", "decode"))
+    )
+
+
+def sample(metrics: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples whose labels contain `label`."""
     total = 0.0
     for line in metrics.splitlines():
-        if line.startswith("phasefleet_generation_tokens_total"):
+        if line.startswith(name) and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -11,6 +11,7 @@ own (the ServiceAccount token) get it by a bind mount instead (`BindMount`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -166,7 +167,9 @@ def _port(container: dict[str, Any], port: int | str) -> int:
 
 
 def probe(container: dict[str, Any], key: str, max_period: float) -> Probe | None:
-    """One probe of the container; its period is capped at max_period seconds (tests)."""
+    """One probe of the container; its period is capped at max_period seconds (tests). A
+    startup or liveness probe's failures restart the container, so its failure threshold grows
+    with the cap: the time it allows (period x threshold) stays what the kubelet allows."""
     spec = container.get(key)
     if not spec:
         return None
@@ -176,13 +179,18 @@ def probe(container: dict[str, Any], key: str, max_period: float) -> Probe | Non
         kind, target = "tcp", spec["tcpSocket"]
     else:
         raise ContainerConfigError(f"{key} of {container['name']}: only httpGet and tcpSocket")
+    period = float(spec.get("periodSeconds", 10))
+    failures = int(spec.get("failureThreshold", 3))
+    capped = min(period, max_period)
+    if key in ("startupProbe", "livenessProbe"):
+        failures = math.ceil(failures * period / capped)
     return Probe(
         kind=kind,
         port=_port(container, target["port"]),
         path=target.get("path", "/"),
-        period=min(float(spec.get("periodSeconds", 10)), max_period),
+        period=capped,
         timeout=float(spec.get("timeoutSeconds", 1)),
-        failure_threshold=int(spec.get("failureThreshold", 3)),
+        failure_threshold=failures,
         success_threshold=int(spec.get("successThreshold", 1)),
         initial_delay=min(float(spec.get("initialDelaySeconds", 0)), max_period),
     )
