@@ -367,14 +367,16 @@ def main() -> None:
                 f"{socket_gbps:.2f} GB/s ({sock * 1000:.0f} ms); httpx pull / socket "
                 f"{pull.gbps / socket_gbps:.2f}"
             )
-    plot_itl(
-        runs,
-        long_prompt=args.chunk * 2,
-        path=args.plot,
-        title=f"per-token ITL (round 1), {args.trace.name} {args.start:.0f}+{args.duration:.0f} s, "
-        f"lengths / {args.scale:g}, 2 workers x {args.threads} thread",
-    )
-    print(f"\nplot: {args.plot}")
+    if runs:
+        plot_itl(
+            runs,
+            long_prompt=args.chunk * 2,
+            path=args.plot,
+            title=f"per-token ITL (round 1), {args.trace.name} "
+            f"{args.start:.0f}+{args.duration:.0f} s, lengths / {args.scale:g}, "
+            f"2 workers x {args.threads} thread",
+        )
+        print(f"\nplot: {args.plot}")
     if args.json is not None:
         numbers = {
             name: {
