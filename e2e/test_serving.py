@@ -246,7 +246,7 @@ def test_disaggregated_example_answers_through_its_router(
     cluster.kubectl(
         "patch", "inferenceservice", name, "-n", run_namespace, "--type=merge", "-p", patch
     )
-    wait_for(lambda: rolled_out(cluster, run_namespace, name), 240, "both pools rolled")
+    wait_for(lambda: rolled_out(cluster, run_namespace, name), 420, "both pools rolled")
     wait_router_sees(ip, {"prefill": 1, "decode": 1})
     for prompt, want in wants.items():
         assert complete(through_router, prompt, stream=False) == want
