@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     from phasefleet.local.fleet import Fleet, FleetConfig
 
     pools = {"worker": args.workers} if args.aggregated else {
