@@ -15,6 +15,7 @@ import pytest
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
 from e2e.harness.podrunner import RUN_LABEL, RUN_VALUE
 from e2e.harness.prometheus import Prometheus
+from e2e.test_operator_support import Operator, install_chart, service_account_kubeconfig
 
 _started: list[ControlPlane] = []
 
@@ -94,3 +95,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             tail = "\n".join(path.read_text(errors="replace").splitlines()[-20:])
             report.sections.append((f"pod {path.parent.name} {path.stem} (last 20 lines)", tail))
     return report
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ControlPlane) -> Iterator[Operator]:
+    """The operator from the chart's RBAC, run with its ServiceAccount's token (per module)."""
+    install_chart(cluster)
+    workdir = Path(tempfile.mkdtemp(prefix="phasefleet-operator-"))
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig")
+    op = Operator(cluster, kubeconfig, workdir)
+    op.start()
+    yield op
+    op.stop()

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,7 @@ from e2e.test_operator_support import (
     can_i,
     condition,
     get,
-    install_chart,
     is_ready,
-    service_account_kubeconfig,
 )
 from phasefleet.api import contract
 
@@ -40,17 +37,6 @@ def expected_children(name: str, pools: list[str]) -> set[str]:
         for child in contract.CHILD_KINDS
         for child_name in child.names(name, pools)
     }
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: ControlPlane) -> Iterator[Operator]:
-    install_chart(cluster)
-    workdir = Path(tempfile.mkdtemp(prefix="phasefleet-operator-"))
-    kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig")
-    op = Operator(cluster, kubeconfig, workdir)
-    op.start()
-    yield op
-    op.stop()
 
 
 @pytest.fixture

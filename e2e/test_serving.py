@@ -7,7 +7,6 @@ API), and greedy output equals a worker started directly on the same model."""
 from __future__ import annotations
 
 import ipaddress
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,9 +23,7 @@ from e2e.harness.wait import wait_for
 from e2e.test_operator_support import (
     Operator,
     get,
-    install_chart,
     is_ready,
-    service_account_kubeconfig,
 )
 from phasefleet.api.contract import ROUTER_PORT, WORKER_PORT
 
@@ -35,17 +32,6 @@ AGGREGATED = ROOT / "examples" / "tiny-aggregated.yaml"
 DISAGGREGATED = ROOT / "examples" / "tiny-disaggregated.yaml"
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5"]
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: ControlPlane) -> Iterator[Operator]:
-    install_chart(cluster)
-    workdir = Path(tempfile.mkdtemp(prefix="phasefleet-operator-"))
-    kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig")
-    op = Operator(cluster, kubeconfig, workdir)
-    op.start()
-    yield op
-    op.stop()
 
 
 @pytest.fixture(scope="module")

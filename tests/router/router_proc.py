@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +14,13 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.server.worker_proc import Worker, free_port, parse_metrics
+from tests.server.worker_proc import (
+    Worker,
+    free_port,
+    parse_metrics,
+    stop,
+    wait_until_healthy,
+)
 
 STARTUP_TIMEOUT = 60.0  # seconds
 ROUTER_COMMAND = [sys.executable, "-m", "phasefleet.cli", "router"]
@@ -60,28 +64,8 @@ def run_router(*args: str, served_name: str = "tiny") -> Iterator[Router]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     router = Router(proc, port, log_path)
     try:
-        _wait_up(router)
+        wait_until_healthy(proc, router.base_url, router.log, "router", STARTUP_TIMEOUT)
         yield router
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log_path.unlink(missing_ok=True)
-
-
-def _wait_up(router: Router) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if router.proc.poll() is not None:
-            raise AssertionError(f"router exited with {router.proc.returncode}:\n{router.log()}")
-        try:
-            if httpx.get(f"{router.base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"router not up after {STARTUP_TIMEOUT}s:\n{router.log()}")

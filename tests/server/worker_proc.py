@@ -96,28 +96,37 @@ def run_worker(
     worker = Worker(proc, port, served_name, log_path)
     try:
         if wait_healthy:
-            _wait_healthy(worker)
+            wait_until_healthy(proc, worker.base_url, worker.log, "worker", STARTUP_TIMEOUT)
         yield worker
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log_path.unlink(missing_ok=True)
 
 
-def _wait_healthy(worker: Worker) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+def wait_until_healthy(
+    proc: subprocess.Popen[bytes], base_url: str, log: Callable[[], str], what: str, timeout: float
+) -> None:
+    """Returns once `base_url`/health answers 200; AssertionError with the log if the process
+    exits or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if worker.proc.poll() is not None:
-            raise AssertionError(f"worker exited with {worker.proc.returncode}:\n{worker.log()}")
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode}:\n{log()}")
         try:
-            if httpx.get(f"{worker.base_url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
-    raise AssertionError(f"worker not healthy after {STARTUP_TIMEOUT}s:\n{worker.log()}")
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not healthy after {timeout}s:\n{log()}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C, then SIGKILL after 20 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -57,6 +57,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, choice: int) -> Sampli
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
+    return checked(params)
+
+
+def checked(params: SamplingParams) -> SamplingParams:
+    """The params if the engine accepts them, else a 400 that names the field."""
     try:
         params.validate()
     except ValueError as exc:

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
 from phasefleet.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from phasefleet.server.async_engine import EngineOptions
-from phasefleet.server.errors import APIError, bad_request
-from phasefleet.server.generation import Generation
+from phasefleet.server.errors import APIError
+from phasefleet.server.generation import Generation, checked
 
 
 class PrefillRequest(BaseModel):
@@ -62,19 +62,17 @@ def internal_routes() -> APIRouter:
         state = request.app.state.worker
         state.check_accepting()
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
+        params = checked(
+            SamplingParams(
+                max_tokens=body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+            )
         )
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None
         gen = Generation(
             state.engine,
             state.metrics,
