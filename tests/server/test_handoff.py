@@ -207,3 +207,24 @@ def test_an_unpulled_lease_expires_and_frees_its_blocks(
     assert gone.status_code == 404
     assert prefill.counter("phasefleet_kv_leases") == 0
     assert prefill.counter("phasefleet_kv_cache_usage_perc") == 0
+
+
+def test_a_bad_prefill_request_is_a_400_naming_the_field(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    prefill, _, _ = workers
+    headers = {INTERNAL_TOKEN_HEADER: TOKEN}
+    good = {"request_id": "bad", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}
+    for change, field in (
+        ({"temperature": -1.0}, "temperature"),
+        ({"prompt_token_ids": [10**9]}, "prompt_token_ids"),
+    ):
+        answer = httpx.post(
+            prefill.base_url + "/internal/prefill",
+            json={**good, **change},
+            headers=headers,
+            timeout=30,
+        )
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == field
+    assert prefill.counter("phasefleet_kv_leases") == 0
