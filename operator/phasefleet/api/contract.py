@@ -103,6 +103,7 @@ class Metric:
     KV_LEASES = "phasefleet_kv_leases"  # prefill worker: prompts whose KV awaits a pull
     KV_LEASE_EXPIRIES_TOTAL = "phasefleet_kv_lease_expiries_total"
     PREFILLS_TOTAL = "phasefleet_prefills_total"  # decode worker: label `where`, local | remote
+    ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
     LABELS = ("model_name", "role")
 
 
