@@ -25,6 +25,14 @@ class MetricsUnavailable(Exception):
 
 
 @dataclass(frozen=True)
+class PodLoad:
+    """One worker pod's load, to pick which pod a scale-down removes."""
+
+    running: float = 0.0  # phasefleet_num_requests_running
+    kv_usage: float = 0.0  # phasefleet_kv_cache_usage_perc
+
+
+@dataclass(frozen=True)
 class PoolSignals:
     """One pool's workers, summed or averaged over the pods that reported.
 
@@ -39,6 +47,7 @@ class PoolSignals:
     busy_fraction: float | None = None  # mean share of wall time the engines spent in steps
     running: float | None = None  # sum of phasefleet_num_requests_running
     waiting: float | None = None  # sum of phasefleet_num_requests_waiting
+    pods: Mapping[str, PodLoad] = field(default_factory=dict)  # by pod name (or worker URL)
 
 
 @dataclass(frozen=True)
