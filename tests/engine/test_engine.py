@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -172,6 +173,18 @@ def test_step_outputs_carry_new_tokens_and_growing_totals(eng: LLMEngine) -> Non
     assert outs[-1].output_token_ids == [o.new_token_ids[0] for o in outs]
     stats = eng.stats()
     assert stats.prompt_tokens_total == 9 and stats.generation_tokens_total == 5
+
+
+def test_busy_seconds_grow_while_a_request_runs_and_not_while_idle(eng: LLMEngine) -> None:
+    assert eng.stats().busy_seconds_total == 0.0
+    started = time.perf_counter()
+    run_one(eng, random_prompts([12], seed=15)[0], greedy(8, ignore_eos=True))
+    busy = eng.stats().busy_seconds_total
+    assert 0 < busy <= time.perf_counter() - started
+    for _ in range(3):  # idle: steps with nothing to run, and time passing between them
+        assert eng.step() == []
+        time.sleep(0.02)
+    assert eng.stats().busy_seconds_total == busy
 
 
 def test_waiting_and_pending_prefill_stats(tiny_model: ModelPath) -> None:

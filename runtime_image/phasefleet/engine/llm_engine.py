@@ -28,7 +28,7 @@ from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampler import SamplingRow, make_generator
 from phasefleet.engine.sampling_params import SamplingParams
-from phasefleet.engine.scheduler import Scheduler
+from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
@@ -81,6 +81,7 @@ class LLMEngine:
         self.kv_layout: KVLayout = self.runner.kv_layout()
         self.leases = LeaseTable(config.kv_lease_seconds)
         self.num_kv_lease_expiries_total = 0
+        self.busy_seconds_total = 0.0  # wall time in steps that had work
         self._imports: dict[str, torch.Tensor] = {}  # request_id -> pulled KV, until admitted
         self._rows: dict[str, SamplingRow] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -222,11 +223,18 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         self.expire_leases()
         out = self.scheduler.schedule()
         if out.is_empty:
             return outputs
+        try:
+            return self._run_step(out, outputs)
+        finally:
+            self.busy_seconds_total += time.perf_counter() - started
+
+    def _run_step(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for req, first_block in out.imports:
             payload = self._imports.pop(req.request_id)
             table = self.kv.block_tables[req.request_id]
@@ -323,6 +331,7 @@ class LLMEngine:
             generation_tokens_total=s.generation_tokens_total,
             num_kv_leases=len(self.leases),
             num_kv_lease_expiries_total=self.num_kv_lease_expiries_total,
+            busy_seconds_total=self.busy_seconds_total,
         )
 
     def generate(

@@ -53,3 +53,5 @@ class EngineStats:
     """Finished prefills whose KV blocks are held for a decode worker to pull."""
     num_kv_lease_expiries_total: int = 0
     """Leases that ran out before the decode worker released them (their blocks were freed)."""
+    busy_seconds_total: float = 0.0
+    """Wall seconds spent in steps that had work (its rate is the busy fraction, 0..1)."""

@@ -69,6 +69,10 @@ COUNTERS[M.KV_LEASE_EXPIRIES_TOTAL] = (
     "KV leases that expired before the decode worker released them.",
     "num_kv_lease_expiries_total",
 )
+COUNTERS[M.ENGINE_BUSY_SECONDS_TOTAL] = (
+    "Wall seconds the engine spent in steps that had work (rate: busy fraction, 0..1).",
+    "busy_seconds_total",
+)
 KV_TRANSFER_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
