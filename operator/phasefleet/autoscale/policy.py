@@ -8,10 +8,12 @@ worked example are in docs/autoscaling.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from phasefleet.api.spec import InferenceServiceSpec, Role, pool_gpus
-from phasefleet.autoscale.signals import MetricsUnavailable, Signals
+from phasefleet.autoscale import demand
+from phasefleet.autoscale.budget import Ask, share
+from phasefleet.autoscale.signals import MetricsUnavailable, PoolSignals, Signals
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,14 @@ class ScalingConfig:
     def aggregated(self) -> bool:
         return Role.WORKER.value in self.pools
 
+    @property
+    def targets(self) -> demand.Targets:
+        return demand.Targets(self.ttft_s, self.tpot_s, self.percentile, self.kv_cache_target)
+
+    @property
+    def window_s(self) -> float:
+        return max(self.scale_up_stabilization_s, self.scale_down_stabilization_s)
+
 
 @dataclass(frozen=True)
 class PolicyState:
@@ -77,7 +87,8 @@ class PoolDecision:
     role: str
     current: int
     desired: int
-    reason: str  # one sentence, e.g. "decode 2->3: KV usage 0.91 > target 0.70 (TPOT p90 41 ms, target 50 ms)"
+    # One sentence, e.g. "decode 2->3: KV usage 0.91 > target 0.70 (TPOT p90 41 ms, target 50 ms)"
+    reason: str
     limited: str | None = None  # why desired is below what the signals asked for, if it is
 
     @property
@@ -107,4 +118,189 @@ def decide(
     `current` is each pool's size now (replicas asked for, including ones still starting);
     `signals.pools[role].reporting` counts the ones already serving.
     """
-    raise NotImplementedError  # written next; see docs/autoscaling.md
+    if isinstance(signals, Signals) and now - signals.sampled_at > 2 * config.interval_s:
+        age = now - signals.sampled_at
+        signals = MetricsUnavailable(
+            "StaleMetrics",
+            f"the newest sample is {age:.0f} s old, more than two intervals"
+            f" ({2 * config.interval_s:.0f} s): check that Prometheus scrapes the pods",
+        )
+    if isinstance(signals, MetricsUnavailable):
+        return _hold_all(config, signals, current, state, now)
+
+    missing = [
+        role for role in config.pools
+        if current.get(role, 0) > 0 and _reporting(signals, role) == 0
+    ]  # fmt: skip
+    wanted: dict[str, tuple[int, str, float]] = {}
+    for role in config.pools:
+        size = current.get(role, 0)
+        if role in missing:
+            wanted[role] = (size, "no replica reports metrics yet", 0.0)
+        else:
+            wanted[role] = _recommend(config, role, signals, size)
+
+    history = _remember(config, state, {r: w[0] for r, w in wanted.items()}, current, now)
+    desired: dict[str, int] = {}
+    limits: dict[str, str] = {}
+    for role, limits_ in config.pools.items():
+        size = current.get(role, 0)
+        target = _stabilized(config, history[role], size, wanted[role][0], now)
+        if role not in missing and target < size and demand.hot(role, signals, config.targets):
+            target = size  # latency near its target: not the moment to shrink
+        clamped = min(max(target, limits_.min_replicas), limits_.max_replicas)
+        if target > limits_.max_replicas and clamped >= size:
+            limits[role] = f"{role} is at maxReplicas {limits_.max_replicas} (asked for {target})"
+        desired[role] = clamped
+    asked = dict(desired)
+    desired, budget_message = _within_budget(config, current, desired, wanted)
+    for role in config.pools:
+        if budget_message and desired[role] < asked[role]:
+            limits[role] = budget_message
+
+    pools = {
+        role: replace(
+            _explain(config, role, current.get(role, 0), desired[role], wanted[role], signals),
+            limited=limits.get(role),
+        )
+        for role in config.pools
+    }
+    limited = list(dict.fromkeys(limits[r] for r in config.pools if r in limits))
+    last = dict(state.last_scale_time)
+    last.update({r: now for r, d in pools.items() if d.changed})
+    no_samples = ", ".join(missing)
+    return Decision(
+        pools=pools,
+        state=PolicyState(history=history, last_scale_time=last),
+        metrics_available=not missing,
+        metrics_reason="NoSamples" if missing else "MetricsFresh",
+        metrics_message=(
+            f"no {no_samples} replica reports metrics: that pool holds its size until one does"
+            if missing else f"metrics {now - signals.sampled_at:.0f} s old"
+        ),
+        scaling_limited="; ".join(limited) or None,
+    )  # fmt: skip
+
+
+def _reporting(signals: Signals, role: str) -> int:
+    pool = signals.pools.get(role)
+    return pool.reporting if pool else 0
+
+
+def _recommend(
+    config: ScalingConfig, role: str, signals: Signals, size: int
+) -> tuple[int, str, float]:
+    """(replicas the signals ask for, the sentence of the term that decided, its pressure)."""
+    pool = signals.pools.get(role) or PoolSignals(reporting=0)
+    found = demand.terms(role, pool, signals, config.targets)
+    if not found:
+        return size, "no load signal", 0.0
+    top = max(found, key=lambda t: (t.replicas, t.pressure))
+    pressure = max(t.pressure for t in found)
+    return top.replicas, top.sentence, pressure
+
+
+def _remember(
+    config: ScalingConfig,
+    state: PolicyState,
+    recommended: Mapping[str, int],
+    current: Mapping[str, int],
+    now: float,
+) -> dict[str, tuple[tuple[float, int], ...]]:
+    """Recommendations within the longer window; a pool seen for the first time starts with
+    its current size, so nothing shrinks before one whole window of evidence."""
+    kept = {}
+    for role in config.pools:
+        past = state.history.get(role) or ((now, current.get(role, 0)),)
+        recent = tuple((t, n) for t, n in past if now - t < config.window_s)
+        kept[role] = (*recent, (now, recommended[role]))
+    return kept
+
+
+def _stabilized(
+    config: ScalingConfig,
+    history: tuple[tuple[float, int], ...],
+    size: int,
+    recommended: int,
+    now: float,
+) -> int:
+    """Up at once (bounded by maxStep; with an up window, to the lowest ask over it); down
+    to the highest ask over the down window."""
+    if recommended > size:
+        up = recommended
+        if config.scale_up_stabilization_s > 0:
+            up = min(n for t, n in history if now - t <= config.scale_up_stabilization_s)
+        return min(max(up, size), size + config.max_step)
+    down_window = [n for t, n in history if now - t <= config.scale_down_stabilization_s]
+    return min(size, max(down_window))
+
+
+def _within_budget(
+    config: ScalingConfig,
+    current: Mapping[str, int],
+    desired: dict[str, int],
+    wanted: Mapping[str, tuple[int, str, float]],
+) -> tuple[dict[str, int], str | None]:
+    budget = config.gpu_budget
+    if budget is None:
+        return desired, None
+    gpus = sum(desired[r] * p.gpus_per_replica for r, p in config.pools.items())
+    if gpus <= budget:
+        return desired, None
+    asks = {
+        role: Ask(current.get(role, 0), desired[role], p.gpus_per_replica, wanted[role][2])
+        for role, p in config.pools.items()
+    }
+    granted = share(budget, asks)
+    short = [
+        f"{r} gets {granted[r]} of {desired[r]}" for r in config.pools if granted[r] < desired[r]
+    ]
+    message = f"gpuBudget {budget} binds ({gpus} GPUs asked): {', '.join(short)}"
+    return granted, message
+
+
+def _explain(
+    config: ScalingConfig,
+    role: str,
+    size: int,
+    desired: int,
+    wanted: tuple[int, str, float],
+    signals: Signals,
+) -> PoolDecision:
+    _, sentence, _ = wanted
+    context = demand.context(role, signals, config.targets)
+    if desired > size:
+        reason = f"{role} {size}->{desired}: {sentence}{context}"
+    elif desired < size:
+        window = config.scale_down_stabilization_s
+        reason = (
+            f"{role} {size}->{desired}: {sentence}; no ask above {desired} for"
+            f" {window:.0f} s{context}"
+        )
+    else:
+        reason = f"{role} stays at {size}: {sentence}{context}"
+    return PoolDecision(role, size, desired, reason)
+
+
+def _hold_all(
+    config: ScalingConfig,
+    unavailable: MetricsUnavailable,
+    current: Mapping[str, int],
+    state: PolicyState,
+    now: float,
+) -> Decision:
+    """No usable metrics: every pool keeps its size, and the hold counts as a recommendation
+    (so no pool shrinks until a whole window of fresh metrics says it may)."""
+    sizes = {role: current.get(role, 0) for role in config.pools}
+    history = _remember(config, state, sizes, current, now)
+    pools = {
+        role: PoolDecision(role, size, size, f"{role} stays at {size}: {unavailable.message}")
+        for role, size in sizes.items()
+    }
+    return Decision(
+        pools=pools,
+        state=PolicyState(history=history, last_scale_time=dict(state.last_scale_time)),
+        metrics_available=False,
+        metrics_reason=unavailable.reason,
+        metrics_message=unavailable.message,
+    )

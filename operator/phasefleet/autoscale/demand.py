@@ -1,0 +1,170 @@
+"""How many replicas one pool needs, from its signals: the policy's per-pool recommendation.
+
+Each signal gives a size ("term"); the pool needs the largest. Capacity terms (busy time,
+prefill backlog, KV usage, queued requests) go both ways; latency terms (TTFT, TPOT) only push
+up, because latency says little about how much smaller a pool could be. Sizes are computed on
+the replicas that reported (`reporting`): replicas still loading add nothing yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from phasefleet.api.spec import Role
+from phasefleet.autoscale.signals import PoolSignals, Signals
+
+BUSY_TARGET = 0.75  # share of wall time a prefill engine may spend in steps
+BACKLOG_SHARE_OF_TTFT = 0.5  # prompt backlog allowed, in seconds, as a share of the TTFT target
+DEFAULT_BACKLOG_S = 1.0  # backlog allowed when no TTFT target is set (seconds)
+HOT = 0.8  # latency above this share of its target: never scale down
+EPSILON = 1e-6  # so that exactly on target is not one replica more
+
+
+@dataclass(frozen=True)
+class Term:
+    """One signal's size for a pool, and the words that explain it."""
+
+    replicas: int
+    pressure: float  # signal / target: >1 means over target
+    sentence: str  # e.g. "KV usage 0.91 > target 0.70"
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_s: float | None
+    tpot_s: float | None
+    percentile: float
+    kv_cache_target: float
+
+
+def _size(reporting: int, ratio: float) -> int:
+    return max(0, math.ceil(reporting * ratio - EPSILON))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
+
+
+def _cmp(value: float, target: float) -> str:
+    return ">" if value > target else "<="
+
+
+def quantile_name(percentile: float) -> str:
+    return f"p{percentile * 100:g}"
+
+
+def busy_term(pool: PoolSignals) -> Term | None:
+    if pool.busy_fraction is None or pool.reporting == 0:
+        return None
+    busy = pool.busy_fraction
+    return Term(
+        _size(pool.reporting, busy / BUSY_TARGET),
+        busy / BUSY_TARGET,
+        f"busy {busy:.2f} {_cmp(busy, BUSY_TARGET)} target {BUSY_TARGET:.2f}",
+    )
+
+
+def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term | None:
+    """Prompt tokens waiting, in seconds of the pool's measured prefill throughput.
+
+    Past the allowed backlog, the pool is sized to keep up with its current throughput and
+    drain the backlog within one window: N x (1 + backlog_s / window_s). A load that doubles
+    for a window leaves one window of backlog, so the pool doubles.
+    """
+    tokens = pool.prefill_backlog_tokens
+    if not tokens or pool.reporting == 0:
+        return None
+    allowed = targets.ttft_s * BACKLOG_SHARE_OF_TTFT if targets.ttft_s else DEFAULT_BACKLOG_S
+    rate = pool.prompt_tokens_per_s
+    if not rate:
+        return Term(pool.reporting + 1, 2.0, f"{tokens:.0f} prompt tokens waiting, none prefilled")
+    backlog_s = tokens / rate
+    if backlog_s <= allowed:
+        return None  # a short backlog is normal; busy time sizes the pool then
+    return Term(
+        _size(pool.reporting, 1 + backlog_s / max(window_s, EPSILON)),
+        backlog_s / allowed,
+        f"prompt backlog {backlog_s:.1f} s > {allowed:.2f} s",
+    )
+
+
+def kv_term(pool: PoolSignals, targets: Targets) -> Term | None:
+    if pool.kv_usage_sum is None or pool.reporting == 0:
+        return None
+    mean = pool.kv_usage_sum / pool.reporting
+    target = targets.kv_cache_target
+    return Term(
+        _size(1, pool.kv_usage_sum / target),
+        mean / target,
+        f"KV usage {mean:.2f} {_cmp(mean, target)} target {target:.2f}",
+    )
+
+
+def queue_term(pool: PoolSignals) -> Term | None:
+    """Requests a decode engine could not admit (KV or max_num_seqs full)."""
+    waiting, running = pool.waiting or 0.0, pool.running or 0.0
+    if waiting <= 0 or pool.reporting == 0:
+        return None
+    ratio = (running + waiting) / max(running, 1.0)
+    return Term(
+        _size(pool.reporting, ratio), ratio, f"{waiting:.0f} requests waiting for a batch slot"
+    )
+
+
+def latency_term(
+    name: str, value: float | None, target: float | None, reporting: int, percentile: float
+) -> Term | None:
+    """Up only: a latency over target asks for replicas in proportion."""
+    if value is None or target is None or reporting == 0 or value <= target:
+        return None
+    q = quantile_name(percentile)
+    return Term(
+        _size(reporting, value / target),
+        value / target,
+        f"{name} {q} {_ms(value)} > target {_ms(target)}",
+    )
+
+
+def terms(role: str, pool: PoolSignals, signals: Signals, targets: Targets) -> list[Term]:
+    """Every signal's size for this pool: prefill-side, decode-side, or both (aggregated)."""
+    prefill_side = role in (Role.PREFILL.value, Role.WORKER.value)
+    decode_side = role in (Role.DECODE.value, Role.WORKER.value)
+    n, p = pool.reporting, targets.percentile
+    found: list[Term | None] = []
+    if prefill_side:
+        found += [
+            latency_term("TTFT", signals.ttft_s, targets.ttft_s, n, p),
+            backlog_term(pool, targets, signals.window_s),
+            busy_term(pool),
+        ]
+    if decode_side:
+        found += [
+            latency_term("TPOT", signals.tpot_s, targets.tpot_s, n, p),
+            kv_term(pool, targets),
+            queue_term(pool),
+        ]
+    return [t for t in found if t is not None]
+
+
+def hot(role: str, signals: Signals, targets: Targets) -> bool:
+    """Whether the pool's own latency is near its target: no scale-down then."""
+    pairs = []
+    if role in (Role.PREFILL.value, Role.WORKER.value):
+        pairs.append((signals.ttft_s, targets.ttft_s))
+    if role in (Role.DECODE.value, Role.WORKER.value):
+        pairs.append((signals.tpot_s, targets.tpot_s))
+    return any(v is not None and t is not None and v > HOT * t for v, t in pairs)
+
+
+def context(role: str, signals: Signals, targets: Targets) -> str:
+    """The pool's latency against its target, for the decision's sentence."""
+    q = quantile_name(targets.percentile)
+    parts = []
+    if role in (Role.PREFILL.value, Role.WORKER.value) and signals.ttft_s is not None:
+        target = f", target {_ms(targets.ttft_s)}" if targets.ttft_s else ""
+        parts.append(f"TTFT {q} {_ms(signals.ttft_s)}{target}")
+    if role in (Role.DECODE.value, Role.WORKER.value) and signals.tpot_s is not None:
+        target = f", target {_ms(targets.tpot_s)}" if targets.tpot_s else ""
+        parts.append(f"TPOT {q} {_ms(signals.tpot_s)}{target}")
+    return f" ({'; '.join(parts)})" if parts else ""

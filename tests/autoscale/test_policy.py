@@ -1,0 +1,265 @@
+"""The scaling policy, driven by hand-made signals and a hand-moved clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from phasefleet.api.spec import parse_spec
+from phasefleet.autoscale.policy import (
+    Decision,
+    PolicyState,
+    PoolLimits,
+    ScalingConfig,
+    decide,
+)
+from phasefleet.autoscale.signals import MetricsUnavailable, PoolSignals, Signals
+
+INTERVAL = 15.0
+WINDOW = 300.0
+
+
+def disaggregated(**overrides: object) -> ScalingConfig:
+    config = ScalingConfig(
+        pools={"prefill": PoolLimits(1, 10, 1), "decode": PoolLimits(1, 10, 1)},
+        ttft_s=0.5,
+        tpot_s=0.05,
+        interval_s=INTERVAL,
+        scale_down_stabilization_s=WINDOW,
+        max_step=2,
+    )
+    return replace(config, **overrides)
+
+
+def calm_prefill(n: int, busy: float = 0.5) -> PoolSignals:
+    return PoolSignals(reporting=n, busy_fraction=busy, prefill_backlog_tokens=0.0)
+
+
+def calm_decode(n: int, kv: float = 0.5) -> PoolSignals:
+    return PoolSignals(reporting=n, kv_usage_sum=kv * n, running=4.0 * n, waiting=0.0)
+
+
+def signals(
+    now: float,
+    prefill: PoolSignals,
+    decode: PoolSignals,
+    ttft: float | None = 0.2,
+    tpot: float | None = 0.03,
+) -> Signals:
+    return Signals(
+        sampled_at=now,
+        window_s=INTERVAL,
+        pools={"prefill": prefill, "decode": decode},
+        ttft_s=ttft,
+        tpot_s=tpot,
+    )
+
+
+def step(
+    config: ScalingConfig,
+    sig: Signals | MetricsUnavailable,
+    current: dict[str, int],
+    state: PolicyState,
+    now: float,
+) -> Decision:
+    return decide(config, sig, current, state, now)
+
+
+def test_kv_over_target_grows_decode_with_a_sentence_a_person_can_read() -> None:
+    config = disaggregated(kv_cache_target=0.7)
+    sig = signals(0.0, calm_prefill(2), calm_decode(2, kv=0.91), tpot=0.041)
+    decision = decide(config, sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 3
+    assert decision.pools["decode"].reason == (
+        "decode 2->3: KV usage 0.91 > target 0.70 (TPOT p90 41 ms, target 50 ms)"
+    )
+    assert decision.pools["prefill"].desired == 2
+    assert decision.metrics_available and decision.scaling_limited is None
+
+
+def test_ttft_over_target_grows_prefill_not_decode() -> None:
+    sig = signals(0.0, calm_prefill(2, busy=0.9), calm_decode(2), ttft=0.9)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 4
+    assert "TTFT p90 900 ms > target 500 ms" in decision.pools["prefill"].reason
+    assert decision.pools["decode"].desired == 2
+
+
+def test_a_burst_that_doubles_the_load_is_answered_in_the_next_interval() -> None:
+    """Four saturated prefill replicas see twice the load for one 15 s interval: 15 s of
+    backlog at their throughput, TTFT twice its target."""
+    burst = PoolSignals(
+        reporting=4, busy_fraction=1.0, prefill_backlog_tokens=600_000, prompt_tokens_per_s=40_000
+    )
+    sig = signals(0.0, burst, calm_decode(2), ttft=1.0)
+    current = {"prefill": 4, "decode": 2}
+    wide = decide(disaggregated(max_step=8), sig, current, PolicyState(), 0.0)
+    assert wide.pools["prefill"].desired == 8
+    assert wide.pools["prefill"].reason.startswith("prefill 4->8: prompt backlog 15.0 s > 0.25 s")
+    bounded = decide(disaggregated(), sig, current, PolicyState(), 0.0)
+    assert bounded.pools["prefill"].desired == 6  # maxStep 2
+
+
+def test_scale_down_waits_for_a_whole_window_of_lower_asks() -> None:
+    config, state = disaggregated(), PolicyState()
+    current = {"prefill": 4, "decode": 2}
+    now = 0.0
+    while now < WINDOW:
+        sig = signals(now, calm_prefill(4, busy=0.1), calm_decode(2), ttft=0.1)
+        decision = step(config, sig, current, state, now)
+        assert decision.pools["prefill"].desired == 4, f"shrank after {now} s"
+        state, now = decision.state, now + INTERVAL
+    sig = signals(now, calm_prefill(4, busy=0.1), calm_decode(2), ttft=0.1)
+    decision = step(config, sig, current, state, now)
+    assert decision.pools["prefill"].desired == 1  # 4 x 0.1 / 0.75 -> 1
+    assert decision.pools["prefill"].reason.startswith("prefill 4->1: busy 0.10 <= target 0.75")
+
+
+def test_one_high_ask_in_the_window_holds_the_pool() -> None:
+    config, state = disaggregated(), PolicyState()
+    current = {"prefill": 4, "decode": 2}
+    desired = {}
+    for i in range(32):
+        now = i * INTERVAL
+        busy = 0.7 if i == 10 else 0.1  # one busy interval, 150 s in: it asks for all 4
+        sig = signals(now, calm_prefill(4, busy=busy), calm_decode(2), ttft=0.1)
+        decision = step(config, sig, current, state, now)
+        state, desired[i] = decision.state, decision.pools["prefill"].desired
+    assert all(desired[i] == 4 for i in range(30)), desired
+    assert desired[30] == desired[31] == 1  # 300 s after the busy interval
+
+
+def test_replicas_still_starting_are_not_asked_for_twice() -> None:
+    """Prefill went 2 -> 4 and two replicas still load: the same load asks for 4, not 6."""
+    sig = signals(0.0, calm_prefill(2, busy=1.0), calm_decode(2), ttft=0.9)
+    decision = decide(disaggregated(), sig, {"prefill": 4, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 4
+    assert decision.pools["prefill"].reason.startswith("prefill stays at 4")
+
+
+def test_never_below_min_nor_above_max_and_the_cap_is_reported() -> None:
+    config = disaggregated(pools={"prefill": PoolLimits(2, 3, 1), "decode": PoolLimits(1, 10, 1)})
+    hot = signals(0.0, calm_prefill(3, busy=1.0), calm_decode(2), ttft=2.0)
+    capped = decide(config, hot, {"prefill": 3, "decode": 2}, PolicyState(), 0.0)
+    assert capped.pools["prefill"].desired == 3
+    assert capped.pools["prefill"].limited == "prefill is at maxReplicas 3 (asked for 5)"
+    assert capped.scaling_limited == capped.pools["prefill"].limited
+    config = replace(config, scale_down_stabilization_s=0.0)
+    idle = signals(0.0, calm_prefill(3, busy=0.0), calm_decode(2), ttft=None)
+    floored = decide(config, idle, {"prefill": 3, "decode": 2}, PolicyState(), 0.0)
+    assert floored.pools["prefill"].desired == 2
+
+
+def test_gpu_budget_goes_to_the_pool_further_from_its_slo() -> None:
+    config = disaggregated(gpu_budget=6)
+    # Prefill: TTFT 3x its target; decode: TPOT 1.5x its target. Both ask for 2 more.
+    sig = signals(0.0, calm_prefill(2, busy=1.0), calm_decode(2, kv=0.9), ttft=1.5, tpot=0.075)
+    decision = decide(config, sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 4
+    assert decision.pools["decode"].desired == 2
+    assert decision.scaling_limited is not None
+    assert "gpuBudget 6 binds" in decision.scaling_limited
+    assert decision.pools["decode"].limited == decision.scaling_limited
+    assert decision.pools["prefill"].limited is None
+
+
+@pytest.mark.parametrize(
+    "unavailable",
+    [
+        MetricsUnavailable("PrometheusUnreachable", "Prometheus at http://p:9090 refused"),
+        MetricsUnavailable("NoSamples", "no series for this service"),
+    ],
+)
+def test_missing_metrics_hold_every_pool(unavailable: MetricsUnavailable) -> None:
+    config = disaggregated(scale_down_stabilization_s=0.0)
+    decision = decide(config, unavailable, {"prefill": 3, "decode": 2}, PolicyState(), 0.0)
+    assert {r: d.desired for r, d in decision.pools.items()} == {"prefill": 3, "decode": 2}
+    assert not decision.metrics_available
+    assert decision.metrics_reason == unavailable.reason
+    assert decision.metrics_message == unavailable.message
+
+
+def test_stale_metrics_hold_and_say_how_old() -> None:
+    sig = signals(0.0, calm_prefill(3, busy=0.0), calm_decode(2), ttft=0.1)
+    config = disaggregated(scale_down_stabilization_s=0.0)
+    decision = decide(config, sig, {"prefill": 3, "decode": 2}, PolicyState(), 31.0)
+    assert decision.pools["prefill"].desired == 3
+    assert decision.metrics_reason == "StaleMetrics"
+    assert "31 s old" in decision.metrics_message
+    fresh = decide(config, sig, {"prefill": 3, "decode": 2}, PolicyState(), 29.0)
+    assert fresh.metrics_available and fresh.pools["prefill"].desired == 1
+
+
+def test_no_scale_down_for_a_window_after_metrics_come_back() -> None:
+    config, state = disaggregated(), PolicyState()
+    current = {"prefill": 4, "decode": 2}
+    now = 0.0
+    outage = MetricsUnavailable("PrometheusUnreachable", "down")
+    state = decide(config, outage, current, state, now).state
+    quiet = signals(WINDOW - 1, calm_prefill(4, busy=0.0), calm_decode(2), ttft=0.1)
+    assert decide(config, quiet, current, state, WINDOW - 1).pools["prefill"].desired == 4
+    quiet = signals(WINDOW, calm_prefill(4, busy=0.0), calm_decode(2), ttft=0.1)
+    assert decide(config, quiet, current, state, WINDOW).pools["prefill"].desired == 1
+
+
+def test_a_pool_with_no_reporting_replica_holds_and_says_so() -> None:
+    sig = signals(0.0, PoolSignals(reporting=0), calm_decode(2, kv=0.95), ttft=None)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 2
+    assert decision.pools["decode"].desired == 3  # decode still scales on its own signals
+    assert not decision.metrics_available and decision.metrics_reason == "NoSamples"
+    assert "prefill" in decision.metrics_message
+
+
+def test_without_slo_targets_a_pool_scales_on_capacity_alone() -> None:
+    config = disaggregated(ttft_s=None, tpot_s=None, scale_down_stabilization_s=0.0)
+    sig = signals(0.0, calm_prefill(2, busy=0.2), calm_decode(4, kv=0.1), ttft=9.0, tpot=9.0)
+    decision = decide(config, sig, {"prefill": 2, "decode": 4}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 1
+    assert decision.pools["decode"].desired == 1
+
+
+def test_latency_near_its_target_blocks_a_scale_down() -> None:
+    config = disaggregated(scale_down_stabilization_s=0.0)
+    sig = signals(0.0, calm_prefill(4, busy=0.1), calm_decode(2), ttft=0.45)
+    decision = decide(config, sig, {"prefill": 4, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 4
+
+
+def test_requests_waiting_for_a_decode_slot_grow_decode() -> None:
+    decode = PoolSignals(reporting=2, kv_usage_sum=0.4, running=16.0, waiting=16.0)
+    sig = signals(0.0, calm_prefill(2), decode, tpot=0.03)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 4
+    assert "16 requests waiting" in decision.pools["decode"].reason
+
+
+def test_aggregated_pool_reads_both_phases_signals() -> None:
+    config = ScalingConfig(pools={"worker": PoolLimits(1, 8)}, ttft_s=0.5, tpot_s=0.05)
+    pool = PoolSignals(reporting=2, busy_fraction=0.5, kv_usage_sum=0.6)
+    slow_tokens = Signals(0.0, INTERVAL, {"worker": pool}, ttft_s=0.1, tpot_s=0.1)
+    assert (
+        decide(config, slow_tokens, {"worker": 2}, PolicyState(), 0.0).pools["worker"].desired == 4
+    )
+    slow_first = Signals(0.0, INTERVAL, {"worker": pool}, ttft_s=0.75, tpot_s=0.01)
+    assert (
+        decide(config, slow_first, {"worker": 2}, PolicyState(), 0.0).pools["worker"].desired == 3
+    )
+
+
+def test_config_from_an_inference_service_spec() -> None:
+    spec = parse_spec(
+        {
+            "model": {"image": {"path": "/models/m"}},
+            "prefill": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6,
+                        "resources": {"limits": {"nvidia.com/gpu": 1}}},
+            "decode": {"replicas": 1, "maxReplicas": 4},
+            "slo": {"ttftMs": 800, "percentile": 0.95},
+            "autoscaling": {"enabled": True, "intervalSeconds": 5, "gpuBudget": 8},
+        }
+    )  # fmt: skip
+    config = ScalingConfig.from_spec(spec, startup_s=42.0)
+    assert config.pools == {"prefill": PoolLimits(1, 6, 1), "decode": PoolLimits(1, 4, 0)}
+    assert (config.ttft_s, config.tpot_s, config.percentile) == (0.8, None, 0.95)
+    assert (config.interval_s, config.gpu_budget, config.startup_s) == (5.0, 8, 42.0)
