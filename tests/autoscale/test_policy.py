@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ INTERVAL = 15.0
 WINDOW = 300.0
 
 
-def disaggregated(**overrides: object) -> ScalingConfig:
+def disaggregated(**overrides: Any) -> ScalingConfig:
     config = ScalingConfig(
         pools={"prefill": PoolLimits(1, 10, 1), "decode": PoolLimits(1, 10, 1)},
         ttft_s=0.5,
