@@ -43,8 +43,9 @@ class KVCacheManager:
         return hashes
 
     def find_prefix(self, request: Request) -> PrefixHit:
-        """The longest run of cached leading full blocks; pure, takes no references."""
-        if not self.enable_caching:
+        """The longest run of cached leading full blocks; pure, takes no references. None for
+        a request that wants prompt logprobs: they need every prompt position's logits."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
             return PrefixHit([], 0)
         bs = self.block_size
         num_tokens = request.num_tokens

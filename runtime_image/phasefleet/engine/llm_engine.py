@@ -134,6 +134,8 @@ class LLMEngine:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
             if params.max_tokens < 2:
                 raise ValueError("a request continued from its first token needs max_tokens >= 2")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
         if imported_kv is not None:
             expected = self.kv_layout.payload_bytes(cdiv(n, self.config.block_size))
             if first_token_id is None or imported_kv.numel() != expected:
@@ -157,10 +159,20 @@ class LLMEngine:
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)
-        self._rows[request_id] = SamplingRow(params, gen)
+        row = SamplingRow(params, gen)
+        if len(request.output_token_ids) < params.min_tokens:
+            row.banned = self._min_tokens_banned(params)
+        self._rows[request_id] = row
         self._detok[request_id] = detok
         if imported_kv is not None:
             self._imports[request_id] = imported_kv
+
+    def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
+        """The tokens that would end a request early: masked until it has min_tokens."""
+        ends = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ends |= self.scheduler.eos_token_ids
+        return sorted(t for t in ends if t < self.hf_config.vocab_size)
 
     def expire_leases(self) -> int:
         """Frees the blocks of leases that ran out; how many did. Engine thread only."""
@@ -266,6 +278,13 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(req.request_id, "stop")
         output = self._output(req, new, detok.text(final=req.is_finished))
+        row = self._rows[req.request_id]
+        if row.logprob is not None:
+            output.logprobs = [row.logprob]
+        if row.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            output.prompt_logprobs = row.prompt_logprobs
+        if len(req.output_token_ids) >= row.params.min_tokens:
+            row.banned = []
         if req.is_finished:
             self._settle_held_kv(req)
             self._forget(req.request_id)

@@ -20,6 +20,7 @@ from phasefleet.engine.attention.metadata import (
 )
 from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.kv_transfer import KVLayout
+from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.sampler import SamplingRow, sample
@@ -185,6 +186,8 @@ class ModelRunner:
         last, sampled_rows, ids = [], [], []
         offset = 0
         for s in batch:
+            if s.request.params.prompt_logprobs is not None:
+                self._prompt_logprobs(s, hidden[offset : offset + s.num_tokens], rows)
             offset += s.num_tokens
             if s.sample:
                 last.append(offset - 1)
@@ -194,6 +197,21 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
         return dict(zip(ids, sample(logits, sampled_rows), strict=True))
+
+    def _prompt_logprobs(
+        self, s: ScheduledRequest, hidden: torch.Tensor, rows: dict[str, SamplingRow]
+    ) -> None:
+        """Appends the logprobs of the prompt tokens this chunk predicts (position p predicts
+        token p + 1) to the request's row; hidden: [num_tokens, hidden]. A chunk computed
+        again after a preemption adds nothing."""
+        row, req = rows[s.request.request_id], s.request
+        end = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+        if end <= s.start or s.start != len(row.prompt_logprobs):
+            return
+        logits = self.model.compute_logits(hidden[: end - s.start])  # [end - start, V]
+        targets = req.token_ids(s.start + 1, end + 1)
+        counts = [row.params.prompt_logprobs or 0] * len(targets)
+        row.prompt_logprobs.extend(token_logprobs(logits, targets, counts))
 
     def _execute_graph(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> dict[str, int]:
         if self.graphs is None:

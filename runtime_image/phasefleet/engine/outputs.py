@@ -6,6 +6,15 @@ from dataclasses import dataclass
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    """log-probability of token_id under the raw logits (phasefleet.engine.logprobs)."""
+    top: list[tuple[int, float]]
+    """The most likely (token id, logprob), best first."""
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -27,6 +36,11 @@ class RequestOutput:
     """time.monotonic() when first scheduled (for the queue-time metric)."""
     error: str | None = None
     """What went wrong, when finish_reason is 'error' (then `text` is empty)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per new token, when the request asked (SamplingParams.logprobs)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Prompt tokens 1.. (the first has none), in the request's first output, when it asked
+    (SamplingParams.prompt_logprobs)."""
 
 
 @dataclass

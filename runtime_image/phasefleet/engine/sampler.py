@@ -1,4 +1,5 @@
-"""Sampler: picks one token per request from its logits (greedy, temperature, top-k, top-p).
+"""Sampler: picks one token per request from its logits (greedy, temperature, top-k, top-p),
+with the tokens a row bans masked out, and the logprobs of the rows that ask for them.
 
 A row that cannot be sampled (non-finite logits or probabilities, a generator that raises) fails
 alone: its `error` is set and it gets a placeholder token, which the engine never keeps; every
@@ -7,10 +8,12 @@ other row is sampled exactly as it would have been without it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from phasefleet.engine.logprobs import token_logprobs
+from phasefleet.engine.outputs import TokenLogprob
 from phasefleet.engine.sampling_params import SamplingParams
 
 FAILED = -1  # the placeholder token of a row whose `error` is set
@@ -21,6 +24,10 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # the request's own generator when it has a seed
     error: str | None = None  # set by sample() when this row could not be sampled
+    banned: list[int] = field(default_factory=list)  # token ids masked out (min_tokens)
+    logprob: TokenLogprob | None = None  # set by sample() when params.logprobs is not None
+    # Set by the model runner when params.prompt_logprobs is not None: prompt tokens 1.. so far
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -33,6 +40,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """logits: [B, V] (any float dtype); one row per request. Returns B token ids (FAILED for a
     row whose `error` this call set)."""
     logits = logits.float()
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = logits[asking] if asking else None  # [a, V], a copy taken before any mask
+    for i, r in enumerate(rows):
+        if r.banned:
+            logits[i, r.banned] = float("-inf")
     tokens = logits.argmax(dim=-1)
     # argmax picks a NaN or +inf when there is one, so checking the picked logit covers the row
     # (-inf entries are fine: masked tokens).
@@ -65,6 +77,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     for i, r in enumerate(rows):
         if r.error is not None:
             result[i] = FAILED
+    if raw is not None:
+        chosen = [result[i] for i in asking]
+        counts = [rows[i].params.logprobs or 0 for i in asking]
+        for i, logprob in zip(asking, token_logprobs(raw, chosen, counts), strict=True):
+            rows[i].logprob = logprob if result[i] != FAILED else None
     return result
 
 

@@ -25,6 +25,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 """Stop strings are searched in each new piece of text on the engine thread, so both are bounded."""
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+"""Most alternatives (top logprobs) per token, as vLLM's default max_logprobs and OpenAI's
+top_logprobs."""
 
 
 @dataclass
@@ -48,6 +51,15 @@ class SamplingParams:
     MAX_STOP_TOKEN_IDS."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
+    min_tokens: int = 0
+    """Output tokens before the end-of-sequence token and stop_token_ids may be sampled (they
+    are masked until then), in [0, max_tokens]."""
+    logprobs: int | None = None
+    """Per output token: its logprob and the logprobs of the `logprobs` most likely tokens, in
+    [0, MAX_LOGPROBS]; None computes none."""
+    prompt_logprobs: int | None = None
+    """Per prompt token after the first: the same, in [0, MAX_LOGPROBS]; None computes none.
+    Such a prompt is always computed in full (the prefix cache has no logits)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
@@ -85,6 +97,17 @@ class SamplingParams:
                 f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative "
                 f"integers, got {_short(self.stop_token_ids)}"
             )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
+                f"got {self.min_tokens!r}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
 
     @property
     def greedy(self) -> bool:

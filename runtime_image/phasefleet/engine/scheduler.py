@@ -191,9 +191,10 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        stoppable = len(req.output_token_ids) > params.min_tokens  # this token included
+        if stoppable and not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if token in params.stop_token_ids:
+        if stoppable and token in params.stop_token_ids:
             return "stop"
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"

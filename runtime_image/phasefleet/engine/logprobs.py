@@ -1,0 +1,29 @@
+"""Logprobs: the log-softmax of the model's raw logits (before temperature, top-k, top-p and the
+min_tokens mask, as vLLM's default `raw_logprobs`), for the rows that ask for them only."""
+
+from __future__ import annotations
+
+import torch
+
+from phasefleet.engine.outputs import TokenLogprob
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+) -> list[TokenLogprob]:
+    """logits: [b, V] float32 raw; one chosen token and one top count per row."""
+    logprobs = logits.log_softmax(dim=-1)  # [b, V]
+    index = torch.tensor(token_ids, device=logits.device).clamp_min(0).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [b]
+    k = min(max(num_top, default=0), logits.shape[-1])
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)  # [b, k], best first
+        top_ids, top_values = ids.tolist(), values.tolist()
+    return [
+        TokenLogprob(token, value, list(zip(ids_row[:n], values_row[:n], strict=True)))
+        for token, value, ids_row, values_row, n in zip(
+            token_ids, chosen, top_ids, top_values, num_top, strict=True
+        )
+    ]
