@@ -157,14 +157,18 @@ def hot(role: str, signals: Signals, targets: Targets) -> bool:
     return any(v is not None and t is not None and v > HOT * t for v, t in pairs)
 
 
-def context(role: str, signals: Signals, targets: Targets) -> str:
-    """The pool's latency against its target, for the decision's sentence."""
+def context(role: str, signals: Signals, targets: Targets, sentence: str) -> str:
+    """The pool's latencies against their targets, for the decision's sentence (those the
+    sentence already names are left out)."""
     q = quantile_name(targets.percentile)
-    parts = []
-    if role in (Role.PREFILL.value, Role.WORKER.value) and signals.ttft_s is not None:
-        target = f", target {_ms(targets.ttft_s)}" if targets.ttft_s else ""
-        parts.append(f"TTFT {q} {_ms(signals.ttft_s)}{target}")
-    if role in (Role.DECODE.value, Role.WORKER.value) and signals.tpot_s is not None:
-        target = f", target {_ms(targets.tpot_s)}" if targets.tpot_s else ""
-        parts.append(f"TPOT {q} {_ms(signals.tpot_s)}{target}")
+    latencies = []
+    if role in (Role.PREFILL.value, Role.WORKER.value):
+        latencies.append(("TTFT", signals.ttft_s, targets.ttft_s))
+    if role in (Role.DECODE.value, Role.WORKER.value):
+        latencies.append(("TPOT", signals.tpot_s, targets.tpot_s))
+    parts = [
+        f"{name} {q} {_ms(value)}" + (f", target {_ms(target)}" if target else "")
+        for name, value, target in latencies
+        if value is not None and name not in sentence
+    ]
     return f" ({'; '.join(parts)})" if parts else ""

@@ -268,7 +268,7 @@ def _explain(
     signals: Signals,
 ) -> PoolDecision:
     _, sentence, _ = wanted
-    context = demand.context(role, signals, config.targets)
+    context = demand.context(role, signals, config.targets, sentence)
     if desired > size:
         reason = f"{role} {size}->{desired}: {sentence}{context}"
     elif desired < size:
