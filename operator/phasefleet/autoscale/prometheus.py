@@ -1,0 +1,193 @@
+"""PrometheusSource: Signals from PromQL over the series the chart's PodMonitor scrapes.
+
+Series are selected by the labels Prometheus adds to each pod's samples (`namespace`, and
+`inferenceservice` copied from the pod label phasefleet.dev/inferenceservice) and by the metrics'
+own `role` label: `router` for the users' latencies, the engine role for each pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+from phasefleet.api.contract import POOL_ENGINE_ROLE, ROUTER_ROLE
+from phasefleet.api.contract import Metric as M
+from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
+
+URL_SETTING = "the chart value prometheus.url (PHASEFLEET_PROMETHEUS_URL)"
+# A bad status, a query Prometheus refused, or a body that is not its API's JSON.
+QUERY_ERRORS = (PrometheusApiClientException, requests.RequestException, ValueError, KeyError)
+
+
+class PrometheusSource:
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        service: str,
+        pools: Iterable[str],
+        percentile: float = 0.9,
+        window_s: float = 60.0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"Prometheus url must start with http:// or https://, got {url!r}")
+        if not 0.0 < percentile < 1.0:
+            raise ValueError(f"percentile must be between 0 and 1, got {percentile}")
+        if window_s < 1:
+            raise ValueError(f"window_s must be >= 1 second, got {window_s}")
+        self.url = url.rstrip("/")
+        self.namespace = namespace
+        self.service = service
+        self.engine_roles = {POOL_ENGINE_ROLE[p].value: p for p in pools}  # engine role -> pool
+        self.percentile = percentile
+        self.window_s = window_s  # seconds the rates and quantiles cover
+        # One quick retry on a dropped connection; the caller's next interval is the real retry.
+        retry = Retry(total=1, backoff_factor=0.1, status_forcelist=())
+        self.client = PrometheusConnect(self.url, retry=retry, timeout=timeout_s)
+
+    def selector(self, role: str) -> str:
+        """The label matchers of this service's series with metric label `role` (a regex)."""
+        return (
+            f'namespace="{_quote(self.namespace)}",inferenceservice="{_quote(self.service)}",'
+            f'role=~"{role}"'
+        )
+
+    def queries(self) -> dict[str, str]:
+        """Every PromQL query `read` runs, by the name `read` uses for its result."""
+        router, workers = self.selector(ROUTER_ROLE), self.selector("|".join(self.engine_roles))
+        w = f"[{int(self.window_s)}s]"
+
+        def quantile(histogram: str) -> str:
+            return (
+                f"histogram_quantile({self.percentile}, "
+                f"sum by (le) (rate({histogram}_bucket{{{router}}}{w})))"
+            )
+
+        return {
+            "ttft": quantile(M.TIME_TO_FIRST_TOKEN),
+            "tpot": quantile(M.TIME_PER_OUTPUT_TOKEN),
+            "itl": quantile(M.INTER_TOKEN_LATENCY),
+            "request_rate": f"sum(rate({M.E2E_REQUEST_LATENCY}_count{{{router}}}{w}))",
+            "kv_usage_sum": f"sum by (role) ({M.KV_CACHE_USAGE_PERC}{{{workers}}})",
+            "prefill_backlog": f"sum by (role) ({M.PREFILL_TOKENS_PENDING}{{{workers}}})",
+            "prompt_rate": f"sum by (role) (rate({M.PROMPT_TOKENS_TOTAL}{{{workers}}}{w}))",
+            "generation_rate": f"sum by (role) (rate({M.GENERATION_TOKENS_TOTAL}{{{workers}}}{w}))",
+            "busy": f"avg by (role) (rate({M.ENGINE_BUSY_SECONDS_TOTAL}{{{workers}}}{w}))",
+            "running": f"sum by (role) ({M.NUM_REQUESTS_RUNNING}{{{workers}}})",
+            "waiting": f"sum by (role) ({M.NUM_REQUESTS_WAITING}{{{workers}}})",
+            "pod_running": f"{M.NUM_REQUESTS_RUNNING}{{{workers}}}",
+            "pod_kv": f"{M.KV_CACHE_USAGE_PERC}{{{workers}}}",
+            "sampled_at": f"max(timestamp({M.NUM_REQUESTS_RUNNING}{{{workers}}}))",
+        }
+
+    def read(self, now: float) -> Signals:
+        """Signals as of Prometheus' newest samples; `now` is unused (Prometheus evaluates at its
+        own time, and `sampled_at` is on the Unix clock)."""
+        results = {name: self._query(promql) for name, promql in self.queries().items()}
+        pod_running = results["pod_running"]
+        if not pod_running:
+            raise MetricsUnavailable(
+                "NoSamples",
+                f"Prometheus at {self.url} has no {M.NUM_REQUESTS_RUNNING} series for "
+                f"inferenceservice {self.namespace}/{self.service}: check that it scrapes the "
+                "worker pods (the chart's PodMonitor) and that the workers are ready.",
+            )
+        by_role = {name: _by_role(results[name]) for name in results}
+        pools = {}
+        for role, pool in self.engine_roles.items():
+            running = _by_pod(pod_running, role)
+            kv = _by_pod(results["pod_kv"], role)
+            pools[pool] = PoolSignals(
+                reporting=len(running),
+                kv_usage_sum=by_role["kv_usage_sum"].get(role),
+                prefill_backlog_tokens=by_role["prefill_backlog"].get(role),
+                prompt_tokens_per_s=by_role["prompt_rate"].get(role),
+                generation_tokens_per_s=by_role["generation_rate"].get(role),
+                busy_fraction=by_role["busy"].get(role),
+                running=by_role["running"].get(role),
+                waiting=by_role["waiting"].get(role),
+                pods={p: PodLoad(running=n, kv_usage=kv.get(p, 0.0)) for p, n in running.items()},
+            )
+        sampled_at = _scalar(results["sampled_at"])
+        return Signals(
+            sampled_at=sampled_at if sampled_at is not None else now,
+            window_s=self.window_s,
+            pools=pools,
+            ttft_s=_scalar(results["ttft"]),
+            tpot_s=_scalar(results["tpot"]),
+            itl_s=_scalar(results["itl"]),
+            request_rate=_scalar(results["request_rate"]),
+        )
+
+    def _query(self, promql: str) -> list[dict[str, Any]]:
+        try:
+            result = self.client.custom_query(promql)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            raise MetricsUnavailable(
+                "PrometheusUnreachable",
+                f"Prometheus at {self.url} did not answer ({type(exc).__name__}): check "
+                f"{URL_SETTING} and that Prometheus is running.",
+            ) from exc
+        except (
+            PrometheusApiClientException,
+            requests.RequestException,
+            ValueError,
+            KeyError,
+        ) as exc:
+            raise MetricsUnavailable(
+                "PrometheusError",
+                f"Prometheus at {self.url} failed the query {promql!r} ({_short(exc)}): check "
+                f"that {URL_SETTING} points at a Prometheus server's API.",
+            ) from exc
+        if not isinstance(result, list):
+            raise MetricsUnavailable(
+                "PrometheusError",
+                f"Prometheus at {self.url} answered {promql!r} with a {type(result).__name__}, "
+                f"not a vector: check that {URL_SETTING} points at a Prometheus server's API.",
+            )
+        return result
+
+
+def _quote(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 200 else f"{text[:200]}..."
+
+
+def _value(sample: Mapping[str, Any]) -> float | None:
+    """An instant-vector sample's value; None for NaN (e.g. a quantile with no observations)."""
+    value = float(sample["value"][1])
+    return None if math.isnan(value) else value
+
+
+def _scalar(result: list[dict[str, Any]]) -> float | None:
+    return _value(result[0]) if result else None
+
+
+def _by_role(result: list[dict[str, Any]]) -> dict[str, float]:
+    out = {}
+    for sample in result:
+        role, value = sample["metric"].get("role"), _value(sample)
+        if role is not None and value is not None:
+            out[role] = value
+    return out
+
+
+def _by_pod(result: list[dict[str, Any]], role: str) -> dict[str, float]:
+    """Per pod (the `pod` label, or `instance` where a static config gave none)."""
+    out = {}
+    for sample in result:
+        labels = sample["metric"]
+        value = _value(sample)
+        if labels.get("role") == role and value is not None:
+            out[labels.get("pod") or labels.get("instance", "")] = value
+    return out
