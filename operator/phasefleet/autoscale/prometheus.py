@@ -30,7 +30,7 @@ class PrometheusSource:
         url: str,
         namespace: str,
         service: str,
-        pools: Iterable[str],
+        pools: Iterable[str],  # pool roles: prefill and decode, or worker
         percentile: float = 0.9,
         window_s: float = 60.0,
         timeout_s: float = 5.0,
@@ -41,10 +41,14 @@ class PrometheusSource:
             raise ValueError(f"percentile must be between 0 and 1, got {percentile}")
         if window_s < 1:
             raise ValueError(f"window_s must be >= 1 second, got {window_s}")
+        pool_list = list(pools)
+        unknown = [p for p in pool_list if p not in POOL_ENGINE_ROLE]
+        if unknown:
+            raise ValueError(f"pools must be among {sorted(POOL_ENGINE_ROLE)}, got {unknown}")
         self.url = url.rstrip("/")
         self.namespace = namespace
         self.service = service
-        self.engine_roles = {POOL_ENGINE_ROLE[p].value: p for p in pools}  # engine role -> pool
+        self.engine_roles = {POOL_ENGINE_ROLE[p].value: p for p in pool_list}  # engine role -> pool
         self.percentile = percentile
         self.window_s = window_s  # seconds the rates and quantiles cover
         # One quick retry on a dropped connection; the caller's next interval is the real retry.
