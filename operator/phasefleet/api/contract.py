@@ -104,6 +104,10 @@ class Metric:
     KV_LEASE_EXPIRIES_TOTAL = "phasefleet_kv_lease_expiries_total"
     PREFILLS_TOTAL = "phasefleet_prefills_total"  # decode worker: label `where`, local | remote
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
+    # The autoscaler (not yet exported): 1 while a pool's ask is cut by maxReplicas or the GPU
+    # budget (the ScalingLimited condition), else 0. Its own labels `namespace`,
+    # `inferenceservice` and `pool` name the service; scrape it with honorLabels.
+    AUTOSCALER_SCALING_LIMITED = "phasefleet_autoscaler_scaling_limited"
     LABELS = ("model_name", "role")
 
 
