@@ -1,4 +1,10 @@
-"""An in-memory stand-in for kube.Api: enough of server-side apply to test the reconciler."""
+"""An in-memory stand-in for kube.Api: enough of server-side apply to test the reconciler.
+
+Field ownership is modelled where two managers meet: a Deployment's spec.replicas (the
+operator and the autoscaler, written to metadata.managedFields as the API server does) and the
+InferenceService status (each manager's last applied status, merged; a field no manager
+applies any more is gone).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,9 @@ from typing import Any
 
 from phasefleet.operator.compare import contains
 from phasefleet.operator.kube import Rejected
+from phasefleet.operator.meta import FIELD_MANAGER, replicas_managers
+
+DEFAULT_REPLICAS = 1  # what the API server defaults a Deployment's missing spec.replicas to
 
 
 def _merge(live: Any, desired: Any) -> Any:
@@ -27,6 +36,8 @@ class FakeApi:
         self.events: list[dict[str, Any]] = []
         self.refuse_gets: set[str] = set()  # kinds the operator may not read (RBAC)
         self.normalize: dict[str, str] = {}  # what the API server stores for a value we send
+        self.patches: list[tuple[str, str, dict[str, Any]]] = []  # (kind, name, merge patch)
+        self._status_applied: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
         self._version = 0
 
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -56,16 +67,24 @@ class FakeApi:
             if k == kind and ns == namespace and o["metadata"].get("labels", {}).get(label) == value
         ]
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
         k = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         self.applies.append((obj["kind"], obj["metadata"]["name"]))
         if (obj["kind"], obj["metadata"]["name"]) in self.refuse:
             code, message = self.refuse[(obj["kind"], obj["metadata"]["name"])]
             raise Rejected(f"PATCH {obj['kind']}/{obj['metadata']['name']}", code, message)
         live = self.objects.get(k)
-        if live is not None and contains(live, obj):
+        owners = _replicas_owners(live, obj, manager)
+        if live is not None and contains(live, obj) and owners == replicas_managers(live):
             return copy.deepcopy(live)
         merged = self._normalized(_merge(live or {}, obj))
+        if "replicas" in merged.get("spec", {}) and not owners:
+            merged["spec"]["replicas"] = DEFAULT_REPLICAS  # its last owner let go of it
+        if obj["kind"] == "Deployment":
+            merged["metadata"]["managedFields"] = [
+                {"manager": m, "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+                for m in sorted(owners)
+            ]
         merged["metadata"].setdefault("generation", 0)
         if live is None or live.get("spec") != merged.get("spec"):
             merged["metadata"]["generation"] += 1
@@ -81,13 +100,25 @@ class FakeApi:
             return [self._normalized(v) for v in value]
         return self.normalize.get(value, value) if isinstance(value, str) else value
 
-    def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply_status(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
         k = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         live = self.objects[k]
-        live["status"] = copy.deepcopy(obj["status"])
+        applied = self._status_applied.setdefault(k, {})
+        if not applied and live.get("status"):
+            applied[FIELD_MANAGER] = copy.deepcopy(live["status"])  # written before: the operator's
+        applied[manager] = copy.deepcopy(obj["status"])
+        live["status"] = _merge_status(list(applied.values()))
         self._bump(live)
         self.writes.append(("status", obj["kind"], obj["metadata"]["name"]))
         return copy.deepcopy(live)
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A JSON merge patch: None deletes a key."""
+        live = self.objects[(kind, namespace, name)]
+        self.objects[(kind, namespace, name)] = _merge_patch(live, patch)
+        self._bump(self.objects[(kind, namespace, name)])
+        self.patches.append((kind, name, copy.deepcopy(patch)))
+        self.writes.append(("patch", kind, name))
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         if self.objects.pop((kind, namespace, name), None) is not None:
@@ -118,3 +149,40 @@ class FakeApi:
                     "availableReplicas": n,
                 }
                 self._bump(obj)
+
+
+def _replicas_owners(live: dict[str, Any] | None, obj: dict[str, Any], manager: str) -> set[str]:
+    """Who owns spec.replicas after `manager` applies `obj` with force."""
+    owners = replicas_managers(live) if live is not None else set()
+    wanted = obj.get("spec", {}).get("replicas")
+    if wanted is None:
+        return owners - {manager}
+    if live is not None and live.get("spec", {}).get("replicas") == wanted:
+        return owners | {manager}  # the same value: shared ownership, no conflict
+    return {manager}  # a conflict, forced: the others lose the field
+
+
+def _merge_status(configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Managers' applied statuses together: maps merged, conditions keyed by type."""
+    out: dict[str, Any] = {}
+    for config in configs:
+        for key, value in config.items():
+            if key == "conditions":
+                by_type = {c["type"]: c for c in out.get("conditions", [])}
+                by_type.update({c["type"]: copy.deepcopy(c) for c in value})
+                out["conditions"] = list(by_type.values())
+            else:
+                out[key] = _merge(out.get(key), value)
+    return out
+
+
+def _merge_patch(live: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(live) if isinstance(live, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(out.get(key), value)
+    return out

@@ -236,6 +236,9 @@ def test_pool_replicas_follow_spec_without_autoscaling_and_live_within_bounds_wi
     assert pool_replicas(scaled, scaled.decode, live=3) == 3
     assert pool_replicas(scaled, scaled.decode, live=9) == 4
     assert pool_replicas(scaled, scaled.decode, live=0) == 1
+    # Once the autoscaler's field manager owns the field, the operator leaves it out.
+    assert pool_replicas(scaled, scaled.decode, live=3, autoscaled=True) is None
+    assert pool_replicas(fixed, fixed.decode, live=3, autoscaled=True) == 2
 
 
 def test_worker_args_parse_with_the_worker_cli():

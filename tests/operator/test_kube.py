@@ -8,7 +8,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from phasefleet.operator.kube import Gone, Kube, NamespaceTerminating, Rejected, Transient
-from phasefleet.operator.meta import FIELD_MANAGER
+from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 
 
 class FakeClient:
@@ -49,6 +49,26 @@ def test_status_apply_targets_the_subresource():
     assert client.calls[0]["path"] == (
         "/apis/serving.phasefleet.dev/v1alpha1/namespaces/ns/inferenceservices/llm/status"
     )
+
+
+def test_the_autoscaler_applies_with_its_own_field_manager():
+    client = FakeClient(result={})
+    obj = {"kind": "InferenceService", "metadata": {"name": "llm", "namespace": "ns"}}
+    kube(client).apply_status(obj, manager=AUTOSCALER_FIELD_MANAGER)
+    kube(client).apply({**obj, "kind": "Deployment"}, manager=AUTOSCALER_FIELD_MANAGER)
+    for call in client.calls:
+        assert ("fieldManager", AUTOSCALER_FIELD_MANAGER) in call["query_params"]
+        assert ("force", "true") in call["query_params"]
+
+
+def test_patch_is_a_json_merge_patch():
+    client = FakeClient(result={})
+    patch = {"metadata": {"annotations": {"a": None}}}
+    kube(client).patch("Pod", "ns", "p-1", patch)
+    (call,) = client.calls
+    assert call["method"] == "PATCH" and call["path"] == "/api/v1/namespaces/ns/pods/p-1"
+    assert call["header_params"]["Content-Type"] == "application/merge-patch+json"
+    assert call["body"] is patch
 
 
 def test_list_fills_in_the_kind_and_api_version():

@@ -31,14 +31,23 @@ def endpoint(owner: Owner) -> str:
     return f"http://{child_name(owner.name, ROUTER)}.{owner.namespace}.svc:{ROUTER_SERVICE_PORT}"
 
 
-def pool_replicas(spec: InferenceServiceSpec, pool: PoolSpec, live: int | None) -> int:
-    """Replicas to apply for a pool whose Deployment has `live` replicas (None: not created).
+def pool_replicas(
+    spec: InferenceServiceSpec, pool: PoolSpec, live: int | None, autoscaled: bool = False
+) -> int | None:
+    """Replicas to apply for a pool whose Deployment has `live` replicas (None: not created);
+    None leaves `spec.replicas` out of the apply.
 
-    Without autoscaling the spec decides. With it, the autoscaler owns the number (it scales
-    the Deployment) and the operator only keeps it within [minReplicas, maxReplicas].
+    Without autoscaling the spec decides (applied with force, which also takes the field back
+    from the autoscaler). With it, once the autoscaler owns the field (`autoscaled`: its field
+    manager is in the live Deployment's managedFields for spec.replicas) the operator leaves it
+    out: server-side apply then keeps the autoscaler's value, where sending any number would
+    race with the autoscaler and sending none while owning it would reset it to 1. Before that
+    hand-over the operator keeps the live number within [minReplicas, maxReplicas].
     """
     if not spec.autoscaling.enabled or live is None:
         return pool.replicas
+    if autoscaled:
+        return None
     return min(max(live, pool.min_size), pool.max_size)
 
 
@@ -136,9 +145,13 @@ def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
 
 
 def desired_children(
-    owner: Owner, spec: InferenceServiceSpec, live_replicas: dict[str, int] | None = None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    live_replicas: dict[str, int] | None = None,
+    autoscaled: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """All children in apply order; `live_replicas` maps Deployment name -> spec.replicas."""
+    """All children in apply order; `live_replicas` maps Deployment name -> spec.replicas,
+    `autoscaled` names the Deployments whose spec.replicas the autoscaler owns."""
     live_replicas = live_replicas or {}
     out: list[dict[str, Any]] = [
         router_service_account(owner),
@@ -146,9 +159,10 @@ def desired_children(
         router_role_binding(owner),
     ]
     for role, pool in spec.pools().items():
-        live = live_replicas.get(child_name(owner.name, role.value))
+        name = child_name(owner.name, role.value)
+        replicas = pool_replicas(spec, pool, live_replicas.get(name), name in autoscaled)
         out.append(headless_service(owner, role))
-        out.append(worker_deployment(owner, spec, role, pool_replicas(spec, pool, live)))
+        out.append(worker_deployment(owner, spec, role, replicas))
         out.append(disruption_budget(owner, role.value))
     out.append(router_service(owner))
     out.append(router_deployment(owner, spec))

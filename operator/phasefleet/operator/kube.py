@@ -30,6 +30,7 @@ RESOURCES = {
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 APPLY = "application/apply-patch+yaml"
+MERGE_PATCH = "application/merge-patch+json"
 RETRYABLE = {409, 429, 500, 502, 503, 504}
 
 
@@ -66,9 +67,11 @@ class Api(Protocol):
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def apply(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]: ...
 
-    def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def apply_status(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]: ...
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None: ...
 
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
 
@@ -165,17 +168,21 @@ class Kube:
             item.setdefault("kind", kind)
         return items
 
-    def _apply(self, obj: dict[str, Any], suffix: str = "") -> dict[str, Any]:
+    def _apply(self, obj: dict[str, Any], manager: str, suffix: str = "") -> dict[str, Any]:
         meta = obj["metadata"]
         path = _path(obj["kind"], meta["namespace"], meta["name"]) + suffix
-        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        query = [("fieldManager", manager), ("force", "true")]
         return dict(self._call("PATCH", path, body=obj, query=query, content_type=APPLY))
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return self._apply(obj)
+    def apply(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        return self._apply(obj, manager)
 
-    def apply_status(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return self._apply(obj, "/status")
+    def apply_status(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        return self._apply(obj, manager, "/status")
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A JSON merge patch (the autoscaler's pod annotations: no field manager to keep)."""
+        self._call("PATCH", _path(kind, namespace, name), body=patch, content_type=MERGE_PATCH)
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         with contextlib.suppress(Gone):

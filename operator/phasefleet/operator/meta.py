@@ -9,6 +9,9 @@ from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL, ROUTER_ROLE
 from phasefleet.api.crd import API_VERSION, KIND
 
 FIELD_MANAGER = "phasefleet-operator"
+# The autoscaler's server-side apply field manager: a pool Deployment's spec.replicas, and its
+# own status fields (metrics, MetricsAvailable, ScalingLimited, pools.*.lastScale*).
+AUTOSCALER_FIELD_MANAGER = "phasefleet-autoscaler"
 SPEC_HASH_ANNOTATION = "phasefleet.dev/spec-hash"  # on pod templates: inputs of the template
 APPLIED_HASH_ANNOTATION = "phasefleet.dev/applied-hash"  # on children: what the operator applied
 ROUTER = ROUTER_ROLE
@@ -69,3 +72,13 @@ def metadata(owner: Owner, name: str, role: str) -> dict[str, Any]:
 def is_owned_by(child: dict[str, Any], owner: Owner) -> bool:
     refs = child.get("metadata", {}).get("ownerReferences") or []
     return any(ref.get("uid") == owner.uid for ref in refs)
+
+
+def replicas_managers(deployment: dict[str, Any]) -> set[str]:
+    """The field managers that own a Deployment's spec.replicas (from metadata.managedFields)."""
+    owners = set()
+    for entry in deployment.get("metadata", {}).get("managedFields") or []:
+        spec = (entry.get("fieldsV1") or {}).get("f:spec") or {}
+        if "f:replicas" in spec:
+            owners.add(str(entry.get("manager", "")))
+    return owners

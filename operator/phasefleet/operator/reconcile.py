@@ -23,12 +23,15 @@ from phasefleet.operator.children import desired_children, internal_token_secret
 from phasefleet.operator.compare import in_sync
 from phasefleet.operator.kube import Api, NamespaceTerminating, Rejected
 from phasefleet.operator.meta import (
+    AUTOSCALER_FIELD_MANAGER,
+    FIELD_MANAGER,
     ISVC_LABEL,
     ROLE_LABEL,
     ROUTER,
     Owner,
     child_name,
     is_owned_by,
+    replicas_managers,
 )
 from phasefleet.operator.status import (
     MAX_CAUSE,
@@ -182,6 +185,15 @@ def _apply_status(api: Api, owner: Owner, status: dict[str, Any]) -> None:
     )
 
 
+def reclaims_replicas(live: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """Autoscaling was turned off and the autoscaler alone owns the live spec.replicas: the
+    operator applies its number even when equal, so the field is its own again."""
+    if "replicas" not in desired.get("spec", {}):
+        return False
+    managers = replicas_managers(live)
+    return AUTOSCALER_FIELD_MANAGER in managers and FIELD_MANAGER not in managers
+
+
 def write_invalid_status(api: Api, body: dict[str, Any], message: str, now: str) -> bool:
     """Reports a spec the operator cannot use (InvalidSpec) in status; True when it wrote."""
     previous = dict(body.get("status") or {})
@@ -243,7 +255,10 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
 
     outcome = Outcome(parent=body)
     live_replicas = {name: int(d["spec"].get("replicas") or 0) for name, d in deployments.items()}
-    desired = desired_children(owner, spec, live_replicas)
+    autoscaled = frozenset(
+        name for name, d in deployments.items() if AUTOSCALER_FIELD_MANAGER in replicas_managers(d)
+    )
+    desired = desired_children(owner, spec, live_replicas, autoscaled)
     # A new service (or one from before the hand-off) gets its internal token, made once. It
     # is never applied again or read: pods get it from the Secret itself.
     new_service = ("ServiceAccount", child_name(owner.name, ROUTER)) not in live
@@ -251,7 +266,7 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
         outcome.applied.append(f"Secret/{internal_token_secret_name(owner.name)}")
     for obj in desired:
         before = live.get(key(obj))
-        if before is not None and in_sync(before, obj):
+        if before is not None and in_sync(before, obj) and not reclaims_replicas(before, obj):
             continue
         log.info(
             "apply %s/%s: %s",

@@ -231,7 +231,7 @@ def _pod_template(
 def _deployment(
     owner: Owner,
     role: str,
-    replicas: int,
+    replicas: int | None,
     template: dict[str, Any],
     rollout: tuple[int, int],
     startup_seconds: int,
@@ -246,7 +246,7 @@ def _deployment(
         "kind": "Deployment",
         "metadata": meta,
         "spec": {
-            "replicas": replicas,
+            **({} if replicas is None else {"replicas": replicas}),
             "selector": {"matchLabels": selector(owner.name, role)},
             "progressDeadlineSeconds": progress_deadline(startup_seconds),
             "strategy": {
@@ -259,9 +259,10 @@ def _deployment(
 
 
 def worker_deployment(
-    owner: Owner, spec: InferenceServiceSpec, role: Role, replicas: int
+    owner: Owner, spec: InferenceServiceSpec, role: Role, replicas: int | None
 ) -> dict[str, Any]:
-    """The Deployment of one worker pool; `replicas` comes from `pool_replicas`."""
+    """The Deployment of one worker pool; `replicas` comes from `pool_replicas` (None: left
+    out, the autoscaler owns it)."""
     pool = spec.pools()[role]
     volumes, mounts = _volumes(spec)
     resources = pool.resources.to_wire()
