@@ -82,10 +82,11 @@ Roles. docs/operator.md explains each rule.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get]
-# Read why a pool's pods cannot start (e.g. a missing token Secret), by label, for status.
+# Read why a pool's pods cannot start (e.g. a missing token Secret), by label, for status;
+# the autoscaler marks the pod a scale-down removes first (pod-deletion-cost annotation).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, patch]
 {{- if .Values.rbac.readSecrets }}
 # Opt-in: check that the Hugging Face token Secret and key exist before creating pods (get by
 # name only; no list/watch). With a ClusterRole this is every Secret in the cluster.

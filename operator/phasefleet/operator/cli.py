@@ -6,6 +6,7 @@ import argparse
 import os
 
 NAMESPACES_ENV = "PHASEFLEET_WATCH_NAMESPACES"  # comma-separated; empty: every namespace
+PROMETHEUS_ENV = "PHASEFLEET_PROMETHEUS_URL"  # the chart's prometheus.url
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
     )
     parser.add_argument(
+        "--prometheus-url",
+        default=os.environ.get(PROMETHEUS_ENV, ""),
+        help=(
+            f"Prometheus the autoscaler queries (default: ${PROMETHEUS_ENV}); empty: it scrapes"
+            " the pods' /metrics itself"
+        ),
+    )
+    parser.add_argument(
         "--peering",
         default=None,
         help="kopf peering object name for several operator replicas (default: standalone)",
@@ -44,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
+    import phasefleet.operator.autoscaling  # noqa: F401  (registers the autoscaler's daemon)
     import phasefleet.operator.handlers  # noqa: F401  (registers the handlers)
 
     logging.basicConfig(
@@ -56,5 +66,6 @@ def run(args: argparse.Namespace) -> int:
         standalone=args.peering is None,
         peering_name=args.peering,
         liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(prometheus_url=args.prometheus_url or None),
     )
     return 0

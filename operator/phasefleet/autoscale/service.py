@@ -1,0 +1,212 @@
+"""One InferenceService's autoscaler on Kubernetes: each step reads the signals, runs the policy,
+scales the pool Deployments and writes the autoscaler's status.
+
+No kopf: the daemon in operator/autoscaling.py calls `step` every `intervalSeconds` and posts
+the notices it returns. The policy's history lives in this object only, so an operator restart
+(or autoscaling turned off and on) starts a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL, ROUTER_PORT, ROUTER_ROLE, WORKER_PORT
+from phasefleet.api.crd import API_VERSION, KIND
+from phasefleet.api.names import InvalidService, validate_service
+from phasefleet.api.spec import InferenceServiceSpec
+from phasefleet.autoscale.deployments import (
+    least_loaded,
+    mark_for_removal,
+    owns_replicas,
+    scale,
+    serving,
+)
+from phasefleet.autoscale.policy import Decision, PolicyState, ScalingConfig, decide
+from phasefleet.autoscale.prometheus import PrometheusSource
+from phasefleet.autoscale.report import Notice, autoscaler_status, notices
+from phasefleet.autoscale.scrape import ScrapeSource, ScrapeTargets
+from phasefleet.autoscale.signals import MetricsUnavailable, Signals
+from phasefleet.operator.kube import Api
+from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, Owner, child_name, is_owned_by
+
+# Rates and latency quantiles cover this many intervals (at least MIN_WINDOW_S): long enough for
+# a few scrapes, short enough that a burst shows within one or two decisions.
+WINDOW_INTERVALS = 4
+MIN_WINDOW_S = 10.0
+
+
+class Source(Protocol):
+    def read(self, now: float) -> Signals: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    interval_s: float  # seconds until the next step
+    decision: Decision | None = None  # None: no decision this time (`skipped` says why)
+    notices: list[Notice] = field(default_factory=list)
+    skipped: str | None = None
+    status_written: bool = False
+
+
+def rfc3339(now: float) -> str:
+    return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def scrape_targets(api: Api, namespace: str, name: str, roles: list[str]) -> ScrapeTargets:
+    """The service's serving router and worker pods, by pod IP (ScrapeSource's targets)."""
+    routers: list[str] = []
+    workers: dict[str, dict[str, str]] = {role: {} for role in roles}
+    for pod in api.list("Pod", namespace, f"{ISVC_LABEL}={name}"):
+        ip = (pod.get("status") or {}).get("podIP")
+        role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL, "")
+        if not ip or not serving(pod):
+            continue
+        if role == ROUTER_ROLE:
+            routers.append(f"http://{ip}:{ROUTER_PORT}")
+        elif role in workers:
+            workers[role][pod["metadata"]["name"]] = f"http://{ip}:{WORKER_PORT}"
+    return ScrapeTargets(routers=tuple(sorted(routers)), workers=workers)
+
+
+class ServiceAutoscaler:
+    """`prometheus_url`: read PromQL there (the chart's prometheus.url); None: scrape the pods.
+    `source` replaces both (tests)."""
+
+    def __init__(
+        self,
+        api: Api,
+        namespace: str,
+        name: str,
+        prometheus_url: str | None = None,
+        source: Source | None = None,
+    ) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+        self.prometheus_url = prometheus_url
+        self.state = PolicyState()
+        self._fixed_source = source
+        self._source: Source | None = None
+        self._source_key: tuple[Any, ...] = ()
+        self._written: dict[str, Any] | None = None  # the status last applied
+
+    @property
+    def source_name(self) -> str:
+        if self.prometheus_url:
+            return f"metrics from Prometheus at {self.prometheus_url}"
+        return "metrics scraped from the pods' /metrics"
+
+    def source(self, spec: InferenceServiceSpec, config: ScalingConfig) -> Source:
+        """The metrics source for this spec; kept while its settings hold (it keeps history)."""
+        if self._fixed_source is not None:
+            return self._fixed_source
+        window_s = max(WINDOW_INTERVALS * config.interval_s, MIN_WINDOW_S)
+        roles = [role.value for role in spec.pools()]
+        key = (config.percentile, window_s, tuple(roles))
+        if self._source is not None and key == self._source_key:
+            return self._source
+        if self.prometheus_url:
+            self._source = PrometheusSource(
+                self.prometheus_url, self.namespace, self.name, roles,
+                percentile=config.percentile, window_s=window_s,
+            )  # fmt: skip
+        else:
+            self._source = ScrapeSource(
+                lambda: scrape_targets(self.api, self.namespace, self.name, roles),
+                percentile=config.percentile,
+                window_s=window_s,
+            )
+        self._source_key = key
+        return self._source
+
+    def step(self, now: float) -> Step:
+        """One decision; `now` is seconds since the epoch. Raises kube.Transient / Rejected."""
+        body = self.api.get(KIND, self.namespace, self.name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Step(interval_s=MIN_WINDOW_S, skipped="the InferenceService is gone")
+        try:
+            spec = validate_service(self.name, dict(body.get("spec") or {}))
+        except InvalidService:
+            return Step(interval_s=MIN_WINDOW_S, skipped="invalid spec (see its Degraded)")
+        config = ScalingConfig.from_spec(spec)
+        if not spec.autoscaling.enabled:
+            return Step(interval_s=config.interval_s, skipped="autoscaling is off")
+        owner = Owner.from_body(body)
+        deployments = self._deployments(owner, list(config.pools))
+        if len(deployments) < len(config.pools):
+            return Step(interval_s=config.interval_s, skipped="pools not created yet")
+        current = {role: int(d["spec"].get("replicas") or 0) for role, d in deployments.items()}
+
+        signals: Signals | MetricsUnavailable
+        try:
+            signals = self.source(spec, config).read(now)
+        except MetricsUnavailable as exc:
+            signals = exc
+        decision = decide(config, signals, current, self.state, now)
+        self.state = decision.state
+        self._act(decision, signals, deployments)
+
+        previous = dict(body.get("status") or {})
+        generation = int(body["metadata"].get("generation") or 0)
+        status = autoscaler_status(decision, signals, previous, generation, rfc3339(now))
+        written = status != self._written
+        if written:
+            self.api.apply_status(self._status_object(status), manager=AUTOSCALER_FIELD_MANAGER)
+            self._written = status
+        return Step(
+            interval_s=config.interval_s,
+            decision=decision,
+            notices=notices(decision, previous),
+            status_written=written,
+        )
+
+    def release(self) -> None:
+        """Autoscaling turned off: drop the autoscaler's status fields (they would go stale).
+
+        spec.replicas is left alone: the operator's next pass applies the spec's number with
+        force and so takes the field back; dropping it here first would reset it to 1.
+        """
+        self.api.apply_status(self._status_object({}), manager=AUTOSCALER_FIELD_MANAGER)
+        self._written = None
+
+    def _status_object(self, status: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "status": status,
+        }
+
+    def _deployments(self, owner: Owner, roles: list[str]) -> dict[str, dict[str, Any]]:
+        found = {
+            d["metadata"]["name"]: d
+            for d in self.api.list("Deployment", self.namespace, f"{ISVC_LABEL}={self.name}")
+            if is_owned_by(d, owner)
+        }
+        names = {role: child_name(self.name, role) for role in roles}
+        return {role: found[name] for role, name in names.items() if name in found}
+
+    def _act(
+        self,
+        decision: Decision,
+        signals: Signals | MetricsUnavailable,
+        deployments: dict[str, dict[str, Any]],
+    ) -> None:
+        """Marks the pods a scale-down removes, then applies every pool's size that changed
+        (or that the autoscaler does not own yet: the first step takes the field over)."""
+        pods: list[dict[str, Any]] | None = None
+        for role, pool in decision.pools.items():
+            deployment = deployments[role]
+            if pool.desired < pool.current and isinstance(signals, Signals):
+                if pods is None:
+                    pods = self.api.list("Pod", self.namespace, f"{ISVC_LABEL}={self.name}")
+                members = [
+                    p for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == role
+                ]
+                loads = signals.pools[role].pods if role in signals.pools else {}
+                chosen = least_loaded(members, loads, pool.current - pool.desired)
+                mark_for_removal(self.api, self.namespace, members, chosen)
+            if pool.changed or not owns_replicas(deployment):
+                scale(self.api, self.namespace, deployment["metadata"]["name"], pool.desired)

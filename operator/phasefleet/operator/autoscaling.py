@@ -1,0 +1,65 @@
+"""kopf daemon: one autoscaler per InferenceService with spec.autoscaling.enabled.
+
+A daemon rather than a timer: it re-reads the spec on each step and sleeps that step's
+`intervalSeconds`, so an interval change takes effect at the next step without a fast timer
+ticking in between (and logging every tick), and it keeps the policy's history and the
+scrape source's samples in one object for its lifetime. It is async and runs each step in a
+worker thread, so idle daemons hold no thread of kopf's pool (which the reconcile handlers
+share). kopf stops it when autoscaling is turned off (the `when` filter stops matching), when
+the service is deleted, and when the operator exits; like every kopf daemon it puts kopf's
+finalizer on the service while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from phasefleet.api.crd import GROUP, PLURAL, VERSION
+from phasefleet.autoscale.report import summary
+from phasefleet.autoscale.service import ServiceAutoscaler
+from phasefleet.operator.kube import Gone, Rejected, Transient
+
+RETRY_SECONDS = 5.0  # after an API error, before the next step
+
+log = logging.getLogger(__name__)
+
+
+def autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, when=autoscaling_enabled, cancellation_backoff=10.0)
+async def autoscale(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    namespace, name = body.metadata.namespace or "", body.metadata.name or ""
+    scaler = ServiceAutoscaler(memo.api, namespace, name, getattr(memo, "prometheus_url", None))
+    logger.info("autoscaler started (%s)", scaler.source_name)
+    while not stopped:
+        started = time.monotonic()
+        try:
+            step = await asyncio.to_thread(scaler.step, time.time())
+        except (Transient, Rejected, Gone) as exc:
+            log.warning("autoscaler %s/%s: %s", namespace, name, exc)
+            await stopped.wait(RETRY_SECONDS)
+            continue
+        for notice in step.notices:
+            kopf.event(body, type=notice.type, reason=notice.reason, message=notice.message)
+        if step.decision is not None and any(p.changed for p in step.decision.pools.values()):
+            logger.info("autoscaler: %s", summary(step.decision))
+        elif step.decision is not None and not step.decision.metrics_available:
+            logger.info("autoscaler holds: %s", summary(step.decision))
+        elif step.decision is not None:
+            logger.debug("autoscaler: %s", summary(step.decision))
+        await stopped.wait(max(0.0, step.interval_s - (time.monotonic() - started)))
+    if stopped.reason is not None and stopped.reason & kopf.DaemonStoppingReason.FILTERS_MISMATCH:
+        try:
+            await asyncio.to_thread(scaler.release)
+        except (Transient, Rejected, Gone) as exc:
+            log.warning("autoscaler %s/%s: could not clear its status: %s", namespace, name, exc)
+        logger.info("autoscaler stopped: autoscaling is off, the operator owns replicas again")
