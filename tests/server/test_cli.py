@@ -61,7 +61,7 @@ def test_bad_settings_exit_2_before_loading_anything(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.run(parse("--model", str(tmp_path))) == 2
-    assert "model must be a Hugging Face model folder" in capsys.readouterr().err
+    assert f"model folder {tmp_path} has no config.json" in capsys.readouterr().err
     assert cli.run(parse("--model", str(tiny_model), "--max-num-seqs", "0")) == 2
     assert "max_num_seqs must be a positive integer" in capsys.readouterr().err
     assert cli.run(parse("--model", str(tiny_model), "--max-queue-len", "0")) == 2
@@ -79,3 +79,48 @@ def test_importing_the_cli_does_not_import_torch_or_fastapi() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_fatal_setting_is_the_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PHASEFLEET_TERMINATION_LOG", str(log))
+    missing = tmp_path / "models" / "missing"
+    assert cli.run(parse("--model", str(missing))) == 2
+    message = (
+        f"model folder {missing} does not exist: put the model there, or point spec.model"
+        " (image.path, pvc.path) or --model at a folder with config.json"
+    )
+    assert capsys.readouterr().err == f"phasefleet worker: {message}\n"
+    assert log.read_text() == message + "\n"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        MemoryError(),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:124] err == 0. DefaultCPUAllocator: can't allocate"
+            " memory: you tried to allocate 32768000000 bytes. Error code 12"
+        ),
+        type("OutOfMemoryError", (RuntimeError,), {})("CUDA out of memory. Tried to allocate"),
+    ],
+)
+def test_out_of_memory_says_what_to_lower(exc: BaseException) -> None:
+    message = cli.engine_failure("/models/m", exc, loaded=False)
+    assert message.startswith("out of memory loading model /models/m (")
+    assert "lower --num-kv-blocks, maxModelLen or maxNumSeqs" in message
+
+
+def test_other_engine_failures_name_the_model_and_the_cause() -> None:
+    exc = ValueError("header too large")
+    assert cli.engine_failure("/models/m", exc, loaded=False) == (
+        "the engine could not load model /models/m (ValueError: header too large): check that"
+        " the folder holds a complete Hugging Face model (config.json, tokenizer,"
+        " *.safetensors) and spec.model"
+    )
+    assert cli.engine_failure("/models/m", RuntimeError("CUDA error"), loaded=True) == (
+        "the engine failed while serving model /models/m (RuntimeError: CUDA error);"
+        " see the pod's log"
+    )

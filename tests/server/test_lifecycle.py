@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.server.worker_proc import run_worker
 
@@ -48,10 +49,28 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_model: Path) -> Non
         assert received[-1].choices[0].finish_reason == "length"
 
 
-def test_engine_that_cannot_load_exits_non_zero(tiny_model: Path, tmp_path: Path) -> None:
+def test_engine_that_cannot_load_exits_non_zero(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv("PHASEFLEET_TERMINATION_LOG", str(termination_log))
     with run_worker(broken, wait_healthy=False) as worker:
         assert worker.proc.wait(timeout=120) == 1
         assert "the engine failed" in worker.log()
+    assert termination_log.read_text().startswith(f"the engine could not load model {broken} (")
+
+
+def test_out_of_memory_at_load_is_the_termination_message(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KV pool far larger than this machine's memory: the allocator really refuses it."""
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setenv("PHASEFLEET_TERMINATION_LOG", str(termination_log))
+    with run_worker(tiny_model, "--num-kv-blocks", str(10**9), wait_healthy=False) as worker:
+        assert worker.proc.wait(timeout=120) == 1
+    message = termination_log.read_text()
+    assert message.startswith(f"out of memory loading model {tiny_model} (")
+    assert message.count("\n") == 1

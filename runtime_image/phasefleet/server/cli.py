@@ -9,18 +9,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 
 from phasefleet.api.contract import INTERNAL_TOKEN_ENV, WORKER_PORT, EngineRole, WorkerFlag
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
+from phasefleet.termination import fail, write_termination_message
 
 DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512  # below this, a transfer costs more than it saves
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
 DEFAULT_DRAIN_TIMEOUT = 25.0  # seconds; under Kubernetes' default 30 s grace period
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # request bodies larger than this get 413
 GRACEFUL_SHUTDOWN_TIMEOUT = 5.0  # seconds uvicorn waits for open connections after a drain
+
+PROGRAM = "phasefleet worker"  # how its messages on stderr begin
 
 logger = logging.getLogger("phasefleet.worker")
 
@@ -138,12 +140,56 @@ def run(args: argparse.Namespace) -> int:
             )
         if not args.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
-        if not (Path(args.model) / "config.json").is_file():
-            raise ValueError(f"model must be a Hugging Face model folder, got {args.model!r}")
+        model_folder_problem(args.model)
     except ValueError as exc:
-        print(f"phasefleet worker: {exc}", file=sys.stderr)
-        return 2
-    return _serve(args, config)
+        return fail(PROGRAM, str(exc), code=2)
+    try:
+        return _serve(args, config)
+    except Exception as exc:  # anything before serving: its one line goes where Kubernetes reads
+        write_termination_message(engine_failure(args.model, exc, loaded=False))
+        raise
+
+
+def model_folder_problem(model: str) -> None:
+    """Raises ValueError naming the fix when `model` is not a Hugging Face model folder."""
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ValueError(
+            f"model folder {model} does not exist: put the model there, or point"
+            " spec.model (image.path, pvc.path) or --model at a folder with config.json"
+        )
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"model folder {model} has no config.json: it must be a Hugging Face model folder"
+            " (config.json, tokenizer files, *.safetensors); fix spec.model or --model"
+        )
+
+
+OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, torch.OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return any(text in str(exc).lower() for text in OOM_TEXT)
+
+
+def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
+    """The worker's fatal error as one sentence: what failed and what to change."""
+    cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+    if out_of_memory(exc):
+        return (
+            f"out of memory {'serving' if loaded else 'loading'} model {model} ({cause}): give"
+            " the pod more memory or a larger GPU (spec resources), or lower --num-kv-blocks,"
+            " maxModelLen or maxNumSeqs, or use a smaller dtype"
+        )
+    if loaded:
+        return f"the engine failed while serving model {model} ({cause}); see the pod's log"
+    return (
+        f"the engine could not load model {model} ({cause}): check that the folder holds a"
+        " complete Hugging Face model (config.json, tokenizer, *.safetensors) and spec.model"
+    )
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -202,6 +248,5 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
     )  # fmt: skip
     server.run()
     if engine.fatal_error is not None:
-        print(f"phasefleet worker: the engine failed: {engine.fatal_error!r}", file=sys.stderr)
-        return 1
+        return fail(PROGRAM, engine_failure(args.model, engine.fatal_error, loaded=engine.ready))
     return 0
