@@ -313,7 +313,7 @@ def test_a_pod_that_cannot_start_is_reported_with_the_fix():
     degraded = condition(fresh(api), "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "PodCannotStart"
     assert degraded["message"] == (
-        "Pod team-a/llm-decode-7d9-x2 (decode) cannot start (CreateContainerConfigError:"
+        "Pod team-a/llm-decode-7d9-x2 (pool decode) cannot start (CreateContainerConfigError:"
         ' secret "hf" not found); create the Secret or ConfigMap it names'
         " (spec.model.hf.tokenSecret, spec.runtime.env), or change the spec"
     )

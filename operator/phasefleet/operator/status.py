@@ -20,8 +20,10 @@ from phasefleet.operator.meta import ROLE_LABEL, ROUTER, Owner, child_name
 OWNED_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 STUCK_REASONS = {"ProgressDeadlineExceeded", "ReplicaFailure"}
 MAX_CAUSE = 300  # characters of an API server or kubelet message quoted in a condition
+MAX_LAST_WORDS = 600  # characters of a container's termination message (its end is kept)
 
 # Why a container cannot start (kubelet's waiting reasons), and what the user can do about it.
+# CrashLoopBackOff is not here: its cause is the last exit (`_exit_problem`).
 POD_FIXES = {
     "CreateContainerConfigError": (
         "create the Secret or ConfigMap it names (spec.model.hf.tokenSecret, spec.runtime.env),"
@@ -31,8 +33,21 @@ POD_FIXES = {
     "ErrImagePull": "check spec.runtime.image and the node's pull access",
     "ImagePullBackOff": "check spec.runtime.image and the node's pull access",
     "InvalidImageName": "fix spec.runtime.image",
-    "CrashLoopBackOff": "read the pod's log (kubectl logs --previous) for the engine's error",
 }
+
+# The scheduler's reasons (in its "0/3 nodes are available: ..." message), most specific first,
+# and the fix for each; {pool} is the pool's field in the spec.
+SCHEDULING_FIXES = (
+    (
+        "Insufficient nvidia.com/gpu",
+        "ask for fewer nvidia.com/gpu per pod ({pool}.resources) or fewer replicas, add nodes"
+        " with free GPUs, or with autoscaling set a spec.autoscaling.gpuBudget the cluster holds",
+    ),
+    ("untolerated taint", "add the nodes' taint to {pool}.tolerations, or free untainted nodes"),
+    ("node affinity/selector", "fix {pool}.nodeSelector or {pool}.affinity to match nodes"),
+    ("Insufficient", "lower {pool}.resources.requests, or add nodes with room for the pod"),
+)
+SCHEDULING_FALLBACK = "add nodes the pod fits on, or relax {pool}'s resources and placement"
 
 
 @dataclass(frozen=True)
@@ -48,26 +63,112 @@ def _cut(text: str) -> str:
     return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 3] + "..."
 
 
-def pod_problem(pods: list[dict[str, Any]]) -> Problem | None:
-    """The first pod whose container cannot start, as a Problem naming the pod and the fix.
+def _last_words(text: str) -> str:
+    """A termination message on one line; a long one (a log tail) keeps its end."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_LAST_WORDS else "..." + text[3 - MAX_LAST_WORDS :]
 
-    This is how a missing token Secret shows up when the operator may not read Secrets: the
-    kubelet reports CreateContainerConfigError with `secret "NAME" not found`.
-    """
-    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        meta, status = pod["metadata"], pod.get("status") or {}
-        for container in status.get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            fix = POD_FIXES.get(waiting.get("reason", ""))
-            if fix is None:
-                continue
-            role = (meta.get("labels") or {}).get(ROLE_LABEL, "?")
-            cause = _cut(f"{waiting['reason']}: {waiting.get('message') or 'no message'}")
-            return Problem(
-                "PodCannotStart",
-                f"Pod {meta['namespace']}/{meta['name']} ({role}) cannot start ({cause}); {fix}",
-            )
+
+def _unschedulable(pod: dict[str, Any], where: str, role: str) -> Problem | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if (cond.get("type"), cond.get("status"), cond.get("reason")) != (
+            "PodScheduled", "False", "Unschedulable",
+        ):  # fmt: skip
+            continue
+        said = cond.get("message") or "no message"
+        fix = next((f for key, f in SCHEDULING_FIXES if key in said), SCHEDULING_FALLBACK)
+        return Problem(
+            "PodUnschedulable",
+            f"{where} cannot be scheduled ({_cut(said)}); {fix.format(pool=f'spec.{role}')}",
+        )
     return None
+
+
+def _exit_problem(container: dict[str, Any], where: str, role: str) -> Problem | None:
+    """A container that exited with an error and is not running ready again: its last exit,
+    with the message it left (the termination message) as the cause."""
+    state = container.get("state") or {}
+    ended = state.get("terminated") or (container.get("lastState") or {}).get("terminated")
+    if not ended or container.get("ready") or int(ended.get("exitCode") or 0) == 0:
+        return None
+    if "running" in state and not int(container.get("restartCount") or 0):
+        return None
+    name, code = container.get("name", "?"), ended.get("exitCode")
+    said = _last_words(ended.get("message") or "")
+    if ended.get("reason") == "OOMKilled":
+        return Problem(
+            "ContainerFailing",
+            f"{where} keeps failing: container {name} was killed for exceeding its memory"
+            f" limit (OOMKilled, exit code {code}); raise spec.{role}.resources.limits.memory,"
+            " or lower maxModelLen or maxNumSeqs",
+        )
+    if said:
+        return Problem(
+            "ContainerFailing",
+            f"{where} keeps failing: container {name} exited with code {code} ({said});"
+            " change what the message names (kubectl logs --previous has the rest)",
+        )
+    return Problem(
+        "ContainerFailing",
+        f"{where} keeps failing: container {name} exited with code {code} and left no message;"
+        f" read kubectl logs --previous -c {name} {where.split()[1]} for the error",
+    )
+
+
+def _problem_of(pod: dict[str, Any]) -> Problem | None:
+    meta, status = pod["metadata"], pod.get("status") or {}
+    role = (meta.get("labels") or {}).get(ROLE_LABEL, "?")
+    where = f"Pod {meta['namespace']}/{meta['name']} (pool {role})"
+    unscheduled = _unschedulable(pod, where, role)
+    if unscheduled is not None:
+        return unscheduled
+    for container in status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        fix = POD_FIXES.get(waiting.get("reason", ""))
+        if fix is not None:
+            cause = _cut(f"{waiting['reason']}: {waiting.get('message') or 'no message'}")
+            return Problem("PodCannotStart", f"{where} cannot start ({cause}); {fix}")
+        exited = _exit_problem(container, where, role)
+        if exited is not None:
+            return exited
+    return None
+
+
+def pod_problem(pods: list[dict[str, Any]]) -> Problem | None:
+    """The first pod that cannot run, as a Problem naming its pool, the pod, the cause and
+    the fix: unschedulable (the scheduler's message), a container waiting for something it
+    cannot get (a missing Secret: CreateContainerConfigError; an image: ErrImagePull), or a
+    container that exited with an error (its termination message). Worker pools come before
+    the router, whose pods often fail for the same reason; pods being deleted are skipped.
+    """
+    alive = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    for pod in sorted(
+        alive,
+        key=lambda p: (
+            (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == ROUTER,
+            p["metadata"]["name"],
+        ),
+    ):
+        problem = _problem_of(pod)
+        if problem is not None:
+            return problem
+    return None
+
+
+def degraded_news(desired: dict[str, Any], previous: dict[str, Any]) -> Problem | None:
+    """The Degraded condition `desired` raises or rewords against `previous`: what to post
+    once as a Warning event (not again while the same text stands)."""
+
+    def degraded(status: dict[str, Any]) -> dict[str, Any]:
+        found = [c for c in status.get("conditions") or [] if c.get("type") == DEGRADED]
+        return found[0] if found else {}
+
+    new, old = degraded(desired), degraded(previous)
+    if new.get("status") != "True":
+        return None
+    if old.get("status") == "True" and old.get("message") == new.get("message"):
+        return None
+    return Problem(str(new.get("reason")), str(new.get("message")))
 
 
 def _pool(deployment: dict[str, Any] | None) -> dict[str, int]:
