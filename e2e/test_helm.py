@@ -107,9 +107,10 @@ def test_reading_secrets_is_opt_in(cluster: ControlPlane) -> None:
         return {v for rule in role["rules"] if resource in rule["resources"] for v in rule["verbs"]}
 
     assert verbs("secrets") == {"create"}  # each service's internal token, never read back
-    # A missing token Secret is read from the pods' state instead; the autoscaler annotates the
-    # pod a scale-down removes first. Nothing else on pods.
-    assert verbs("pods") == {"list", "patch"}
+    # A missing token Secret is read from the pods' state instead (watched: a failing pod
+    # changes no Deployment); the autoscaler annotates the pod a scale-down removes first.
+    # Nothing else on pods.
+    assert verbs("pods") == {"list", "watch", "patch"}
     assert verbs("secrets", "--set", "rbac.readSecrets=true") == {"create", "get"}
 
 
@@ -193,10 +194,12 @@ def test_install_namespaced_with_least_privilege(
         assert not can_i(cluster, sa, "get", "secrets", *ns)
         assert not can_i(cluster, sa, "list", "secrets", *ns)
         assert can_i(cluster, sa, "list", "pods", *ns)
+        assert can_i(cluster, sa, "watch", "pods", *ns)  # a failing pod changes no Deployment
         assert can_i(cluster, sa, "patch", "pods", *ns)  # the autoscaler's pod-deletion-cost
         assert not can_i(cluster, sa, "list", "pods", "-n", "default")
+        assert not can_i(cluster, sa, "watch", "pods", "-n", "default")
         assert not can_i(cluster, sa, "patch", "pods", "-n", "default")
-        for verb in ("get", "watch", "update", "delete", "create"):
+        for verb in ("get", "update", "delete", "create"):
             assert not can_i(cluster, sa, verb, "pods", *ns), verb
         assert not can_i(cluster, sa, "update", "deployments.apps", *ns)
         assert not can_i(cluster, sa, "delete", "inferenceservices.serving.phasefleet.dev", *ns)

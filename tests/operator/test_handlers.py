@@ -39,3 +39,9 @@ def test_other_resources_are_not_filtered():
         Resource("", "v1", "namespaces"),
     ):
         assert list(selectors.collect(resource)) == [], resource
+
+
+def test_only_the_services_pods_are_watched():
+    selectors = _settings().watching.label_selectors
+    pods = Resource("", "v1", "pods", kind="Pod")
+    assert list(selectors.collect(pods)) == [ISVC_LABEL]

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from phasefleet.operator.reconcile import Blocked, InvalidSpec, reconcile, sync_child
+from phasefleet.operator.reconcile import Blocked, InvalidSpec, reconcile, sync_child, sync_pod
 from tests.operator.factories import NAMESPACE, make_isvc
 from tests.operator.fake_api import FakeApi
 
@@ -319,6 +319,47 @@ def test_a_pod_that_cannot_start_is_reported_with_the_fix():
     )
     assert condition(fresh(api), "Ready")["reason"] == "PodsNotReady"
     assert fresh(api)["status"]["observedGeneration"] == 1
+
+
+def crashing_pod(message: str) -> dict[str, Any]:
+    terminated = {"exitCode": 2, "reason": "Error", "message": message}
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": "llm-decode-7d9-x2",
+            "namespace": NAMESPACE,
+            "labels": {"phasefleet.dev/inferenceservice": "llm", "phasefleet.dev/role": "decode"},
+        },
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "ready": False,
+                    "restartCount": 1,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}},
+                    "lastState": {"terminated": terminated},
+                }
+            ]
+        },
+    }
+
+
+def test_a_pod_change_runs_the_pass_and_a_new_degraded_text_is_news_once():
+    api, body = setup()
+    reconcile(api, body, NOW)
+    assert sync_pod(api, NAMESPACE, "llm", LATER) is not None  # settled: the pass runs
+    api.add(crashing_pod("model folder /models/m does not exist: put the model there"))
+    outcome = sync_pod(api, NAMESPACE, "llm", LATER)
+    assert outcome is not None and outcome.degraded is not None
+    assert outcome.degraded.reason == "ContainerFailing"
+    assert outcome.degraded.message == condition(fresh(api), "Degraded")["message"]
+    assert "model folder /models/m does not exist" in outcome.degraded.message
+    again = sync_pod(api, NAMESPACE, "llm", LATER)
+    assert again is not None and again.degraded is None  # the same text: no second event
+    api.add(crashing_pod("out of memory loading model /models/m"))
+    reworded = reconcile(api, fresh(api), LATER)
+    assert reworded.degraded is not None and "out of memory" in reworded.degraded.message
+    assert sync_pod(api, NAMESPACE, "gone", LATER) is None
 
 
 def test_invalid_name_is_permanent_reported_in_status_and_says_why():

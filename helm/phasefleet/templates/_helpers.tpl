@@ -82,11 +82,13 @@ Roles. docs/operator.md explains each rule.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get]
-# Read why a pool's pods cannot start (e.g. a missing token Secret), by label, for status;
-# the autoscaler marks the pod a scale-down removes first (pod-deletion-cost annotation).
+# Read why a pool's pods cannot run (unschedulable, a missing token Secret, a container's
+# last words), by label, for status: the watch is how a failing pod, which changes no
+# Deployment, reaches the Degraded condition. The autoscaler marks the pod a scale-down
+# removes first (pod-deletion-cost annotation).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, patch]
+  verbs: [list, watch, patch]
 {{- if .Values.rbac.readSecrets }}
 # Opt-in: check that the Hugging Face token Secret and key exist before creating pods (get by
 # name only; no list/watch). With a ClusterRole this is every Secret in the cluster.

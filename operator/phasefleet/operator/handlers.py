@@ -2,7 +2,9 @@
 
 Watched: InferenceServices (create, update, resume on operator start) and their children
 (Deployments, Services, PodDisruptionBudgets labelled phasefleet.dev/inferenceservice), so a
-child edited or deleted by hand is restored at once and Deployment readiness reaches status.
+child edited or deleted by hand is restored at once and Deployment readiness reaches status;
+and their pods, so a pod that cannot run (which changes no Deployment) reaches Degraded. A
+Degraded text a pass writes first is posted once as a Warning event with the same words.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from phasefleet.operator.reconcile import (
     PROBLEM_RETRY_SECONDS,
     Blocked,
     InvalidSpec,
+    Outcome,
     one_at_a_time,
     reconcile,
     sync_child,
+    sync_pod,
 )
 
 TRANSIENT_RETRY_SECONDS = 5
 STORAGE_PREFIX = "phasefleet.dev"
+PODS = ("", "v1", "pods")  # group, version, plural
 
 
 def _now() -> str:
@@ -65,6 +70,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     for child in CHILD_KINDS:
         key = (child.group, child.version, child.plural)
         settings.watching.label_selectors[key] = ISVC_LABEL
+    settings.watching.label_selectors[PODS] = ISVC_LABEL  # the services' pods, no others
     if getattr(memo, "api", None) is None:
         memo.api = Kube.from_environment()
 
@@ -102,6 +108,7 @@ def reconcile_service(
     if changes:
         event_reason = "Created" if reason == "create" else "Updated"
         kopf.event(body, type="Normal", reason=event_reason, message=", ".join(changes))
+    post_degraded(body, outcome)
     logger.info(
         "reconciled (%s) in %.3fs: %d changed, status written: %s",
         reason, time.monotonic() - started, len(changes), outcome.status_written,
@@ -133,6 +140,41 @@ def child_event(
     if outcome.deleted:
         message = f"deleted {', '.join(outcome.deleted)}: the pools replacing them are ready"
         kopf.event(parent, type="Normal", reason="Updated", message=message)
+    post_degraded(parent, outcome)
+
+
+def post_degraded(body: kopf.Body, outcome: Outcome) -> None:
+    """The Degraded text this pass wrote first, as a Warning event in the same words."""
+    if outcome.degraded is not None:
+        problem = outcome.degraded
+        kopf.event(body, type="Warning", reason=problem.reason, message=problem.message)
+
+
+def _ready(pod: kopf.Body) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+@kopf.on.event(*PODS, labels={ISVC_LABEL: kopf.PRESENT})
+def pod_event(
+    body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """A pod of a service changed: unless it is ready or gone (its Deployment's status says
+    so), the owner's pass runs to read why it cannot run."""
+    if type == "DELETED" or _ready(body) or body.metadata.get("deletionTimestamp"):
+        return
+    namespace = body.metadata.namespace or ""
+    owner = (body.metadata.labels or {}).get(ISVC_LABEL, "")
+    try:
+        with one_at_a_time(namespace, owner):
+            outcome = sync_pod(memo.api, namespace, owner, _now())
+    except (NamespaceTerminating, Gone, InvalidSpec, Blocked):
+        return  # as for a child's event: the owner's own handler reports and retries
+    except (Transient, Rejected) as exc:
+        logger.warning("could not read pod %s: %s", body.metadata.name, exc)
+        return
+    if outcome is not None and outcome.parent is not None:
+        post_degraded(kopf.Body(cast(Any, outcome.parent)), outcome)
 
 
 for _child in CHILD_KINDS:

@@ -37,6 +37,7 @@ from phasefleet.operator.status import (
     MAX_CAUSE,
     Problem,
     compute_status,
+    degraded_news,
     invalid_status,
     pool_ready,
     status_changed,
@@ -77,6 +78,7 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)  # "Kind/name" no longer wanted
     status_written: bool = False
     parent: dict[str, Any] | None = None  # the InferenceService (for events)
+    degraded: Problem | None = None  # a Degraded text this pass wrote first: one Warning event
 
 
 def _ref(obj: dict[str, Any]) -> str:
@@ -213,8 +215,8 @@ def write_status(
     now: str,
     problem: Problem | None = None,
     retiring: tuple[str, ...] = (),
-) -> bool:
-    """Applies the operator's status fields if they changed; True when it wrote.
+) -> dict[str, Any] | None:
+    """Applies the operator's status fields if they changed; returns what it wrote, if it did.
 
     With a `problem`, this generation's children were not all applied: it is not observed.
     """
@@ -227,9 +229,9 @@ def write_status(
         applied=problem is None, retiring=retiring, pods=pods,
     )  # fmt: skip
     if not status_changed(status, previous):
-        return False
+        return None
     _apply_status(api, owner, status)
-    return True
+    return status
 
 
 def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
@@ -303,7 +305,10 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
             if kind == "Deployment":
                 deployments.pop(name, None)
             outcome.deleted.append(_ref(obj))
-    outcome.status_written = write_status(api, body, spec, deployments, now, retiring=retiring)
+    written = write_status(api, body, spec, deployments, now, retiring=retiring)
+    outcome.status_written = written is not None
+    if written is not None:
+        outcome.degraded = degraded_news(written, dict(body.get("status") or {}))
     return outcome
 
 
@@ -321,7 +326,21 @@ def sync_child(api: Api, child: dict[str, Any], now: str) -> Outcome | None:
         return None
     if not is_owned_by(child, Owner.from_body(parent)):
         return None
+    return _settled_pass(api, parent, now)
+
+
+def sync_pod(api: Api, namespace: str, owner_name: str, now: str) -> Outcome | None:
+    """After a change to a pod of the service that is not ready: the owner's pass, if this
+    generation is settled. A container that fails, or a pod the scheduler cannot place,
+    changes no Deployment, so without this the Degraded condition would wait for one."""
+    parent = api.get(KIND, namespace, owner_name)
+    if parent is None or parent["metadata"].get("deletionTimestamp"):
+        return None
+    return _settled_pass(api, parent, now)
+
+
+def _settled_pass(api: Api, parent: dict[str, Any], now: str) -> Outcome | None:
     observed = (parent.get("status") or {}).get("observedGeneration")
     if observed != parent["metadata"].get("generation"):
-        return None
+        return None  # still with the owner's own handler (being applied, or retried)
     return reconcile(api, parent, now)
