@@ -308,3 +308,12 @@ def test_runtime_env_cannot_shadow_the_operators_variables():
         "containers"
     ][0]["env"]
     assert {e["name"] for e in env} == set(OPERATOR_ENV)  # every one the CRD forbids to users
+
+
+def test_containers_leave_their_fatal_error_where_kubernetes_reads_it():
+    for child in desired_children(make_owner(), make_spec()):
+        if child["kind"] != "Deployment":
+            continue
+        (container,) = _pod(child)["containers"]
+        assert container["terminationMessagePath"] == "/dev/termination-log"
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -41,6 +41,11 @@ PROBE_TIMEOUT_SECONDS = 5  # an engine busy with a long step still answers /heal
 READINESS_PERIOD_SECONDS = 5
 READINESS_TIMEOUT_SECONDS = 3
 ROUTER_GRACE_SECONDS = 30
+# A container's fatal error, one line (phasefleet.termination writes it), becomes its
+# lastState.terminated.message, which status quotes in Degraded; a container that dies without
+# writing one gets the tail of its log there instead.
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 
 # Runs as the image's own user (runtime_image/Dockerfile: USER 10001:10001, numeric so the
 # kubelet can check runAsNonRoot); setting a uid here would have to be kept in step with it.
@@ -214,6 +219,8 @@ def _pod_template(
         "imagePullPolicy": "IfNotPresent",
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         **container,
     }
     return {
