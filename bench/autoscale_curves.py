@@ -1,0 +1,111 @@
+"""One replica's speed, as the autoscaling simulator reads it: prefill seconds for a prompt,
+decode step seconds for a batch, KV capacity, batch limit and start-up time.
+
+Two sources: `cpu_curves()` reads what bench/autoscale_measure.py measured on our engine on this
+CPU (bench/autoscale_cpu.json); `h100_8b()` derives an 8B Llama-shaped model on one H100 SXM
+from its roofline, with the efficiency factors stated in `H100_ASSUMPTIONS`. No GPU was used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_JSON = Path(__file__).with_name("autoscale_cpu.json")
+
+
+@dataclass(frozen=True)
+class Curves:
+    name: str
+    prefill: tuple[float, float, float]  # seconds = a + b n + c n^2, n prompt tokens
+    decode: tuple[float, float, float]  # step seconds = d0 + d1 batch + d2 kv_tokens (sum)
+    kv_capacity_tokens: int  # KV cache of one replica, tokens
+    max_num_seqs: int  # requests in one decode batch
+    startup_s: float  # process start (or pod scheduled) to serving
+    handoff_bytes_per_s: float  # KV pull bandwidth between a prefill and a decode replica
+    kv_bytes_per_token: int
+    decode_floor_s: float = 0.0  # step time never below this (memory-bound weight read)
+
+    def prefill_s(self, tokens: float) -> float:
+        a, b, c = self.prefill
+        return a + b * tokens + c * tokens * tokens
+
+    def decode_step_s(self, batch: float, kv_tokens: float) -> float:
+        d0, d1, d2 = self.decode
+        return max(self.decode_floor_s, d0 + d1 * batch + d2 * kv_tokens)
+
+    def handoff_s(self, prompt_tokens: float) -> float:
+        return prompt_tokens * self.kv_bytes_per_token / self.handoff_bytes_per_s
+
+
+# 8B Llama-shaped (Llama 3 8B: 32 layers, hidden 4096, 32 heads / 8 KV heads of 128, MLP 14336,
+# vocab 128256) in bf16 on one H100 SXM 80 GB.
+PARAMS = 8.03e9
+LAYERS, HIDDEN = 32, 4096
+KV_BYTES_PER_TOKEN = LAYERS * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
+HBM_BYTES_PER_S = 3.35e12
+BF16_FLOPS = 989e12  # dense
+H100_ASSUMPTIONS = {
+    "prefill_mfu": 0.5,  # share of peak bf16 FLOP/s a prefill step reaches
+    "decode_hbm_efficiency": 0.8,  # share of HBM bandwidth a decode step reaches
+    "decode_mfu": 0.35,  # compute side of a large decode batch
+    "step_overhead_s": 0.004,  # scheduling, sampling, launch per step (CUDA graphs on)
+    "gpu_memory_utilization": 0.9,  # of 80 GB, as vLLM's default
+    "activation_overhead_bytes": 4e9,  # activations, CUDA graphs, allocator slack
+    "max_num_seqs": 256,
+    "startup_s": 60.0,  # assumed: pod start, 16 GB weights from local NVMe, CUDA graphs
+    "handoff_bytes_per_s": 25e9,  # assumed: one 200 Gb/s RDMA NIC per GPU
+}
+
+
+def h100_8b() -> Curves:
+    """Roofline: prefill is compute-bound (2 x params FLOPs per token plus causal attention);
+    a decode step reads every weight and the batch's KV once (memory-bound), with the batch's
+    FLOPs as a second term that only matters for large batches of short contexts."""
+    a = H100_ASSUMPTIONS
+    prefill_flops = BF16_FLOPS * a["prefill_mfu"]
+    per_token = 2 * PARAMS / prefill_flops
+    # causal attention: QK^T and PV, 2 x 2 x n^2/2 x hidden FLOPs per layer
+    per_token_sq = 2 * LAYERS * HIDDEN / prefill_flops
+    hbm = HBM_BYTES_PER_S * a["decode_hbm_efficiency"]
+    weights = 2 * PARAMS
+    free = 80e9 * a["gpu_memory_utilization"] - weights - a["activation_overhead_bytes"]
+    # step = overhead + weights / hbm + kv bytes / hbm + 2 x params FLOPs per sequence at
+    # decode_mfu: the terms are added, not overlapped (pessimistic for large batches)
+    per_seq = 2 * PARAMS / (BF16_FLOPS * a["decode_mfu"])
+    return Curves(
+        name="8B Llama-shaped, H100 SXM (roofline)",
+        prefill=(a["step_overhead_s"], per_token, per_token_sq),
+        decode=(
+            a["step_overhead_s"] + weights / hbm,
+            per_seq,
+            KV_BYTES_PER_TOKEN / hbm,
+        ),
+        kv_capacity_tokens=int(free // KV_BYTES_PER_TOKEN),
+        max_num_seqs=int(a["max_num_seqs"]),
+        startup_s=a["startup_s"],
+        handoff_bytes_per_s=a["handoff_bytes_per_s"],
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+    )
+
+
+def cpu_curves(path: Path = CPU_JSON, max_num_seqs: int = 64) -> Curves:
+    """The bench model on this CPU, one thread per worker (bench/autoscale_measure.py)."""
+    measured = json.loads(path.read_text())
+    fit = measured["fit"]
+    return Curves(
+        name="make-tiny --preset bench, this CPU, 1 thread (measured)",
+        prefill=tuple(fit["prefill_s"]),
+        decode=tuple(fit["decode_step_s"]),
+        kv_capacity_tokens=int(fit["kv_capacity_tokens"]),
+        max_num_seqs=max_num_seqs,
+        startup_s=float(fit["startup_s"]),
+        handoff_bytes_per_s=0.06e9,  # the replay's own pulls in bench/RESULTS.md (run B)
+        kv_bytes_per_token=12
+        * 4
+        * 64
+        * 2
+        * 4,  # bench preset: layers x KV heads x dim x K,V x fp32
+        decode_floor_s=float(min(measured["decode_step_wall_s"].values())),
+    )

@@ -1,0 +1,239 @@
+"""A simulated disaggregated fleet: router, prefill pool, decode pool, and a controller that
+resizes the pools every interval; a trace goes in, per-request latencies and GPU-seconds out.
+
+What is exact and what is approximated:
+- Prefill: each replica serves its prompts first come, first served, one at a time, taking
+  `curves.prefill_s(n)`; the router sends a prompt on arrival to the serving replica that is
+  free soonest. Start and finish times are exact (no time step). The first token leaves the
+  prefill replica, so TTFT = prefill finish - arrival.
+- Hand-off: the KV pull takes `curves.handoff_s(n)`; then the request waits in one FIFO queue
+  for any decode replica with a free batch slot and room for its final KV size (prompt +
+  output: admission reserves it, so there is no preemption).
+- Decode: time-stepped (`dt`), fluid within a step: every request of a replica's batch gains
+  one token per decode step, the step lasting `curves.decode_step_s(batch, kv_tokens)` as of the
+  start of the tick. A request finishes when its steps reach output - 1 (exact time
+  interpolated inside the tick). TPOT = (finish - first token) / (output - 1), so waiting for a
+  decode slot after the first token counts against TPOT, as it does on the real fleet.
+- Replicas: a new one serves `curves.startup_s` after it is asked for; GPU-seconds count from
+  the ask. Scale-down cancels starting replicas first, then drains the least loaded: a draining
+  replica takes no new work and stops when its last request is done; no request is lost.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from autoscale_curves import Curves
+from autoscale_traces import Trace
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass
+class Replica:
+    started: float  # asked for (GPU time counts from here)
+    ready_at: float  # serves from here
+    stopped: float | None = None
+    draining: bool = False
+    free_at: float = 0.0  # prefill: when its queue empties
+    # decode: the batch, as a heap of (target step count, request index), and its sums
+    batch: list[tuple[float, int]] = field(default_factory=list)
+    steps: float = 0.0  # decode steps done since start (fractional)
+    prompt_sum: float = 0.0  # KV tokens = prompt_sum + len(batch) * steps - start_sum
+    start_sum: float = 0.0
+    reserved: float = 0.0  # final KV size of the batch, tokens
+    busy_s: float = 0.0  # decode: seconds with a non-empty batch
+
+    def serving(self, now: float) -> bool:
+        return self.stopped is None and not self.draining and self.ready_at <= now
+
+    def kv_tokens(self) -> float:
+        return self.prompt_sum + len(self.batch) * self.steps - self.start_sum
+
+
+# desired replicas per pool, from the fleet as it is now (the controller reads what it needs)
+Controller = Callable[["Fleet", float], Mapping[str, int]]
+
+
+@dataclass
+class Sample:
+    """The fleet at one decision time, for plots."""
+
+    time: float
+    asked: dict[str, int]  # replicas asked for, starting included
+    serving: dict[str, int]
+
+
+class Fleet:
+    """The simulated fleet and the trace's per-request results (NaN until known)."""
+
+    def __init__(self, trace: Trace, curves: Curves, initial: Mapping[str, int], dt: float) -> None:
+        self.trace, self.curves, self.dt = trace, curves, dt
+        n = len(trace.arrival)
+        self.prefill_start = np.full(n, np.nan)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.pools: dict[str, list[Replica]] = {p: [] for p in POOLS}  # not stopped
+        self.retired: list[Replica] = []
+        self.done = 0  # requests finished
+        self.end = 0.0  # the last request's finish, once the replay is over
+        for pool in POOLS:
+            for _ in range(initial[pool]):
+                self.pools[pool].append(Replica(started=0.0, ready_at=0.0))
+        self.handoffs: list[tuple[float, int]] = []  # (ready for decode, request)
+        self.decode_queue: deque[tuple[float, int]] = deque()
+        self.generated = 0.0  # decode tokens produced so far
+        self.samples: list[Sample] = []
+        self.scale_events = {p: 0 for p in POOLS}
+
+    def asked(self, pool: str) -> list[Replica]:
+        return [r for r in self.pools[pool] if r.stopped is None and not r.draining]
+
+    def serving(self, pool: str, now: float) -> list[Replica]:
+        return [r for r in self.pools[pool] if r.serving(now)]
+
+    def resize(self, pool: str, desired: int, now: float) -> None:
+        live = self.asked(pool)
+        if desired > len(live):
+            for _ in range(desired - len(live)):
+                r = Replica(started=now, ready_at=now + self.curves.startup_s)
+                r.free_at = r.ready_at
+                self.pools[pool].append(r)
+        elif desired < len(live):
+            starting = [r for r in live if r.ready_at > now]
+            ready = [r for r in live if r.ready_at <= now]
+            load: Callable[[Replica], float] = (
+                (lambda r: r.free_at) if pool == "prefill" else (lambda r: r.reserved)
+            )
+            for r in (starting[::-1] + sorted(ready, key=load))[: len(live) - desired]:
+                if r.ready_at > now:
+                    r.stopped = now  # cancelled while loading
+                else:
+                    r.draining = True
+        if desired != len(live):
+            self.scale_events[pool] += 1
+
+    def arrive(self, i: int) -> None:
+        t, n = float(self.trace.arrival[i]), float(self.trace.prompt[i])
+        candidates = self.serving("prefill", t) or self.asked("prefill")
+        if not candidates:  # no prefill replica at all: one is started (cannot happen with min 1)
+            self.resize("prefill", 1, t)
+            candidates = self.asked("prefill")
+        r = min(candidates, key=lambda r: r.free_at)
+        start = max(t, r.free_at)
+        r.free_at = start + self.curves.prefill_s(n)
+        self.prefill_start[i], self.first_token[i] = start, r.free_at
+        if self.trace.output[i] <= 1:
+            self.finish[i] = r.free_at
+            self.done += 1
+        else:
+            heapq.heappush(self.handoffs, (r.free_at + self.curves.handoff_s(n), i))
+
+    def decode_tick(self, t: float) -> None:
+        dt, c = self.dt, self.curves
+        while self.handoffs and self.handoffs[0][0] < t + dt:
+            self.decode_queue.append(heapq.heappop(self.handoffs))
+        ready = self.serving("decode", t)
+        while self.decode_queue and ready:
+            at, i = self.decode_queue[0]
+            size = float(self.trace.prompt[i] + self.trace.output[i])
+            fits = [
+                r
+                for r in ready
+                if len(r.batch) < c.max_num_seqs and r.reserved + size <= c.kv_capacity_tokens
+            ]
+            if not fits:
+                break
+            self.decode_queue.popleft()
+            r = min(fits, key=lambda r: r.reserved)
+            step = c.decode_step_s(len(r.batch) + 1, r.kv_tokens())
+            begin = r.steps + max(0.0, at - t) / step  # joins part-way through the tick
+            heapq.heappush(r.batch, (begin + float(self.trace.output[i] - 1), i))
+            r.prompt_sum += self.trace.prompt[i]
+            r.start_sum += begin
+            r.reserved += size
+        for pool in POOLS:
+            for r in self.pools[pool]:
+                if r.stopped is None and r.ready_at <= t:
+                    self._advance(pool, r, t)
+            if any(r.stopped is not None for r in self.pools[pool]):
+                self.retired += [r for r in self.pools[pool] if r.stopped is not None]
+                self.pools[pool] = [r for r in self.pools[pool] if r.stopped is None]
+
+    def _advance(self, pool: str, r: Replica, t: float) -> None:
+        if pool == "prefill":
+            if r.draining and r.free_at <= t:
+                r.stopped = max(r.free_at, r.ready_at)
+            return
+        if not r.batch:
+            if r.draining:
+                r.stopped = t
+            return
+        step = self.curves.decode_step_s(len(r.batch), r.kv_tokens())
+        end = r.steps + self.dt / step
+        self.generated += len(r.batch) * self.dt / step
+        r.busy_s += self.dt
+        while r.batch and r.batch[0][0] <= end:
+            target, i = heapq.heappop(r.batch)
+            self.finish[i] = t + (target - r.steps) * step
+            self.done += 1
+            r.prompt_sum -= self.trace.prompt[i]
+            r.start_sum -= target - (self.trace.output[i] - 1)
+            r.reserved -= float(self.trace.prompt[i] + self.trace.output[i])
+        r.steps = end
+        if not r.batch:  # keep the sums exact when the batch empties
+            r.prompt_sum = r.start_sum = r.reserved = 0.0
+
+    def gpu_seconds(self, end: float) -> float:
+        live = [r for pool in POOLS for r in self.pools[pool]]
+        return sum((end if r.stopped is None else r.stopped) - r.started for r in live) + sum(
+            (r.stopped or end) - r.started for r in self.retired
+        )
+
+
+def simulate(
+    trace: Trace,
+    curves: Curves,
+    controller: Controller,
+    initial: Mapping[str, int],
+    interval_s: float = 15.0,
+    dt: float = 0.05,
+) -> Fleet:
+    """Replays `trace` to its last token; `controller` runs every `interval_s` from 0."""
+    fleet = Fleet(trace, curves, initial, dt)
+    n, i, tick = len(trace.arrival), 0, 0
+    next_decision = 0.0
+    while fleet.done < n:
+        t = tick * dt
+        if t >= next_decision:
+            desired = controller(fleet, t)
+            for pool in POOLS:
+                fleet.resize(pool, desired[pool], t)
+            fleet.samples.append(
+                Sample(
+                    t,
+                    {p: len(fleet.asked(p)) for p in POOLS},
+                    {p: len(fleet.serving(p, t)) for p in POOLS},
+                )
+            )
+            next_decision += interval_s
+        while i < n and trace.arrival[i] < t + dt:
+            fleet.arrive(i)
+            i += 1
+        fleet.decode_tick(t)
+        tick += 1
+        if t > trace.duration + 6 * 3600:
+            raise RuntimeError(
+                f"{trace.name}: requests still unfinished 6 h after the last arrival"
+            )
+    fleet.end = float(np.max(fleet.finish)) if n else 0.0
+    return fleet
+
+
+def ceil_div(a: float, b: float) -> int:
+    return max(0, math.ceil(a / b - 1e-9))
