@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 CPU_JSON = Path(__file__).with_name("autoscale_cpu.json")
 
 
@@ -90,22 +92,43 @@ def h100_8b() -> Curves:
     )
 
 
-def cpu_curves(path: Path = CPU_JSON, max_num_seqs: int = 64) -> Curves:
-    """The bench model on this CPU, one thread per worker (bench/autoscale_measure.py)."""
-    measured = json.loads(path.read_text())
-    fit = measured["fit"]
+def fit_prefill(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
+    """Least squares of seconds = a + b n + c n^2 with c >= 0 (else a straight line)."""
+    design = np.stack([np.ones_like(tokens), tokens, tokens * tokens], axis=1)
+    coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
+    if coef[2] < 0:
+        coef = np.append(np.linalg.lstsq(design[:, :2], seconds, rcond=None)[0], 0.0)
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def fit_decode(
+    batch: np.ndarray, kv: np.ndarray, seconds: np.ndarray
+) -> tuple[float, float, float]:
+    """Least squares of step seconds = d0 + d1 batch + d2 kv_tokens."""
+    design = np.stack([np.ones_like(batch), batch, kv], axis=1)
+    coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+BENCH_KV_BYTES_PER_TOKEN = 12 * 4 * 64 * 2 * 4  # bench preset: layers x KV heads x dim x K,V x fp32
+
+
+def cpu_curves(path: Path = CPU_JSON, clock: str = "cpu", max_num_seqs: int = 64) -> Curves:
+    """The bench model on this CPU, one thread per worker (bench/autoscale_measure.py), fitted
+    to the steps' process CPU time (`clock="cpu"`: what the engine costs, without the time
+    slices other processes took) or wall time (what it took while measured)."""
+    m = json.loads(path.read_text())
+    prefill = {int(n): s for n, s in m[f"prefill_{clock}_s"].items()}
+    points = [(k.split("x"), s) for k, s in m[f"decode_step_{clock}_s"].items()]
+    batch = np.array([float(b) for (b, _), _ in points])
+    kv = np.array([float(b) * (float(c) + m["decode_steps"] / 2) for (b, c), _ in points])
     return Curves(
-        name="make-tiny --preset bench, this CPU, 1 thread (measured)",
-        prefill=tuple(fit["prefill_s"]),
-        decode=tuple(fit["decode_step_s"]),
-        kv_capacity_tokens=int(fit["kv_capacity_tokens"]),
+        name=f"make-tiny --preset bench, this CPU, 1 thread (measured, {clock} time)",
+        prefill=fit_prefill(np.array(list(prefill), float), np.array(list(prefill.values()))),
+        decode=fit_decode(batch, kv, np.array([s for _, s in points])),
+        kv_capacity_tokens=int(m["kv_capacity_tokens"]),
         max_num_seqs=max_num_seqs,
-        startup_s=float(fit["startup_s"]),
+        startup_s=float(np.median(m["startup_s"])),
         handoff_bytes_per_s=0.06e9,  # the replay's own pulls in bench/RESULTS.md (run B)
-        kv_bytes_per_token=12
-        * 4
-        * 64
-        * 2
-        * 4,  # bench preset: layers x KV heads x dim x K,V x fp32
-        decode_floor_s=float(min(measured["decode_step_wall_s"].values())),
+        kv_bytes_per_token=BENCH_KV_BYTES_PER_TOKEN,
     )

@@ -29,7 +29,16 @@ logger = logging.getLogger("phasefleet.worker")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument(WorkerFlag.MODEL, required=True, help="Hugging Face model folder")
+    model.add_argument(
+        WorkerFlag.MODEL,
+        required=True,
+        help="Hugging Face model folder, or a Hub repo id (org/name) when no such folder exists",
+    )
+    model.add_argument(
+        "--revision",
+        default=os.environ.get("HF_REVISION") or None,
+        help="with a repo id: branch, tag or commit (default: $HF_REVISION, else main)",
+    )
     model.add_argument(
         WorkerFlag.SERVED_MODEL_NAME,
         default=None,
@@ -116,6 +125,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from phasefleet.server.model_source import ModelFetchError, resolve_model
+    from phasefleet.termination import fail
+
+    try:
+        folder = resolve_model(args.model, args.revision)  # a folder, or a Hub download
+    except ModelFetchError as exc:
+        return fail("phasefleet worker", str(exc))
+    args.served_model_name = args.served_model_name or args.model  # the repo id, not the cache
+    args.model = folder
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
