@@ -1,5 +1,6 @@
 """The pod runner as a kubelet: env and paths resolved, a missing Secret reported and then
-picked up, graceful deletion, and a crashing container reported and restarted with back-off."""
+picked up, graceful deletion, and a crashing container reported (with its termination
+message) and restarted with back-off."""
 
 from __future__ import annotations
 
@@ -113,6 +114,12 @@ def test_a_crashing_container_backs_off_and_restarts(
     first = wait_for(backing_off, 60, "CrashLoopBackOff")
     assert first["lastState"]["terminated"]["exitCode"] == 2
     assert first["lastState"]["terminated"]["reason"] == "Error"
+    # The worker's fatal line, from the file the runner gave it as its termination log.
+    assert first["lastState"]["terminated"]["message"] == (
+        f"model folder {cluster.image_root.resolve()}/models/missing does not exist: put the"
+        " model there, or point spec.model (image.path, pvc.path) or --model at a folder with"
+        " config.json"
+    )
     assert first["ready"] is False and first["restartCount"] == 0
     # The first back-off is 10 s; then it runs, fails again and waits 20 s.
     again = wait_for(
@@ -122,9 +129,7 @@ def test_a_crashing_container_backs_off_and_restarts(
         again["lastState"]["terminated"]["finishedAt"]
         >= first["lastState"]["terminated"]["finishedAt"]
     )
-    assert "model must be a Hugging Face model folder" in cluster.pod_log(
-        run_namespace, "crash", "main"
-    )
+    assert "models/missing does not exist" in cluster.pod_log(run_namespace, "crash", "main")
     conditions = {
         c["type"]: c["status"] for c in status(cluster, run_namespace, "crash")["conditions"]
     }

@@ -1,7 +1,10 @@
 """One container of a pod as a local process, the way a kubelet runs it: started in its own
-session with output in a log file, probed (startup, then readiness and liveness), restarted per
-the pod's restartPolicy with a doubling back-off (CrashLoopBackOff), stopped with its preStop
-sleep, SIGTERM and, after the grace period, SIGKILL."""
+session with output in a log file, in a memory cgroup holding it to its memory limit, probed
+(startup, then readiness and liveness), restarted per the pod's restartPolicy with a doubling
+back-off (CrashLoopBackOff), stopped with its preStop sleep, SIGTERM and, after the grace
+period, SIGKILL. An exit is reported as the kubelet reports it: exit code (128 + signal for a
+signal), reason (Completed, Error, OOMKilled when the kernel killed it at its limit) and the
+message from its termination-message file (or its log's tail, FallbackToLogsOnError)."""
 
 from __future__ import annotations
 
@@ -19,11 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from e2e.harness.memcg import MemoryCgroup
 from e2e.harness.podspec import LaunchPlan, Probe
 from e2e.harness.process import process_group_alive
 
 BACKOFF_CAP_SECONDS = 300.0  # the kubelet's maximum restart back-off
 BACKOFF_RESET_SECONDS = 600.0  # a container that ran this long starts its back-off over
+MESSAGE_BYTES = 4096  # of the termination-message file, as the kubelet reads it
+FALLBACK_LINES, FALLBACK_BYTES = 80, 2048  # of the log, for FallbackToLogsOnError
 
 
 def now_rfc3339() -> str:
@@ -83,6 +89,21 @@ def wrap_binds(plan: LaunchPlan) -> list[str]:
     )
 
 
+def in_cgroup(argv: list[str], cgroup: MemoryCgroup | None) -> list[str]:
+    """The argv, first moving itself into `cgroup` (before it allocates anything)."""
+    if cgroup is None:
+        return argv
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.procs), *argv]
+
+
+def log_tail(path: Path, since: int) -> str:
+    """What FallbackToLogsOnError reports: the last lines of the log written since `since`."""
+    with path.open("rb") as log:
+        log.seek(since)
+        lines = log.read().decode(errors="replace").splitlines()[-FALLBACK_LINES:]
+    return "\n".join(lines).encode()[-FALLBACK_BYTES:].decode(errors="ignore")
+
+
 @dataclass
 class Container:
     plan: LaunchPlan
@@ -92,6 +113,10 @@ class Container:
     restart_policy: str  # Always, OnFailure, Never
     grace_seconds: float  # terminationGracePeriodSeconds
     backoff_base: float = 10.0  # seconds before the first restart; doubles each time
+    message_path: Path | None = None  # its termination-message file (the env tells the program)
+    fallback_to_logs: bool = False  # terminationMessagePolicy: FallbackToLogsOnError
+    memory_limit: int | None = None  # bytes (resources.limits.memory)
+    cgroup_name: str = ""  # its memory cgroup's folder name, unique on this machine
     clock: Callable[[], float] = time.monotonic
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     restart_count: int = 0
@@ -103,14 +128,21 @@ class Container:
     last_terminated: dict[str, Any] | None = None
     done: bool = False  # exited and not to be restarted
     probes: dict[str, ProbeState] = field(default_factory=dict)
+    cgroup: MemoryCgroup | None = None
+    log_start: int = 0  # the log's size when this run started
 
     # -- life --------------------------------------------------------------------------
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.message_path is not None:
+            self.message_path.write_text("")  # each run gets an empty one, as from the kubelet
+        if self.memory_limit is not None:
+            self.cgroup = MemoryCgroup.create(self.cgroup_name, self.memory_limit)
         with self.log_path.open("ab") as log:
+            self.log_start = log.tell()
             self.popen = subprocess.Popen(
-                wrap_binds(self.plan),
+                in_cgroup(wrap_binds(self.plan), self.cgroup),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -150,12 +182,19 @@ class Container:
         self._probe(now, terminating)
 
     def _exited(self, code: int, failed_reason: str, now: float) -> None:
+        code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as runtimes say
+        reason = "Completed" if code == 0 else failed_reason
+        if code == 128 + signal.SIGKILL and self.cgroup is not None and self.cgroup.oom_killed():
+            reason = "OOMKilled"
         self.last_terminated = {
             "exitCode": code,
-            "reason": "Completed" if code == 0 else failed_reason,
+            "reason": reason,
             "startedAt": self.started_at,
             "finishedAt": now_rfc3339(),
         }
+        if message := self._message(code):
+            self.last_terminated["message"] = message
+        self._release_cgroup()
         self.popen, self.ready, self.started = None, False, False
         self.pid_path.unlink(missing_ok=True)
         restart = self.restart_policy == "Always" or (
@@ -169,6 +208,22 @@ class Container:
         else:
             delay = min(self.backoff_base * 2 ** min(self.restart_count, 10), BACKOFF_CAP_SECONDS)
         self.next_start = now + delay
+
+    def _message(self, code: int) -> str:
+        """The termination message: the file's content, else (FallbackToLogsOnError and a
+        failure) the log's tail."""
+        text = ""
+        if self.message_path is not None and self.message_path.exists():
+            with self.message_path.open("rb") as file:
+                text = file.read(MESSAGE_BYTES).decode(errors="replace").strip()
+        if not text and self.fallback_to_logs and code != 0 and self.log_path.exists():
+            text = log_tail(self.log_path, self.log_start).strip()
+        return text
+
+    def _release_cgroup(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
 
     def _probe(self, now: float, terminating: bool) -> None:
         startup = self.probes.get("startup")
@@ -214,6 +269,10 @@ class Container:
         code = self.popen.wait()
         self.pid_path.unlink(missing_ok=True)
         return code
+
+    def release(self) -> None:
+        """After a final stop: its cgroup goes (an exit noticed by `step` releases it too)."""
+        self._release_cgroup()
 
     # -- status ------------------------------------------------------------------------
 

@@ -1,25 +1,31 @@
-"""One run pod's life, as the kubelet lives it: its containers planned (env, volumes, paths),
-started, probed and restarted; its status written through pods/status when it changes; on
-deletion its containers stopped within the grace period, then the pod object deleted."""
+"""One run pod's life, as the kubelet lives it: its images "pulled" (images.py), its containers
+planned (env, volumes, paths, memory limit, termination-message file), started, probed and
+restarted; its status written through pods/status when it changes; on deletion its containers
+stopped within the grace period, then the pod object deleted."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from e2e.harness.container import Container, now_rfc3339
+from e2e.harness.container import BACKOFF_CAP_SECONDS, Container, now_rfc3339
+from e2e.harness.images import back_off_message, pull_error
 from e2e.harness.kubeapi import MERGE_PATCH, ApiError, KubeApi
+from e2e.harness.memcg import memory_limit
 from e2e.harness.podnet import is_local, not_local_message
 from e2e.harness.podspec import ContainerConfigError, container_env, launch_plan
 from e2e.harness.volumes import lookup_key, path_map
+from phasefleet.termination import TERMINATION_LOG_ENV
 
 if TYPE_CHECKING:
     from e2e.harness.podrunner import PodRunner
 
 TICK_SECONDS = 0.2  # between a pod's container checks
 CONFIG_RETRY_SECONDS = 2.0  # a CreateContainerConfigError is retried this often
+ERR_IMAGE_PULL_SECONDS = 1.0  # a failed pull shows as ErrImagePull this long, then back-off
 
 log = logging.getLogger("podrunner")
 
@@ -80,7 +86,8 @@ class PodLife(threading.Thread):
         self.pod = pod
         self.folder = runner.pods_dir / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
         self.containers: list[Container] = []
-        self.config_error: str | None = None
+        self.waiting: dict[str, dict[str, str]] = {}  # before the containers start: why not
+        self.pulls = 0  # failed pull attempts, for the back-off
         self.gone = threading.Event()  # the pod object vanished (force delete)
         self.last_status: Any = None
 
@@ -95,15 +102,28 @@ class PodLife(threading.Thread):
             log.exception("%s failed", self.name)
             self.stop_all(grace=5)
 
+    @property
+    def ending(self) -> bool:
+        return self.deleting or self.gone.is_set() or self.runner.stopping.is_set()
+
+    def _wait(self, seconds: float) -> None:
+        """Sleeps up to `seconds`, less if the pod is deleted or the runner stops."""
+        deadline = time.monotonic() + seconds
+        while not self.ending and time.monotonic() < deadline:
+            time.sleep(TICK_SECONDS)
+
     def _live(self) -> None:
         while not self.containers:
-            if self.deleting or self.gone.is_set() or self.runner.stopping.is_set():
+            if self.ending:
                 break
+            if self._pull_failed():
+                continue
             try:
                 self.containers = self._plan()
-                self.config_error = None
+                self.waiting = {}
             except ContainerConfigError as exc:
-                self.config_error = str(exc)
+                reason = {"reason": "CreateContainerConfigError", "message": str(exc)}
+                self.waiting = {c["name"]: reason for c in self.pod["spec"]["containers"]}
                 self._report()
                 time.sleep(CONFIG_RETRY_SECONDS)
         while not (self.deleting or self.gone.is_set() or self.runner.stopping.is_set()):
@@ -119,10 +139,37 @@ class PodLife(threading.Thread):
             self._report()
             delete_now(self.runner.api, self.pod)
 
+    def _pull_failed(self) -> bool:
+        """One pull of every image; a failure is reported as ErrImagePull, then as
+        ImagePullBackOff while the kubelet's back-off (10 s doubling, to 300 s) runs."""
+        errors = {
+            c["name"]: (c.get("image", ""), error)
+            for c in self.pod["spec"]["containers"]
+            if (error := pull_error(c.get("image", ""))) is not None
+        }
+        if not errors:
+            return False
+        self.waiting = {
+            name: {"reason": "ErrImagePull", "message": error}
+            for name, (_, error) in errors.items()
+        }
+        self._report()
+        self._wait(ERR_IMAGE_PULL_SECONDS)
+        self.waiting = {
+            name: {"reason": "ImagePullBackOff", "message": back_off_message(image, error)}
+            for name, (image, error) in errors.items()
+        }
+        self._report()
+        self._wait(min(self.runner.backoff_base * 2**self.pulls, BACKOFF_CAP_SECONDS))
+        self.pulls += 1
+        return True
+
     def stop_all(self, grace: float | None) -> None:
-        threads = [
-            threading.Thread(target=container.stop, args=(grace,)) for container in self.containers
-        ]
+        def stop(container: Container) -> None:
+            container.stop(grace)
+            container.release()
+
+        threads = [threading.Thread(target=stop, args=(c,)) for c in self.containers]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -151,6 +198,16 @@ class PodLife(threading.Thread):
                 self.runner.base_env(pod),
                 self.runner.max_probe_period,
             )
+            # The kubelet mounts a fresh file at terminationMessagePath; here the program is
+            # told where it is (phasefleet.termination reads this env).
+            message_path = self.folder / f"{item['name']}.termination-log"
+            plan = dataclasses.replace(
+                plan, env={**plan.env, TERMINATION_LOG_ENV: str(message_path)}
+            )
+            try:
+                limit = memory_limit(item)
+            except ValueError as exc:
+                raise ContainerConfigError(f"container {item['name']}: {exc}") from exc
             containers.append(
                 Container(
                     plan=plan,
@@ -160,6 +217,11 @@ class PodLife(threading.Thread):
                     restart_policy=spec.get("restartPolicy", "Always"),
                     grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
                     backoff_base=self.runner.backoff_base,
+                    message_path=message_path,
+                    fallback_to_logs=item.get("terminationMessagePolicy")
+                    == "FallbackToLogsOnError",
+                    memory_limit=limit,
+                    cgroup_name=f"phasefleet-pod-{pod['metadata']['uid']}-{item['name']}",
                 )
             )
         return containers
@@ -167,7 +229,7 @@ class PodLife(threading.Thread):
     def _report(self) -> None:
         """Writes status through the status subresource when it changed."""
         images = {c["name"]: c.get("image", "") for c in self.pod["spec"]["containers"]}
-        if self.config_error is not None:
+        if not self.containers:
             statuses = [
                 {
                     "name": name,
@@ -176,12 +238,7 @@ class PodLife(threading.Thread):
                     "ready": False,
                     "started": False,
                     "restartCount": 0,
-                    "state": {
-                        "waiting": {
-                            "reason": "CreateContainerConfigError",
-                            "message": self.config_error,
-                        }
-                    },
+                    "state": {"waiting": self.waiting.get(name, {"reason": "ContainerCreating"})},
                 }
                 for name, image in images.items()
             ]

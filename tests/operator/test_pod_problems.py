@@ -173,6 +173,26 @@ def test_an_image_that_cannot_be_pulled():
     assert problem.message.endswith("; check spec.runtime.image and the node's pull access")
 
 
+def test_the_back_off_between_pulls_reads_as_the_failed_pull():
+    said = 'failed to pull and unpack image "registry.invalid/e:1": no such host'
+    pulling = engine(state={"waiting": {"reason": "ErrImagePull", "message": said}})
+    backing_off = engine(
+        state={
+            "waiting": {
+                "reason": "ImagePullBackOff",
+                "message": f'Back-off pulling image "registry.invalid/e:1": ErrImagePull: {said}',
+            }
+        }
+    )
+    assert pod_problem([pod("p", **pulling)]) == pod_problem([pod("p", **backing_off)])
+    older = engine(
+        state={"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "x"'}}
+    )
+    problem = pod_problem([pod("p", **older)])
+    assert problem is not None
+    assert '(ImagePullBackOff: Back-off pulling image "x")' in problem.message
+
+
 def test_worker_pools_come_before_the_router_and_deleting_pods_are_skipped():
     router = pod("llm-a-router", role="router", **crashed(1, "Error", "router broke"))
     leaving = pod("llm-b-decode-old", **crashed(1, "Error", "old pod"))

@@ -35,6 +35,8 @@ POD_FIXES = {
     "InvalidImageName": "fix spec.runtime.image",
 }
 
+PULL_ERROR = "ErrImagePull: "  # where an ImagePullBackOff message quotes the failed pull
+
 # The scheduler's reasons (in its "0/3 nodes are available: ..." message), most specific first,
 # and the fix for each; {pool} is the pool's field in the spec.
 SCHEDULING_FIXES = (
@@ -126,7 +128,12 @@ def _problem_of(pod: dict[str, Any]) -> Problem | None:
         waiting = (container.get("state") or {}).get("waiting") or {}
         fix = POD_FIXES.get(waiting.get("reason", ""))
         if fix is not None:
-            cause = _cut(f"{waiting['reason']}: {waiting.get('message') or 'no message'}")
+            reason, said = waiting["reason"], waiting.get("message") or "no message"
+            if reason == "ImagePullBackOff" and PULL_ERROR in said:
+                # The same failed pull as the ErrImagePull between back-offs, in its words, so
+                # the condition (and its event) does not change with every retry.
+                reason, said = "ErrImagePull", said.split(PULL_ERROR, 1)[1]
+            cause = _cut(f"{reason}: {said}")
             return Problem("PodCannotStart", f"{where} cannot start ({cause}); {fix}")
         exited = _exit_problem(container, where, role)
         if exited is not None:

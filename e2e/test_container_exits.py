@@ -1,0 +1,135 @@
+"""The pod runner's containers exit as a kubelet reports them (real processes, no cluster):
+exit code and reason, the termination message or the log's tail, OOMKilled from a real memory
+cgroup, restarts with back-off; and its image "pulls"."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e.harness.container import Container
+from e2e.harness.images import pull_error, registry
+from e2e.harness.memcg import MemoryCgroup, quantity_bytes
+from e2e.harness.podspec import LaunchPlan
+
+
+def container(tmp_path: Path, script: str, **fields: object) -> Container:
+    message_path = tmp_path / "main.termination-log"
+    plan = LaunchPlan(
+        name="main",
+        argv=[sys.executable, "-c", script],
+        env={**os.environ, "PHASEFLEET_TERMINATION_LOG": str(message_path)},
+        binds=[],
+        startup=None,
+        readiness=None,
+        liveness=None,
+        pre_stop_sleep=0,
+    )
+    return Container(
+        plan=plan,
+        host="127.0.0.1",
+        log_path=tmp_path / "main.log",
+        pid_path=tmp_path / "main.pid",
+        restart_policy="Always",
+        grace_seconds=5,
+        message_path=message_path,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def run_until_exit(c: Container, timeout: float = 60) -> dict:
+    c.step(terminating=False)
+    deadline = time.monotonic() + timeout
+    while c.popen is not None:
+        assert time.monotonic() < deadline, "the container did not exit"
+        time.sleep(0.05)
+        c.step(terminating=False)
+    return c.status("img")
+
+
+WRITES_AND_FAILS = """
+import os, sys
+from phasefleet.termination import fail
+sys.exit(fail("prog", "model folder /models/x does not exist: put the model there", code=2))
+"""
+
+
+def test_an_error_exit_carries_the_termination_message_and_backs_off(tmp_path: Path) -> None:
+    now = [1000.0]
+    c = container(tmp_path, WRITES_AND_FAILS, clock=lambda: now[0], backoff_base=10.0)
+    status = run_until_exit(c)
+    assert status["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+    terminated = status["lastState"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (2, "Error")
+    assert terminated["message"] == "model folder /models/x does not exist: put the model there"
+    assert status["restartCount"] == 0
+    now[0] += 9.9
+    c.step(terminating=False)
+    assert c.popen is None  # still backing off
+    now[0] += 0.2
+    status = run_until_exit(c)
+    assert status["restartCount"] == 1 and status["lastState"]["terminated"]["exitCode"] == 2
+    assert c.next_start - now[0] == pytest.approx(20.0, abs=0.5)  # the back-off doubled
+
+
+def test_a_silent_failure_falls_back_to_the_log_tail(tmp_path: Path) -> None:
+    script = "import sys\nfor i in range(200): print('line', i)\nsys.exit('ValueError: why')"
+    c = container(tmp_path, script, fallback_to_logs=True)
+    (tmp_path / "main.log").write_text("an older run's output\n")
+    terminated = run_until_exit(c)["lastState"]["terminated"]
+    assert terminated["exitCode"] == 1
+    assert terminated["message"].endswith("line 199\nValueError: why")
+    assert len(terminated["message"].splitlines()) == 80
+    assert "older run" not in terminated["message"]
+
+
+def test_without_the_fallback_policy_a_silent_failure_has_no_message(tmp_path: Path) -> None:
+    terminated = run_until_exit(container(tmp_path, "raise SystemExit(3)"))["lastState"]
+    assert "message" not in terminated["terminated"]
+
+
+def test_a_success_is_completed_and_a_signal_is_128_plus_it(tmp_path: Path) -> None:
+    done = run_until_exit(container(tmp_path, "pass"))["lastState"]["terminated"]
+    assert (done["exitCode"], done["reason"]) == (0, "Completed")
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    ended = run_until_exit(container(tmp_path, killed))["lastState"]["terminated"]
+    assert (ended["exitCode"], ended["reason"]) == (143, "Error")
+
+
+def test_a_container_over_its_memory_limit_is_oom_killed(tmp_path: Path) -> None:
+    probe = MemoryCgroup.create(f"phasefleet-probe-{os.getpid()}", 64 * 2**20)
+    if probe is None:
+        pytest.skip("this machine gives no writable memory cgroup: limits are not enforced")
+    probe.remove()
+    grow = "b = bytearray(600 * 2**20)\nprint(len(b))"
+    c = container(
+        tmp_path, grow, memory_limit=200 * 2**20, cgroup_name=f"phasefleet-test-{os.getpid()}"
+    )
+    terminated = run_until_exit(c)["lastState"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (137, "OOMKilled")
+    assert c.cgroup is None  # removed after the exit
+
+
+def test_memory_quantities() -> None:
+    assert quantity_bytes("2Gi") == 2 * 2**30
+    assert quantity_bytes("512M") == 512 * 10**6
+    assert quantity_bytes("1.5Gi") == 3 * 2**29
+    assert quantity_bytes("1000") == 1000
+    with pytest.raises(ValueError, match="not a memory quantity"):
+        quantity_bytes("lots")
+
+
+def test_only_images_from_invalid_registries_fail_to_pull() -> None:
+    assert registry("phasefleet/engine:test") == "docker.io"
+    assert registry("ghcr.io/phasefleet/engine:0.4") == "ghcr.io"
+    assert pull_error("ghcr.io/phasefleet/engine:0.4") is None
+    assert pull_error("phasefleet/engine:test") is None
+    assert pull_error("registry.invalid:5000/engine:1") == (
+        'failed to pull and unpack image "registry.invalid:5000/engine:1": failed to resolve'
+        ' reference "registry.invalid:5000/engine:1": dial tcp: lookup registry.invalid:'
+        " no such host"
+    )
