@@ -321,3 +321,26 @@ def test_an_existing_folder_wins_over_a_repo_id(
     assert resolve_model("/no/such/folder") == "/no/such/folder"  # left to the folder check
     with pytest.raises(ModelFetchError, match="unreachable"):
         resolve_model("org/not-here")  # shaped like a repo id and no such folder: the Hub
+
+
+def test_serve_downloads_once_and_serves_under_the_repo_id(
+    tiny_model: Path, tiny_v1: Path, hf_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`phasefleet serve --model org/name`: the fleet's folder is the downloaded snapshot
+    (workers load it from there) and the served name is the repo id; a refusal is its line."""
+    from phasefleet.local import cli as serve_cli
+
+    with local_hub(tiny_model, tiny_v1) as hub_server:
+        monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+        monkeypatch.setenv("HF_REVISION", "v1")
+        folder = serve_cli.resolve_model("org/tiny")  # the cache from $HF_HOME, as in a worker
+        monkeypatch.delenv("HF_REVISION")
+        with pytest.raises(ValueError, match="is gated and no token was given"):
+            serve_cli.resolve_model("org/gated")
+    assert Path(folder).name == hub_server.repos["org/tiny"].commit("v1")
+    assert Path(folder).is_relative_to(hf_env)
+    weights = "model.safetensors"
+    assert (Path(folder) / weights).read_bytes() == (tiny_v1 / weights).read_bytes()
+    assert serve_cli.served_name("org/tiny", folder) == "org/tiny"
+    assert serve_cli.served_name(str(tiny_model), str(tiny_model)) == tiny_model.name
+    assert serve_cli.served_name("tiny", "/cache/models/tiny-llama") == "tiny-llama"

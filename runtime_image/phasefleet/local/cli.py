@@ -35,7 +35,9 @@ def tiny_model_dir() -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, help=f"Hugging Face model folder, or `{TINY}` (a random model)"
+        "--model",
+        required=True,
+        help=f"Hugging Face model folder, a Hub repo id (org/name), or `{TINY}` (a random model)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send (default: the folder's)"
@@ -62,8 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(model: str) -> str:
+    """The folder the workers load: `tiny`, a folder, or a Hub repo id downloaded here once (at
+    $HF_REVISION, else main; phasefleet.server.model_source has the rule)."""
     if model != TINY:
-        return model
+        from phasefleet.server.model_source import ModelFetchError
+        from phasefleet.server.model_source import resolve_model as fetch_or_folder
+
+        try:
+            return fetch_or_folder(model, os.environ.get("HF_REVISION") or None)
+        except ModelFetchError as exc:
+            raise ValueError(str(exc)) from exc
     folder = tiny_model_dir()
     if not (folder / "config.json").is_file():
         from phasefleet.engine.tiny import make_tiny
@@ -71,6 +81,11 @@ def resolve_model(model: str) -> str:
         logger.info("writing a tiny random model to %s", folder)
         make_tiny(folder)
     return str(folder)
+
+
+def served_name(model_arg: str, folder: str) -> str:
+    """A Hub model is served under its repo id; a folder under its name."""
+    return model_arg if folder != model_arg and model_arg != TINY else Path(folder).name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args.model)
         config = FleetConfig(
             model=model,
-            served_model_name=args.served_model_name or Path(model).name,
+            served_model_name=args.served_model_name or served_name(args.model, model),
             port=args.port,
             pools=pools,
             run_dir=run_dir,

@@ -61,9 +61,10 @@ def fetch_model(
 ) -> Path:
     """The snapshot folder of `repo_id` at `revision` (default: main), downloaded if needed.
 
-    Reads HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE when called; raises ModelFetchError."""
+    Reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and the cache's place (HF_HUB_CACHE, else
+    HF_HOME/hub) when called; raises ModelFetchError."""
     endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
-    cache = str(cache_dir or constants.HF_HUB_CACHE)
+    cache = str(cache_dir or _cache_folder())
     where = f"model {repo_id}" + (f" at revision {revision}" if revision else "")
     try:
         if _offline():
@@ -109,6 +110,15 @@ def fetch_model(
         ) from exc
     _check_folder(folder, where)
     return folder
+
+
+def _cache_folder() -> str:
+    """huggingface_hub's cache, from the environment now (it reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return constants.HF_HUB_CACHE
 
 
 def _offline() -> bool:
