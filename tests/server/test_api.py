@@ -293,7 +293,8 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], int, str | None]] = [
     ),
     # More engine requests (prompts x n) than the whole waiting queue (256): never a 429.
     ({"model": "tiny", "prompt": ["a"] * 17, "n": 16}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ({"model": "tiny", "prompt": "hi", "stream_options": {}}, 400, "stream_options"),
 ]  # fmt: skip
 
@@ -311,7 +312,7 @@ BAD_CHATS: list[tuple[dict[str, Any], int, str | None]] = [
     ({"model": "tiny", "messages": HI, "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "messages": HI, "seed": 2**63}, 400, "seed"),
     ({"model": "tiny", "messages": HI, "n": MAX_N + 1}, 400, "n"),
-    ({"model": "tiny", "messages": HI, "logprobs": True}, 400, "logprobs"),
+    ({"model": "tiny", "messages": HI, "top_logprobs": 1}, 400, "top_logprobs"),
     ({"model": "tiny", "messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
 ]  # fmt: skip
 

@@ -109,7 +109,6 @@ def worker(tiny_model: Path) -> Iterator[InProcessWorker]:
         tokenizer=AutoTokenizer.from_pretrained(tiny_model),
         vocab_size=512,
         served_model_name="tiny",
-        model_path=str(tiny_model),
         role="both",
         metrics=WorkerMetrics("tiny", "both", engine.stats),
     )

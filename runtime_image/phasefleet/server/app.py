@@ -30,6 +30,7 @@ from phasefleet.server.openai_protocol import (
 )
 from phasefleet.server.responses import ClientDisconnected
 from phasefleet.server.state import WorkerState
+from phasefleet.server.tokenize import tokenizer_routes
 
 # Status code logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
@@ -58,6 +59,7 @@ def build_app(state: WorkerState) -> FastAPI:
 
     app.add_exception_handler(ClientDisconnected, on_client_gone)
     app.include_router(internal_routes())
+    app.include_router(tokenizer_routes(state))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -84,7 +86,8 @@ def build_app(state: WorkerState) -> FastAPI:
     async def models() -> ModelList:
         card = ModelCard(
             id=state.served_model_name,
-            root=state.model_path,
+            created=state.started_at,
+            root=state.served_model_name,
             max_model_len=state.engine.max_model_len or None,
         )
         return ModelList(data=[card])

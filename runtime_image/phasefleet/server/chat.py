@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template; `logprobs`
+and `top_logprobs` give choices[].logprobs.content."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from phasefleet.server.generation import (
     output_budget,
     sampling_params,
 )
+from phasefleet.server.logprobs import chat_logprobs
 from phasefleet.server.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -63,13 +65,16 @@ async def create_chat_completion(
     arrival = time.monotonic()
     state.check_model(req.model)
     check_supported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     state.check_accepting()
     check_queue_room(1, req.n, state.engine.max_queue_len, "messages")
     prompt = await state.off_loop(render, req, state)
     budget = output_budget(
         len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
     )
-    params = [sampling_params(req, budget, sample) for sample in range(req.n)]
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = [sampling_params(req, budget, sample, logprobs) for sample in range(req.n)]
     gen = Generation(
         state.engine,
         state.metrics,
@@ -82,13 +87,16 @@ async def create_chat_completion(
     await gen.start()
     response_id = f"chatcmpl-{gen.request_id}"
     if req.stream:
-        return sse_response(gen, _chunks(gen, req, prompt, response_id, int(time.time())))
+        return sse_response(gen, _chunks(gen, req, state, prompt, response_id, int(time.time())))
     finals = await collect_or_abort(gen, raw)
     ids = req.return_token_ids
     choices = [
         ChatChoice(
             index=i,
             message=AssistantMessage(content=out.text),
+            logprobs=await state.off_loop(chat_logprobs, state.tokenizer, gen.logprobs[i])
+            if req.logprobs
+            else None,
             finish_reason=out.finish_reason,
             prompt_token_ids=prompt if ids else None,
             token_ids=list(out.output_token_ids) if ids else None,
@@ -102,7 +110,12 @@ async def create_chat_completion(
 
 
 async def _chunks(
-    gen: Generation, req: ChatCompletionRequest, prompt: list[int], response_id: str, created: int
+    gen: Generation,
+    req: ChatCompletionRequest,
+    state: WorkerState,
+    prompt: list[int],
+    response_id: str,
+    created: int,
 ) -> AsyncIterator[str]:
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     ids = req.return_token_ids
@@ -128,14 +141,18 @@ async def _chunks(
     async for event in gen.events():
         out, i = event.output, event.index
         delta = out.text[len(sent[i]) :]
-        if not (delta or out.finished or (ids and out.new_token_ids)):
+        if not (delta or out.finished or ((ids or req.logprobs) and out.new_token_ids)):
             continue
         sent[i] = out.text
         if out.finished:
             finals.append(out)
+        logprobs = None
+        if req.logprobs:
+            logprobs = await state.off_loop(chat_logprobs, state.tokenizer, out.logprobs or [])
         choice = ChatChunkChoice(
             index=i,
             delta=Delta(content=delta) if delta else Delta(),
+            logprobs=logprobs,
             finish_reason=out.finish_reason if out.finished else None,
             token_ids=list(out.new_token_ids) if ids else None,
         )

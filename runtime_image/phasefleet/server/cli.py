@@ -244,7 +244,6 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         tokenizer=AutoTokenizer.from_pretrained(args.model),
         vocab_size=int(AutoConfig.from_pretrained(args.model).vocab_size),
         served_model_name=served_name,
-        model_path=args.model,
         role=args.role,
         metrics=WorkerMetrics(served_name, args.role, engine.stats),
         max_request_bytes=args.max_request_bytes,

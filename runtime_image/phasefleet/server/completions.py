@@ -1,9 +1,12 @@
-"""POST /v1/completions: a text or token-id prompt (or a batch of them), streamed or not."""
+"""POST /v1/completions: a text or token-id prompt (or a batch of them), streamed or not, with
+`logprobs` (the legacy shape) and `echo` (the prompt before the output; with `logprobs`, the
+prompt tokens' logprobs too, the first one null)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -16,6 +19,7 @@ from phasefleet.server.generation import (
     output_budget,
     sampling_params,
 )
+from phasefleet.server.logprobs import CompletionLogprobs, completion_logprobs
 from phasefleet.server.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -27,6 +31,7 @@ from phasefleet.server.state import WorkerState
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
+    from phasefleet.engine.outputs import TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -54,6 +59,26 @@ def prompts_of(req: CompletionRequest, state: WorkerState) -> list[list[int]]:
     return batch
 
 
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], state: WorkerState) -> list[str]:
+    """Each prompt as `echo` shows it: a text prompt as sent, token ids decoded (tokenizer
+    thread)."""
+    prompt = req.prompt
+    single = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
+    items = [prompt] if single else list(prompt)
+    return [
+        item if isinstance(item, str) else str(state.tokenizer.decode(ids))
+        for item, ids in zip(items, prompts, strict=True)
+    ]
+
+
+@dataclass
+class Echo:
+    """What one choice's answer shows before its output with `echo`."""
+
+    text: str  # the prompt's text
+    token_ids: list[int]  # the prompt's tokens
+
+
 async def create_completion(req: CompletionRequest, raw: Request, state: WorkerState) -> Response:
     arrival = time.monotonic()
     state.check_model(req.model)
@@ -61,14 +86,17 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     state.check_accepting()
     check_queue_room(num_prompts(req), req.n, state.engine.max_queue_len, "prompt")
     prompts = await state.off_loop(prompts_of, req, state)
+    texts = await state.off_loop(echo_texts, req, prompts, state) if req.echo else []
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
     max_len = state.engine.max_model_len
-    choice_prompts, params = [], []
-    for prompt in prompts:
+    prompt_logprobs = req.logprobs if req.echo else None
+    choice_prompts, params, echoes = [], [], []
+    for p, prompt in enumerate(prompts):
         budget = output_budget(len(prompt), requested, DEFAULT_MAX_TOKENS, max_len, "prompt")
         for sample in range(req.n):
             choice_prompts.append(prompt)
-            params.append(sampling_params(req, budget, sample))
+            params.append(sampling_params(req, budget, sample, req.logprobs, prompt_logprobs))
+            echoes.append(Echo(texts[p], prompt) if req.echo else None)
     gen = Generation(
         state.engine,
         state.metrics,
@@ -82,24 +110,51 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     response_id = f"cmpl-{gen.request_id}"
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return sse_response(
-            gen, _chunks(gen, req, prompts, response_id, include_usage, int(time.time()))
-        )
+        chunks = _chunks(gen, req, state, prompts, echoes, response_id, include_usage)
+        return sse_response(gen, chunks)
     finals = await collect_or_abort(gen, raw)
-    choices = [
-        CompletionChoice(
-            index=i,
-            text=out.text,
-            finish_reason=out.finish_reason,
-            prompt_token_ids=choice_prompts[i] if req.return_token_ids else None,
-            token_ids=list(out.output_token_ids) if req.return_token_ids else None,
+    choices = []
+    for i, out in enumerate(finals):
+        echo = echoes[i]
+        logprobs = None
+        if req.logprobs is not None:
+            entries = gen.logprobs[i]
+            logprobs, _ = await state.off_loop(
+                _logprobs, state, echo, gen.prompt_logprobs[i], entries, out.output_token_ids, 0
+            )
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=(echo.text if echo else "") + out.text,
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                prompt_token_ids=choice_prompts[i] if req.return_token_ids else None,
+                token_ids=list(out.output_token_ids) if req.return_token_ids else None,
+            )
         )
-        for i, out in enumerate(finals)
-    ]
     body = CompletionResponse(
         id=response_id, model=req.model, choices=choices, usage=_usage(prompts, finals)
     )
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _logprobs(
+    state: WorkerState,
+    echo: Echo | None,
+    prompt_entries: list[TokenLogprob] | None,
+    entries: list[TokenLogprob],
+    token_ids: list[int],
+    text_offset: int,
+) -> tuple[CompletionLogprobs, int]:
+    """Logprobs of the echoed prompt (if any) then of `token_ids`, from `text_offset` on."""
+    all_entries: list[TokenLogprob | None] = list(entries)
+    all_ids = list(token_ids)
+    if echo is not None:
+        prompt_part = [None, *(prompt_entries or [])]
+        prompt_part += [None] * (len(echo.token_ids) - len(prompt_part))
+        all_entries = prompt_part + all_entries
+        all_ids = echo.token_ids + all_ids
+    return completion_logprobs(state.tokenizer, all_entries, all_ids, text_offset)
 
 
 def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> Usage:
@@ -115,23 +170,40 @@ def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> Usage:
 async def _chunks(
     gen: Generation,
     req: CompletionRequest,
+    state: WorkerState,
     prompts: list[list[int]],
+    echoes: list[Echo | None],
     response_id: str,
     include_usage: bool,
-    created: int,
 ) -> AsyncIterator[str]:
+    created = int(time.time())
     sent_text = [""] * len(gen.prompts)
     started = [False] * len(gen.prompts)
+    text_offsets = [0] * len(gen.prompts)
     finals: list[RequestOutput] = []
+    every_token = req.return_token_ids or req.logprobs is not None
     async for event in gen.events():
         out, i = event.output, event.index
         delta = out.text[len(sent_text[i]) :]
-        if not (delta or out.finished or (req.return_token_ids and out.new_token_ids)):
+        if not (delta or out.finished or (every_token and out.new_token_ids)):
             continue
         sent_text[i] = out.text
+        echo = None if started[i] else echoes[i]  # the prompt goes first, once
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, text_offsets[i] = await state.off_loop(
+                _logprobs,
+                state,
+                echo,
+                out.prompt_logprobs,
+                out.logprobs or [],
+                out.new_token_ids,
+                text_offsets[i],
+            )
         choice = CompletionChoice(
             index=i,
-            text=delta,
+            text=(echo.text if echo else "") + delta,
+            logprobs=logprobs,
             finish_reason=out.finish_reason if out.finished else None,
             token_ids=list(out.new_token_ids) if req.return_token_ids else None,
             prompt_token_ids=gen.prompts[i] if req.return_token_ids and not started[i] else None,

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from phasefleet.engine.outputs import RequestOutput
+from phasefleet.engine.outputs import RequestOutput, TokenLogprob
 from phasefleet.server.async_engine import (
     AsyncEngine,
     EngineNotReadyError,
@@ -32,7 +32,7 @@ from phasefleet.server.errors import (
     request_failed,
     unavailable,
 )
-from phasefleet.server.handoff import HandoffFailed, PrefillResult, RemotePrefill
+from phasefleet.server.handoff import HandoffFailed, PrefillResult, RemotePrefill, wants_remote
 from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
 
@@ -42,8 +42,15 @@ if TYPE_CHECKING:
 __all__ = ["EngineOptions", "Generation"]
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
-    """The engine's SamplingParams for choice `choice`; a choice's seed is `seed + choice`."""
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int,
+    choice: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The engine's SamplingParams for choice `choice`; a choice's seed is `seed + choice`.
+    `logprobs`, `prompt_logprobs`: alternatives per token, None for no logprobs."""
     from phasefleet.engine.sampling_params import SamplingParams
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -56,6 +63,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, choice: int) -> Sampli
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     return checked(params)
 
@@ -131,6 +141,9 @@ class Generation:
     remote: RemotePrefill | None = None  # prefill on another worker (one prompt, n = 1)
     stream: RequestStream | None = None
     timings: list[ChoiceTiming] = field(default_factory=list)
+    # Per choice, as events pass: the output tokens' logprobs, and the prompt's (if asked for)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     _first: Event | None = None  # the first token, from the prefill worker
     _rest: asyncio.Task[RequestStream] | None = None  # pull the KV, then decode here
 
@@ -138,7 +151,9 @@ class Generation:
         """Submit and wait until the engine has added every request (or refused one). With a
         remote prefill: wait for the first token; the decode is queued as the KV arrives."""
         self.timings = [ChoiceTiming() for _ in self.prompts]
-        if self.remote is not None and len(self.prompts) == 1:
+        self.logprobs = [[] for _ in self.prompts]
+        self.prompt_logprobs = [None for _ in self.prompts]
+        if self.remote is not None and len(self.prompts) == 1 and wants_remote(self.params[0]):
             try:
                 self.engine.check_room(1)
             except QueueFullError as exc:
@@ -205,6 +220,7 @@ class Generation:
             num_prompt_tokens=result.num_prompt_tokens,
             num_cached_tokens=result.num_cached_tokens,
             first_scheduled_time=None,
+            logprobs=None if result.first_logprob is None else [result.first_logprob],
         )
         self._first = Event(0, output, time.monotonic())
         if final:
@@ -268,7 +284,12 @@ class Generation:
             self.stream.close()
 
     def _observe(self, event: Event) -> None:
+        """Keeps the event's logprobs and observes the latency histograms."""
         out, timing, m = event.output, self.timings[event.index], self.metrics
+        if out.logprobs:
+            self.logprobs[event.index].extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[event.index] = out.prompt_logprobs
         if not timing.queue_time_observed and out.first_scheduled_time is not None:
             m.request_queue_time.observe(max(0.0, out.first_scheduled_time - self.arrival_time))
             timing.queue_time_observed = True

@@ -1,5 +1,6 @@
-"""The decode side of the KV hand-off: ask a prefill worker for the first token, pull the
-prompt's KV from it, release its lease.
+"""The decode side of the KV hand-off: ask a prefill worker for the first token (and its logprobs
+when the request wants them), pull the prompt's KV from it, release its lease. A request that
+wants prompt logprobs (echo) is prefilled on the decode worker instead: see `wants_remote`.
 
 Every failure here is survivable: no answer from the prefill worker means this worker prefills
 the prompt itself; a failed, short or slow pull means it recomputes the prompt from the first
@@ -19,6 +20,7 @@ import httpx
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
 from phasefleet.engine.kv_transfer import KVLayout
+from phasefleet.engine.outputs import TokenLogprob
 from phasefleet.server.kv_pull import PullError, get_into
 
 if TYPE_CHECKING:
@@ -49,6 +51,13 @@ class PrefillResult:
     kv_request_id: str | None  # the lease's id on the prefill worker; None unless 'handoff'
     layout: KVLayout | None
     num_cached_tokens: int  # prompt tokens the prefill worker found in its prefix cache
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
+def wants_remote(params: SamplingParams) -> bool:
+    """Whether a prefill worker can do this request's prefill: not when it wants the prompt's
+    logprobs, which only the worker that computes every prompt position has."""
+    return params.prompt_logprobs is None
 
 
 def prefill_body(request_id: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
@@ -62,6 +71,8 @@ def prefill_body(request_id: str, prompt: list[int], params: SamplingParams) -> 
         "seed": params.seed,
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
+        "min_tokens": params.min_tokens,
+        "logprobs": params.logprobs,
     }
 
 
@@ -70,6 +81,7 @@ def parse_prefill(data: Any) -> PrefillResult:
     if not isinstance(data, dict):
         raise ValueError("the prefill answer is not an object")
     kv = data.get("kv")
+    first = data.get("first_logprob")
     return PrefillResult(
         first_token_id=int(data["first_token_id"]),
         finish_reason=str(data["finish_reason"]),
@@ -77,6 +89,13 @@ def parse_prefill(data: Any) -> PrefillResult:
         kv_request_id=None if kv is None else str(kv["request_id"]),
         layout=None if kv is None else KVLayout.from_wire(kv["layout"]),
         num_cached_tokens=int(data.get("num_cached_tokens", 0)),
+        first_logprob=None
+        if first is None
+        else TokenLogprob(
+            token_id=int(data["first_token_id"]),
+            logprob=float(first["logprob"]),
+            top=[(int(t), float(v)) for t, v in first["top"]],
+        ),
     )
 
 

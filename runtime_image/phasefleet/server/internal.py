@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
-from phasefleet.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from phasefleet.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from phasefleet.server.async_engine import EngineOptions
 from phasefleet.server.errors import APIError
 from phasefleet.server.generation import Generation, checked
@@ -39,6 +39,8 @@ class PrefillRequest(BaseModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 def check_token(request: Request) -> None:
@@ -71,6 +73,8 @@ def internal_routes() -> APIRouter:
                 seed=body.seed,
                 stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                logprobs=body.logprobs,
             )
         )
         gen = Generation(
@@ -96,9 +100,13 @@ def internal_routes() -> APIRouter:
                 "num_tokens": last.num_prompt_tokens,
                 "layout": state.engine.kv_layout.to_wire(),
             }
+        first = None
+        if last.logprobs:
+            first = {"logprob": last.logprobs[0].logprob, "top": last.logprobs[0].top}
         return JSONResponse(
             {
                 "first_token_id": last.output_token_ids[0],
+                "first_logprob": first,
                 "finish_reason": last.finish_reason,
                 "num_prompt_tokens": last.num_prompt_tokens,
                 "num_cached_tokens": last.num_cached_tokens,

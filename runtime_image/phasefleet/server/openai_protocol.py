@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI requests and responses the worker speaks.
 
-Requests carry vLLM-style extensions (`top_k`, `ignore_eos`, `stop_token_ids`,
+Requests carry vLLM-style extensions (`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids`). Range checks live in the field constraints so that a bad value becomes a 400
 naming the field; the sampling bounds are the engine's own (`phasefleet.engine.sampling_params`,
 torch-free). Fields OpenAI has and we do not implement are accepted only at their neutral value
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from phasefleet.engine.sampling_params import (
     API_SEED_MAX,
+    MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -24,6 +25,7 @@ from phasefleet.engine.sampling_params import (
     MIN_TOP_K,
     SEED_MIN,
 )
+from phasefleet.server.logprobs import ChatLogprobs, CompletionLogprobs
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -54,20 +56,28 @@ class SamplingFields(BaseModel):
     stop: StopString | StopStrings | None = None
     stop_token_ids: TokenIds | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; 1 is neutral
+    min_p: float | None = None  # vLLM's; 0 is neutral
+    prompt_logprobs: int | None = None  # vLLM's; completions' echo + logprobs gives them
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
         bad = []
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in ("presence_penalty", "frequency_penalty", "min_p"):
             if getattr(self, name) not in (None, 0, 0.0):
                 bad.append(name)
+        if self.repetition_penalty not in (None, 1, 1.0):
+            bad.append("repetition_penalty")
+        if self.prompt_logprobs is not None:
+            bad.append("prompt_logprobs")
         if self.logit_bias:
             bad.append("logit_bias")
         return bad
@@ -77,16 +87,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.best_of not in (None, self.n):
             bad.append("best_of")
         if self.suffix:
@@ -123,17 +129,13 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
         if self.tools:
             bad.append("tools")
         if self.response_format is not None and self.response_format.type != "text":
@@ -155,7 +157,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_token_ids: OptionalIds = _ids_field()
     token_ids: OptionalIds = _ids_field()
@@ -178,7 +180,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     prompt_token_ids: OptionalIds = _ids_field()
     token_ids: OptionalIds = _ids_field()
@@ -201,7 +203,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     prompt_token_ids: OptionalIds = _ids_field()
     token_ids: OptionalIds = _ids_field()
@@ -219,9 +221,9 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # the worker's start, in Unix seconds: the same in every answer
     owned_by: str = "phasefleet"
-    root: str
+    root: str  # the served name too: a model's folder is the host's business
     max_model_len: int | None = None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ class WorkerState:
     tokenizer: Any  # a Hugging Face tokenizer; used on the tokenizer thread only (`off_loop`)
     vocab_size: int  # rows of the model's embedding: token ids must be below it
     served_model_name: str
-    model_path: str
     role: str  # both | prefill | decode
     metrics: WorkerMetrics
     draining: bool = False
@@ -40,6 +40,7 @@ class WorkerState:
     handoff: HandoffClient | None = None  # decode side: talks to prefill workers
     # Decode side: a prompt with fewer uncached tokens than this is prefilled here, not remotely.
     remote_prefill_min_tokens: int = 256
+    started_at: int = field(default_factory=lambda: int(time.time()))  # Unix seconds
     # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=_tokenizer_thread)

@@ -1,0 +1,295 @@
+"""The API surface clients expect beyond plain generation, over real localhost HTTP with the
+official openai client where it has the parameter: logprobs (completions and chat, streamed and
+not, against transformers' log-softmax on the same weights), echo with prompt logprobs,
+min_tokens, /tokenize, /detokenize, /version, a stable /v1/models, and 400s for what is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server.worker_proc import Worker, run_worker
+
+PROMPT = "Evaluation harnesses read the logprobs of every token"
+MESSAGES: list[Any] = [{"role": "user", "content": "Say something about tides."}]
+TOLERANCE = 1e-4  # nats
+SAMPLINGS: list[dict[str, Any]] = [
+    {"temperature": 0},
+    {"temperature": 1.2, "top_p": 0.9, "seed": 11},
+]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model: Path) -> Iterator[Worker]:
+    with run_worker(tiny_model) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def client(worker: Worker) -> openai.OpenAI:
+    return worker.client(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Callable[[list[int]], torch.Tensor]:
+    """token ids -> [len, V]: transformers' log-softmax at every position (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+    return run
+
+
+def extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {})[name]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_completion_logprobs_are_transformers_log_softmax(
+    client: openai.OpenAI,
+    tokenizer: Any,
+    reference: Callable[[list[int]], torch.Tensor],
+    sampling: dict[str, Any],
+) -> None:
+    body = {"ignore_eos": True, "return_token_ids": True}
+    res = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, logprobs=3, extra_body=body, **sampling
+    )
+    choice = res.choices[0]
+    prompt_ids, output_ids = extra(choice, "prompt_token_ids"), extra(choice, "token_ids")
+    expected = reference(prompt_ids + output_ids)[len(prompt_ids) - 1 :]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in output_ids]
+    assert logprobs.token_logprobs == pytest.approx(
+        [float(expected[i, t]) for i, t in enumerate(output_ids)], abs=TOLERANCE
+    )
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    for i, top in enumerate(logprobs.top_logprobs):
+        best = expected[i].topk(3)
+        # Keyed by text: the chosen token and the three most likely ones.
+        shared = [tokenizer.decode([t]) for t in {output_ids[i], *best.indices.tolist()}]
+        assert top is not None and set(top) == set(shared)
+        for token_id, value in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+            text = tokenizer.decode([token_id])
+            if shared.count(text) == 1:  # a dict keyed by text cannot hold two "\ufffd"s
+                assert top[text] == pytest.approx(value, abs=TOLERANCE)
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(output_ids))]
+    assert logprobs.text_offset == offsets
+
+    # The stream carries the same logprobs, token by token.
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, logprobs=3, stream=True, extra_body=body,
+        **sampling,
+    )  # fmt: skip
+    streamed: list[Any] = [c.choices[0].logprobs for c in stream if c.choices]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    # (A prefix-cache hit computes the prompt in other batches: float rounding differs.)
+    streamed_values = [v for lp in streamed for v in lp.token_logprobs]
+    assert streamed_values == pytest.approx(logprobs.token_logprobs, abs=TOLERANCE)
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_first_null(
+    client: openai.OpenAI, tokenizer: Any, reference: Callable[[list[int]], torch.Tensor]
+) -> None:
+    prompt_ids = tokenizer.encode(PROMPT)
+    res = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choice = res.choices[0]
+    output_ids = extra(choice, "token_ids")
+    assert choice.text.startswith(PROMPT)
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None
+    n = len(prompt_ids)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in prompt_ids + output_ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = reference(prompt_ids + output_ids)
+    want = [float(expected[i - 1, t]) for i, t in enumerate(prompt_ids + output_ids) if i]
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=TOLERANCE)
+    assert all(top is not None and len(top) >= 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset is not None and logprobs.text_offset[n] == len(
+        "".join(logprobs.tokens[:n])
+    )
+    # The same prompt again is computed in full (the prefix cache holds no logits): same answer.
+    again = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert again.choices[0].logprobs is not None
+    assert again.choices[0].logprobs.tokens == logprobs.tokens
+    assert again.choices[0].logprobs.token_logprobs == logprobs.token_logprobs
+    # Streamed: the prompt comes first, in the first chunk.
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(PROMPT)
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed: list[Any] = [c.logprobs for c in chunks]
+    assert [v for lp in streamed for v in lp.token_logprobs] == logprobs.token_logprobs
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    # Echo without logprobs: the text only.
+    plain = client.completions.create(
+        model="tiny", prompt=prompt_ids, max_tokens=3, temperature=0, echo=True
+    )
+    assert plain.choices[0].text.startswith(tokenizer.decode(prompt_ids))
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_chat_logprobs_are_transformers_log_softmax(
+    client: openai.OpenAI,
+    tokenizer: Any,
+    reference: Callable[[list[int]], torch.Tensor],
+    sampling: dict[str, Any],
+) -> None:
+    body = {"ignore_eos": True, "return_token_ids": True}
+    res = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2,
+        extra_body=body, **sampling,
+    )  # fmt: skip
+    choice = res.choices[0]
+    prompt_ids, output_ids = extra(choice, "prompt_token_ids"), extra(choice, "token_ids")
+    expected = reference(prompt_ids + output_ids)[len(prompt_ids) - 1 :]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in output_ids]
+    for i, (entry, token_id) in enumerate(zip(content, output_ids, strict=True)):
+        assert entry.logprob == pytest.approx(float(expected[i, token_id]), abs=TOLERANCE)
+        best = expected[i].topk(2)
+        assert [t.token for t in entry.top_logprobs] == [
+            tokenizer.decode([t]) for t in best.indices.tolist()
+        ]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            best.values.tolist(), abs=TOLERANCE
+        )
+    # Byte-level BPE: each token's own bytes, which together are the output's bytes.
+    joined = b"".join(bytes(entry.bytes or []) for entry in content)
+    assert joined.decode(errors="replace") == tokenizer.decode(output_ids)
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2,
+        stream=True, extra_body=body, **sampling,
+    )  # fmt: skip
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in
+                c.choices[0].logprobs.content or []]  # fmt: skip
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    # logprobs without top_logprobs: the chosen tokens only.
+    bare = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, logprobs=True, temperature=0
+    )
+    assert bare.choices[0].logprobs is not None
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content or []] == [[]] * 3
+
+
+def test_no_logprobs_unless_asked(client: openai.OpenAI) -> None:
+    res = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    assert res.choices[0].logprobs is None
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    assert chat.choices[0].logprobs is None
+
+
+def test_min_tokens_suppresses_stop_tokens_until_reached(client: openai.OpenAI) -> None:
+    def run(**body: Any) -> Any:
+        return client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+            extra_body={"return_token_ids": True, **body},
+        ).choices[0]  # fmt: skip
+
+    greedy = extra(run(ignore_eos=True), "token_ids")
+    stopped = run(stop_token_ids=[greedy[0]])
+    assert extra(stopped, "token_ids") == [greedy[0]] and stopped.finish_reason == "stop"
+    held = run(stop_token_ids=[greedy[0]], min_tokens=4)
+    tokens = extra(held, "token_ids")
+    assert len(tokens) >= 4 and greedy[0] not in tokens[:4]
+    with pytest.raises(openai.BadRequestError) as bad:
+        run(min_tokens=11)
+    assert bad.value.param == "min_tokens"
+
+
+def test_tokenize_and_detokenize(worker: Worker, tokenizer: Any) -> None:
+    url = worker.base_url
+    answer = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": PROMPT}).json()
+    ids = tokenizer.encode(PROMPT)
+    assert answer == {"count": len(ids), "max_model_len": 2048, "tokens": ids}
+    chat = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    assert chat["tokens"] == list(rendered) and chat["count"] == len(rendered)
+    back = httpx.post(f"{url}/detokenize", json={"model": "tiny", "tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+    for path, body, param in [
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [10**12]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ]:
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    wrong = httpx.post(f"{url}/tokenize", json={"model": "gpt-4", "prompt": "x"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+def test_version_and_a_stable_model_list(worker: Worker, client: openai.OpenAI) -> None:
+    from phasefleet.server.tokenize import package_version
+
+    assert httpx.get(f"{worker.base_url}/version").json() == {"version": package_version()}
+    first = httpx.get(f"{worker.base_url}/v1/models").json()
+    again = httpx.get(f"{worker.base_url}/v1/models").json()
+    assert first == again
+    [card] = client.models.list().data
+    assert (card.id, card.owned_by, extra(card, "root")) == ("tiny", "phasefleet", "tiny")
+    assert card.created == first["data"][0]["created"]
+    assert "/" not in str(first)  # no host path: the model folder is the host's business
+
+
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("api", "fields", "param"), REFUSED)
+def test_refused_fields_get_a_400_naming_them(
+    client: openai.OpenAI, api: str, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        if api == "completions":
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2, **fields)
+        else:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, **fields)
+    assert bad.value.status_code == 400
+    assert bad.value.param == param
+    assert param in bad.value.message
