@@ -57,7 +57,7 @@ H100_ASSUMPTIONS = {
     "activation_overhead_bytes": 4e9,  # activations, CUDA graphs, allocator slack
     "max_num_seqs": 256,
     "startup_s": 60.0,  # assumed: pod start, 16 GB weights from local NVMe, CUDA graphs
-    "handoff_bytes_per_s": 25e9,  # assumed: one 200 Gb/s RDMA NIC per GPU
+    "handoff_bytes_per_s": 50e9,  # assumed: one 400 Gb/s RDMA NIC per GPU (DGX H100)
 }
 
 

@@ -86,7 +86,8 @@ class Hpa:
                             else current
                         )
             rec = min(max(rec, self.minimum), self.maximum)
-            past = [(t, n) for t, n in self.history.get(pool, []) if now - t < self.down_window_s]
+            seen = self.history.get(pool) or [(now, current)]  # the pods ran before we started
+            past = [(t, n) for t, n in seen if now - t < self.down_window_s]
             self.history[pool] = [*past, (now, rec)]
             if rec > current:
                 out[pool] = min(rec, max(current + 4, 2 * current))
@@ -142,7 +143,7 @@ class Demand:
 
     interval_s: float
     prefill_work_s: np.ndarray  # [intervals]
-    decode_kv_peak: np.ndarray  # tokens reserved at the interval's busiest moment
+    decode_kv_peak: np.ndarray  # KV tokens at the interval's busiest moment
     decode_seqs_peak: np.ndarray
 
 
@@ -151,11 +152,14 @@ def demand(trace: Trace, curves: Curves, interval_s: float = 60.0) -> Demand:
     n = int(trace.duration // interval_s) + 2
     work = np.array([c.prefill_s(p) for p in trace.prompt])
     prefill = np.bincount((trace.arrival // interval_s).astype(int), weights=work, minlength=n)
+    # the last interval with arrivals is partial: its work is spread over its own span
+    last = int(trace.duration // interval_s)
+    prefill[last] *= interval_s / max(trace.duration - last * interval_s, 1.0)
     # a decode step at a typical batch: half the KV cache, max_num_seqs / 2 requests
     step = c.decode_step_s(c.max_num_seqs / 2, c.kv_capacity_tokens / 2)
     begin = trace.arrival + work + [c.handoff_s(p) for p in trace.prompt]
     end = begin + (trace.output - 1) * step
-    size = (trace.prompt + trace.output).astype(float)
+    size = trace.prompt + trace.output / 2  # a request's KV, averaged over its decode
     times = np.concatenate([begin, end])
     order = np.argsort(times, kind="stable")
     kv = np.cumsum(np.concatenate([size, -size])[order])

@@ -7,8 +7,9 @@ What is exact and what is approximated:
   free soonest. Start and finish times are exact (no time step). The first token leaves the
   prefill replica, so TTFT = prefill finish - arrival.
 - Hand-off: the KV pull takes `curves.handoff_s(n)`; then the request waits in one FIFO queue
-  for any decode replica with a free batch slot and room for its final KV size (prompt +
-  output: admission reserves it, so there is no preemption).
+  for any decode replica with a free batch slot and room for its prompt's KV now (the least
+  filled one). As the batch grows past the KV cache, the newest requests are preempted (as
+  our engine does) and queue again first, after a recompute delay.
 - Decode: time-stepped (`dt`), fluid within a step: every request of a replica's batch gains
   one token per decode step, the step lasting `curves.decode_step_s(batch, kv_tokens)` as of the
   start of the tick. A request finishes when its steps reach output - 1 (exact time
@@ -46,7 +47,6 @@ class Replica:
     steps: float = 0.0  # decode steps done since start (fractional)
     prompt_sum: float = 0.0  # KV tokens = prompt_sum + len(batch) * steps - start_sum
     start_sum: float = 0.0
-    reserved: float = 0.0  # final KV size of the batch, tokens
     busy_s: float = 0.0  # decode: seconds with a non-empty batch
 
     def serving(self, now: float) -> bool:
@@ -88,6 +88,8 @@ class Fleet:
         self.handoffs: list[tuple[float, int]] = []  # (ready for decode, request)
         self.decode_queue: deque[tuple[float, int]] = deque()
         self.generated = 0.0  # decode tokens produced so far
+        self.generated_before = np.zeros(n)  # tokens a preempted request had made
+        self.preemptions = 0
         self.samples: list[Sample] = []
         self.scale_events = {p: 0 for p in POOLS}
 
@@ -108,7 +110,7 @@ class Fleet:
             starting = [r for r in live if r.ready_at > now]
             ready = [r for r in live if r.ready_at <= now]
             load: Callable[[Replica], float] = (
-                (lambda r: r.free_at) if pool == "prefill" else (lambda r: r.reserved)
+                (lambda r: r.free_at) if pool == "prefill" else (lambda r: r.kv_tokens())
             )
             for r in (starting[::-1] + sorted(ready, key=load))[: len(live) - desired]:
                 if r.ready_at > now:
@@ -141,22 +143,23 @@ class Fleet:
         ready = self.serving("decode", t)
         while self.decode_queue and ready:
             at, i = self.decode_queue[0]
-            size = float(self.trace.prompt[i] + self.trace.output[i])
+            done_before = self.generated_before[i]
+            size = float(self.trace.prompt[i] + done_before)  # KV it brings in
             fits = [
                 r
                 for r in ready
-                if len(r.batch) < c.max_num_seqs and r.reserved + size <= c.kv_capacity_tokens
+                if len(r.batch) < c.max_num_seqs and r.kv_tokens() + size <= c.kv_capacity_tokens
             ]
             if not fits:
                 break
             self.decode_queue.popleft()
-            r = min(fits, key=lambda r: r.reserved)
+            r = min(fits, key=lambda r: r.kv_tokens())
             step = c.decode_step_s(len(r.batch) + 1, r.kv_tokens())
-            begin = r.steps + max(0.0, at - t) / step  # joins part-way through the tick
+            # joins part-way through the tick; a preempted request keeps the tokens it had
+            begin = r.steps + max(0.0, at - t) / step - done_before
             heapq.heappush(r.batch, (begin + float(self.trace.output[i] - 1), i))
             r.prompt_sum += self.trace.prompt[i]
             r.start_sum += begin
-            r.reserved += size
         for pool in POOLS:
             for r in self.pools[pool]:
                 if r.stopped is None and r.ready_at <= t:
@@ -178,16 +181,35 @@ class Fleet:
         end = r.steps + self.dt / step
         self.generated += len(r.batch) * self.dt / step
         r.busy_s += self.dt
+        self._preempt(r, end, t)
         while r.batch and r.batch[0][0] <= end:
             target, i = heapq.heappop(r.batch)
             self.finish[i] = t + (target - r.steps) * step
             self.done += 1
             r.prompt_sum -= self.trace.prompt[i]
             r.start_sum -= target - (self.trace.output[i] - 1)
-            r.reserved -= float(self.trace.prompt[i] + self.trace.output[i])
         r.steps = end
         if not r.batch:  # keep the sums exact when the batch empties
-            r.prompt_sum = r.start_sum = r.reserved = 0.0
+            r.prompt_sum = r.start_sum = 0.0
+
+    def _preempt(self, r: Replica, end: float, t: float) -> None:
+        """KV full before `end` steps: the newest requests leave the batch, as the engine
+        preempts them, and queue again first in line after recomputing their KV (a delay of
+        prefill_s(prompt + tokens so far), charged to the request alone)."""
+        while len(r.batch) > 1 and r.prompt_sum + len(r.batch) * end - r.start_sum > (
+            self.curves.kv_capacity_tokens
+        ):
+            out = self.trace.output
+            newest = max(range(len(r.batch)), key=lambda k: r.batch[k][0] - out[r.batch[k][1]])
+            target, i = r.batch.pop(newest)
+            heapq.heapify(r.batch)
+            begin = target - (out[i] - 1)
+            self.generated_before[i] = max(0.0, r.steps - begin)
+            r.prompt_sum -= self.trace.prompt[i]
+            r.start_sum -= begin
+            redo = self.curves.prefill_s(self.trace.prompt[i] + self.generated_before[i])
+            self.decode_queue.appendleft((t + self.dt + redo, i))
+            self.preemptions += 1
 
     def gpu_seconds(self, end: float) -> float:
         live = [r for pool in POOLS for r in self.pools[pool]]

@@ -82,6 +82,18 @@ def test_a_request_that_does_not_fit_the_kv_cache_waits_and_its_tpot_shows_it() 
     assert tpot[1] > 1.8 * tpot[0]
 
 
+def test_a_full_kv_cache_preempts_the_newest_request_and_it_still_finishes() -> None:
+    trace = make_trace([0.0, 0.0], output=101)  # 200 tokens at first, 400 at the end
+    pools = {"prefill": 2, "decode": 1}
+    fleet = simulate(trace, make_curves(kv_capacity=250), static(pools), fixed(pools))
+    assert fleet.preemptions >= 1
+    assert not np.isnan(fleet.finish).any()
+    preempted = int(np.argmax(fleet.generated_before))
+    assert fleet.generated_before[preempted] > 0  # it kept the tokens it had made
+    tpot = (fleet.finish - fleet.first_token) / 100
+    assert tpot[preempted] > tpot[1 - preempted] * 1.2
+
+
 def test_max_num_seqs_limits_the_batch() -> None:
     trace = make_trace([0.0] * 4)
     fleet = simulate(

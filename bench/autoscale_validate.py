@@ -1,0 +1,132 @@
+"""Checks the autoscaling simulator against the real local fleet on one trace segment.
+
+The segment (Azure 2023 conversation trace, lengths divided by --scale, as in
+bench/disagg_replay.py) is replayed with its arrival times against `phasefleet serve`'s fleet
+(1 prefill + 1 decode worker of one CPU thread each, every prompt prefilled remotely, the bench
+model), and simulated with the curves measured on this CPU (bench/autoscale_cpu.json, from
+bench/autoscale_measure.py) for the same static pools. Printed: TTFT and TPOT percentiles,
+predicted vs measured, with the error.
+
+    .venv/bin/python bench/autoscale_validate.py --model /tmp/pf-bench --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from autoscale_curves import CPU_JSON, cpu_curves
+from autoscale_policies import static
+from autoscale_sim import simulate
+from autoscale_traces import Trace
+from disagg_replay import MODEL_NAME, replay, warm_up
+from trace_segment import AZURE_CONV, load_segment
+
+from phasefleet.local.fleet import Fleet, FleetConfig, free_port
+
+PERCENTILES = (50, 90, 99)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="make-tiny DIR --preset bench")
+    p.add_argument("--curves", type=Path, default=CPU_JSON)
+    p.add_argument("--start", type=float, default=0.0, help="segment start, s into the trace")
+    p.add_argument("--duration", type=float, default=60.0, help="segment length, seconds")
+    p.add_argument("--scale", type=float, default=8.0, help="divide trace lengths by this")
+    p.add_argument("--max-prompt", type=int, default=1024, help="prompt cap after scaling")
+    p.add_argument("--num-kv-blocks", type=int, default=2048, help="as when measured")
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    return p.parse_args()
+
+
+def measure(args: argparse.Namespace, segment: list, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(TTFT, TPOT) per request on the real fleet; TPOT NaN for one-token answers."""
+    worker_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"]
+    worker_args += ["--max-num-batched-tokens", "2048", "--remote-prefill-min-tokens", "0"]
+    with tempfile.TemporaryDirectory(prefix="pf-validate-") as tmp:
+        fleet = Fleet(
+            FleetConfig(
+                model=str(args.model),
+                served_model_name=MODEL_NAME,
+                port=free_port(),
+                pools={"prefill": 1, "decode": 1},
+                run_dir=Path(tmp),
+                worker_args=worker_args,
+                router_args=["--log-level", "warning"],
+                drain_timeout=5.0,
+            )
+        )
+        fleet.start()
+        try:
+
+            async def drive() -> list:
+                limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+                async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                    await warm_up(client, fleet.url, vocab)
+                    time.sleep(2.0)
+                    return await replay(client, fleet.url, segment)
+
+            timings = asyncio.run(drive())
+        finally:
+            fleet.stop()
+    failed = [t.error for t in timings if not t.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    ttft = np.array([t.ttft for t in timings])
+    tpot = np.array([np.nan if t.tpot is None else t.tpot for t in timings])
+    return ttft, tpot
+
+
+def predict(args: argparse.Namespace, segment: list) -> tuple[np.ndarray, np.ndarray]:
+    trace = Trace(
+        "segment",
+        np.array([r.offset for r in segment]),
+        np.array([len(r.prompt_token_ids) for r in segment]),
+        np.array([r.max_tokens for r in segment]),
+    )
+    pools = {"prefill": 1, "decode": 1}
+    curves = cpu_curves(args.curves)
+    fleet = simulate(trace, curves, static(pools), pools, interval_s=60.0, dt=0.005)
+    long = trace.output > 1
+    tpot = np.full(len(trace.arrival), np.nan)
+    tpot[long] = (fleet.finish[long] - fleet.first_token[long]) / (trace.output[long] - 1)
+    return fleet.first_token - trace.arrival, tpot
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # each worker, as the curves were measured
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    segment = load_segment(
+        AZURE_CONV, args.start, args.duration, args.scale, args.max_prompt, vocab
+    )
+    print(
+        f"{len(segment)} requests, {args.start:.0f}+{args.duration:.0f} s of {AZURE_CONV.name}, "
+        f"lengths / {args.scale:g}; load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    predicted = predict(args, segment)
+    measured = measure(args, segment, vocab)
+    print(f"load after: {os.getloadavg()[0]:.1f}\n")
+    print("| metric | predicted ms | measured ms | error |")
+    print("|---|---|---|---|")
+    numbers = {}
+    for name, p, m in zip(("TTFT", "TPOT"), predicted, measured, strict=True):
+        for q in PERCENTILES:
+            pv, mv = np.nanpercentile(p, q), np.nanpercentile(m, q)
+            numbers[f"{name} p{q}"] = (pv, mv)
+            print(f"| {name} p{q} | {pv * 1000:.0f} | {mv * 1000:.0f} | {(pv - mv) / mv:+.0%} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(numbers, indent=1))
+
+
+if __name__ == "__main__":
+    main()
