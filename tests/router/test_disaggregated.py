@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -134,3 +135,51 @@ def test_a_prefill_worker_that_dies_costs_no_request(fleet: Fleet, tiny_model: P
             fleet.members.write_text(
                 json.dumps({"prefill": [fleet.prefill.base_url], "decode": [fleet.decode.base_url]})
             )
+
+
+def test_logprobs_and_min_tokens_cross_the_hand_off_and_echo_prefills_on_the_decode_worker(
+    fleet: Fleet,
+) -> None:
+    def logprobs(client: openai.OpenAI, stream: bool, **kw: Any) -> tuple[list[str], list[Any]]:
+        if not stream:
+            lp = client.completions.create(**kw).choices[0].logprobs
+            assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+            return lp.tokens, lp.token_logprobs
+        chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)]
+        tokens = [t for lp in chunks if lp for t in lp.tokens or []]
+        return tokens, [v for lp in chunks if lp for v in lp.token_logprobs or []]
+
+    def prefills(where: str) -> float:
+        return fleet.decode.counter("phasefleet_prefills_total", where=where)
+
+    routed, reference = fleet.router.client(), fleet.reference.client()
+    kw: dict[str, Any] = {
+        "model": "tiny", "prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0, "logprobs": 2
+    }  # fmt: skip
+    remote, local = prefills("remote"), prefills("local")
+    for stream in (False, True):
+        got, want = logprobs(routed, stream, **kw), logprobs(reference, stream, **kw)
+        assert got[0] == want[0] and len(got[0]) == 6
+        # The first token's logprob came from the prefill worker, the rest from the decode one.
+        assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert (prefills("remote"), prefills("local")) == (remote + 2, local)
+
+    got, want = (
+        logprobs(routed, False, echo=True, **kw),
+        logprobs(reference, False, echo=True, **kw),
+    )
+    assert got[0] == want[0] and got[1][0] is None
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert (prefills("remote"), prefills("local")) == (remote + 2, local + 1)
+
+    # min_tokens reaches the prefill worker: the first token may not be a stop token.
+    ids: dict[str, Any] = {"return_token_ids": True}
+    first = routed.completions.create(**kw, extra_body=ids).choices[0]
+    stop = {**ids, "stop_token_ids": [extra_ids(first)[0]], "min_tokens": 3}
+    held = [c.completions.create(**kw, extra_body=stop).choices[0] for c in (routed, reference)]
+    assert extra_ids(held[0]) == extra_ids(held[1])
+    assert len(extra_ids(held[0])) >= 3 and extra_ids(held[0])[0] != extra_ids(first)[0]
+
+
+def extra_ids(choice: Any) -> list[int]:
+    return list((choice.model_extra or {})["token_ids"])

@@ -42,6 +42,13 @@ def router(workers: tuple[Worker, Worker]) -> Iterator[Router]:
 
 
 @pytest.fixture(scope="module")
+def prompt_ids(tiny_model: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(tiny_model).encode(PROMPT))
+
+
+@pytest.fixture(scope="module")
 def via_router(router: Router) -> openai.OpenAI:
     return router.client()
 
@@ -209,3 +216,69 @@ def test_prefix_aware_keeps_a_shared_prefix_on_one_worker(
     # Every request went to the worker that holds the prefix, and the later three hit its cache.
     assert sorted(new_tokens)[0] == 0
     assert max(new_hits) > 0 and min(new_hits) == 0
+
+
+def test_logprobs_and_echo_equal_direct(
+    via_router: openai.OpenAI, direct: openai.OpenAI, prompt_ids: list[int]
+) -> None:
+    def run(client: openai.OpenAI) -> tuple[Any, Any, list[Any]]:
+        completion = client.completions.create(
+            model="tiny", prompt=PROMPT, logprobs=2, echo=True, **GREEDY
+        )
+        chat = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY
+        )
+        stream = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, logprobs=True, stream=True, **GREEDY
+        )
+        streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+        return completion.choices[0].logprobs, chat.choices[0].logprobs, streamed
+
+    routed, straight = run(via_router), run(direct)
+    completion = routed[0]
+    assert completion is not None and completion.token_logprobs is not None
+    assert completion.token_logprobs[0] is None  # the echoed prompt's first token
+    assert len(completion.token_logprobs) == len(prompt_ids) + 8
+    assert routed[0].tokens == straight[0].tokens
+    assert routed[0].token_logprobs == pytest.approx(straight[0].token_logprobs, abs=1e-4)
+    assert routed[1] is not None and straight[1] is not None
+    assert [e.token for e in routed[1].content] == [e.token for e in straight[1].content]
+    assert len(routed[2]) == 8 and len(straight[2]) == 8
+
+
+def test_tokenizer_version_and_models_through_the_router(
+    router: Router, workers: tuple[Worker, Worker], prompt_ids: list[int]
+) -> None:
+    body = {"model": "tiny", "prompt": PROMPT}
+    routed = httpx.post(f"{router.base_url}/tokenize", json=body)
+    assert routed.status_code == 200
+    assert routed.json() == httpx.post(f"{workers[0].base_url}/tokenize", json=body).json()
+    assert routed.json()["tokens"] == prompt_ids
+    chat = httpx.post(f"{router.base_url}/tokenize", json={"messages": MESSAGES})
+    assert (
+        chat.json()
+        == httpx.post(f"{workers[1].base_url}/tokenize", json={"messages": MESSAGES}).json()
+    )
+    text = httpx.post(f"{router.base_url}/detokenize", json={"tokens": prompt_ids}).json()
+    assert text == {"prompt": PROMPT}
+    bad = httpx.post(f"{router.base_url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    version = httpx.get(f"{router.base_url}/version").json()
+    assert version == httpx.get(f"{workers[0].base_url}/version").json()
+    # Whichever worker answers, the list is the same: `created` is the router's start.
+    listings = [httpx.get(f"{router.base_url}/v1/models").json() for _ in range(4)]
+    assert all(listing == listings[0] for listing in listings)
+    [card] = listings[0]["data"]
+    assert card["id"] == card["root"] == "tiny" and card["owned_by"] == "phasefleet"
+    assert card["max_model_len"] == 2048
+
+
+def test_refused_fields_get_the_workers_400_through_the_router(via_router: openai.OpenAI) -> None:
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+    ]
+    for fields, param in refused:
+        with pytest.raises(openai.BadRequestError) as bad:
+            via_router.completions.create(model="tiny", prompt=PROMPT, **fields)
+        assert bad.value.param == param

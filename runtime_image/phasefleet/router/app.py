@@ -1,8 +1,12 @@
-"""The router's FastAPI app: the worker's OpenAI surface, /health and /metrics.
+"""The router's FastAPI app: the worker's OpenAI surface, /tokenize, /detokenize, /version,
+/health and /metrics.
 
-Generation bodies are not validated here: they go to a worker as received, and the worker's
-400/404 comes back unchanged, so the router and the workers can never disagree on what a valid
-request is. The pools refresh in a background task started by the app's lifespan; the first
+Generation and tokenizer bodies are not validated here: they go to a worker as received, and the
+worker's 400/404 comes back unchanged, so the router and the workers can never disagree on what a
+valid request is. /v1/models is a worker's list with the router's own start as `created`, so it
+is the same whichever worker answers; /version is the router's own.
+
+The pools refresh in a background task started by the app's lifespan; the first
 refresh completes before the router takes requests.
 """
 
@@ -21,12 +25,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from phasefleet.router.dispatch import Router
-from phasefleet.server.errors import install_error_handlers
+from phasefleet.server.errors import APIError, install_error_handlers
+from phasefleet.server.tokenize import package_version
 
 logger = logging.getLogger(__name__)
 
 # Status code logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
+WORKER_QUERY_TIMEOUT = 5.0  # seconds for a worker's /v1/models or tokenizer answer
 
 
 async def _refresh_forever(router: Router) -> None:
@@ -67,6 +73,34 @@ async def _unless_client_leaves(raw: Request, work: Awaitable[Response]) -> Resp
     return task.result()
 
 
+async def _from_a_worker(router: Router, path: str, body: bytes | None) -> httpx.Response | None:
+    """The answer of the first ready worker of the generation pool that answers `path` (GET, or
+    POST `body`) below 500: for what every worker answers alike (its model, its tokenizer)."""
+    for candidate in router.generation_pool.candidates(router.clock()):
+        url = f"{candidate.url}{path}"
+        with contextlib.suppress(httpx.HTTPError):
+            if body is None:
+                answer = await router.upstream.get(url, timeout=WORKER_QUERY_TIMEOUT)
+            else:
+                headers = {"content-type": "application/json"}
+                answer = await router.upstream.client.post(
+                    url, content=body, headers=headers, timeout=WORKER_QUERY_TIMEOUT
+                )
+            if answer.status_code < 500:
+                return answer
+    return None
+
+
+def _no_worker(router: Router) -> Response:
+    return APIError(
+        503,
+        f"no ready worker in {router.generation_pool.describe()} could answer",
+        type="service_unavailable",
+        code="no_ready_worker",
+        headers={"Retry-After": "1"},
+    ).response()
+
+
 def build_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,6 +117,7 @@ def build_app(router: Router) -> FastAPI:
                 await pool.discovery.aclose()
 
     app = FastAPI(title="PhaseFleet router", lifespan=lifespan)
+    started_at = int(time.time())  # /v1/models' `created`, the same in every answer
     app.state.router = router
     install_error_handlers(app)
 
@@ -103,21 +138,35 @@ def build_app(router: Router) -> FastAPI:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        pool = router.generation_pool
-        for candidate in pool.candidates(router.clock()):
-            with contextlib.suppress(httpx.HTTPError):
-                answer = await router.upstream.get(f"{candidate.url}/v1/models", timeout=5.0)
-                if answer.status_code == 200:
-                    return Response(answer.content, media_type="application/json")
+    async def models() -> JSONResponse:
+        answer = await _from_a_worker(router, "/v1/models", None)
+        if answer is not None and answer.status_code == 200:
+            listing = answer.json()
+            for card in listing.get("data", []):
+                card["created"] = started_at
+            return JSONResponse(listing)
         card = {
             "id": router.config.served_model_name,
             "object": "model",
-            "created": int(time.time()),
+            "created": started_at,
             "owned_by": "phasefleet",
             "root": router.config.served_model_name,
         }
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
+
+    async def relay(raw: Request) -> Response:
+        answer = await _from_a_worker(router, raw.url.path, await raw.body())
+        if answer is None:
+            return _no_worker(router)
+        content_type = answer.headers.get("content-type")
+        return Response(answer.content, answer.status_code, media_type=content_type)
+
+    app.add_api_route("/tokenize", relay, methods=["POST"])
+    app.add_api_route("/detokenize", relay, methods=["POST"])
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
