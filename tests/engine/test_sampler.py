@@ -111,3 +111,34 @@ def test_minus_infinity_logits_are_masked_tokens_not_a_fault() -> None:
     rows = [row(temperature=0), row(seed=3, top_p=0.9)]
     assert sample(logits, rows)[0] == 1
     assert all(r.error is None for r in rows)
+
+
+def test_logprobs_only_for_rows_that_ask_and_from_the_raw_logits() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
+    rows = [row(temperature=0, logprobs=2), row(temperature=0)]
+    assert sample(logits.clone(), rows) == [1, 0]
+    assert rows[1].logprob is None
+    entry = rows[0].logprob
+    assert entry is not None and entry.token_id == 1
+    raw = logits[0].log_softmax(-1)
+    assert entry.logprob == float(raw[1])
+    assert entry.top == [(1, float(raw[1])), (2, float(raw[2]))]
+    # A temperature changes the draw, never the reported logprob.
+    hot = [row(seed=1, temperature=50.0, logprobs=0)]
+    token = sample(logits[:1].clone(), hot)[0]
+    assert hot[0].logprob is not None and hot[0].logprob.logprob == float(raw[token])
+
+
+def test_banned_tokens_are_never_sampled_but_keep_their_raw_logprob() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    greedy = row(temperature=0, logprobs=0)
+    greedy.banned = [1]
+    assert sample(logits.clone(), [greedy]) == [2]
+    assert greedy.logprob is not None
+    assert greedy.logprob.logprob == float(logits[0].log_softmax(-1)[2])
+    drawn = set()
+    for seed in range(50):
+        sampled = row(seed=seed, temperature=1.0)
+        sampled.banned = [1, 2]
+        drawn.add(sample(logits.clone(), [sampled])[0])
+    assert drawn == {0}
