@@ -174,11 +174,11 @@ def test_hpa_scales_down_only_to_the_highest_ask_of_the_last_300_s() -> None:
 
 def test_oracle_sizes_follow_the_work_and_start_replicas_ahead() -> None:
     curves = make_curves()
-    arrivals = list(np.linspace(120, 179, 600))  # 600 x 0.1 s of prefill in the third minute
+    arrivals = list(np.linspace(120, 179, 540))  # 540 x 0.1 s of prefill in the third minute
     sizes = oracle_sizes(
         demand(make_trace(arrivals), curves), curves, {"prefill": 0.5, "decode": 0.5}
     )
-    assert list(sizes["prefill"][:4]) == [1, 1, 2, 1]  # 60 s of work at 50% in 60 s
+    assert list(sizes["prefill"][:4]) == [1, 1, 2, 1]  # 54 s of work at 50% in 60 s
     control = oracle(sizes, 60.0, lead_s=curves.startup_s + 15)
     fleet = Fleet(make_trace([0.0]), curves, {"prefill": 1, "decode": 1}, 0.05)
     assert control(fleet, 100.0)["prefill"] == 2  # 120 s is within 20 s
