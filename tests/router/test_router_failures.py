@@ -177,6 +177,9 @@ def test_no_ready_worker_answers_503_naming_the_pool() -> None:
     with run_router("--workers", nobody) as router:
         assert httpx.get(f"{router.base_url}/health").json()["ready_workers"] == {"worker": 0}
         assert [m.id for m in router.client().models.list().data] == ["tiny"]
+        tokenize = httpx.post(f"{router.base_url}/tokenize", json={"prompt": PROMPT})
+        assert tokenize.status_code == 503
+        assert tokenize.json()["error"]["code"] == "no_ready_worker"
         for stream in (False, True):
             with pytest.raises(openai.InternalServerError) as caught:
                 router.client().completions.create(
