@@ -344,3 +344,19 @@ def test_serve_downloads_once_and_serves_under_the_repo_id(
     assert serve_cli.served_name("org/tiny", folder) == "org/tiny"
     assert serve_cli.served_name(str(tiny_model), str(tiny_model)) == tiny_model.name
     assert serve_cli.served_name("tiny", "/cache/models/tiny-llama") == "tiny-llama"
+
+
+def test_bad_settings_are_refused_before_any_download(
+    tiny_model: Path, tiny_v1: Path, hf_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with local_hub(tiny_model, tiny_v1) as hub_server:
+        monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+        run = subprocess.run(
+            [*WORKER_COMMAND, "--model", "org/tiny", "--max-num-seqs", "0"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ),
+            timeout=120,
+        )
+    assert run.returncode == 2 and "max_num_seqs" in run.stderr, run.stderr
+    assert hub_server.requests == []

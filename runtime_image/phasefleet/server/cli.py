@@ -125,15 +125,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from phasefleet.server.model_source import ModelFetchError, resolve_model
-    from phasefleet.termination import fail
-
-    try:
-        folder = resolve_model(args.model, args.revision)  # a folder, or a Hub download
-    except ModelFetchError as exc:
-        return fail("phasefleet worker", str(exc))
-    args.served_model_name = args.served_model_name or args.model  # the repo id, not the cache
-    args.model = folder
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -158,6 +149,17 @@ def run(args: argparse.Namespace) -> int:
             )
         if not args.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
+    except ValueError as exc:
+        return fail(PROGRAM, str(exc), code=2)
+    from phasefleet.server.model_source import ModelFetchError, resolve_model
+
+    try:  # settings first: a bad flag is not found out after a long download
+        folder = resolve_model(args.model, args.revision)  # a folder, or a Hub download
+    except ModelFetchError as exc:
+        return fail(PROGRAM, str(exc))
+    args.served_model_name = args.served_model_name or args.model  # the repo id, not the cache
+    args.model = config.model = folder
+    try:
         model_folder_problem(args.model)
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
