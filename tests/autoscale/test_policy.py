@@ -228,6 +228,44 @@ def test_latency_near_its_target_blocks_a_scale_down() -> None:
     assert decision.pools["prefill"].desired == 4
 
 
+def test_a_slow_tpot_with_room_in_decode_does_not_grow_decode() -> None:
+    """Long prompts with short answers: the KV hand-off before the second token makes TPOT,
+    and decode has free KV and no queue, so more decode replicas would not help."""
+    sig = signals(0.0, calm_prefill(2), calm_decode(2, kv=0.4), tpot=0.12)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 2
+    loaded = signals(0.0, calm_prefill(2), calm_decode(2, kv=0.75), tpot=0.12)
+    decision = decide(disaggregated(), loaded, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 4  # 2 x 120 / 50 ms, bounded by maxStep
+    assert "TPOT p90 120 ms > target 50 ms" in decision.pools["decode"].reason
+
+
+def test_a_slow_ttft_from_long_prompts_on_idle_prefill_does_not_grow_prefill() -> None:
+    idle = PoolSignals(reporting=2, busy_fraction=0.4, prefill_backlog_tokens=0.0, waiting=0.0)
+    sig = signals(0.0, idle, calm_decode(2), ttft=0.9)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 2
+    queued = replace(idle, waiting=3.0)
+    sig = signals(0.0, queued, calm_decode(2), ttft=0.9)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 4
+
+
+def test_prompt_backlog_is_counted_in_seconds_of_capacity_not_of_demand() -> None:
+    """10k tokens pending at 20k tokens/s prefilled is 0.5 s of demand, but the pool is busy a
+    quarter of the time: it clears them in 0.125 s, under the 0.25 s allowed."""
+    quarter = PoolSignals(
+        reporting=2, busy_fraction=0.25, prefill_backlog_tokens=10_000, prompt_tokens_per_s=20_000
+    )
+    sig = signals(0.0, quarter, calm_decode(2), ttft=0.2)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 2
+    full = replace(quarter, busy_fraction=1.0)
+    sig = signals(0.0, full, calm_decode(2), ttft=0.2)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 3  # 0.5 s > 0.25 s: 2 x (1 + 0.5 / 15) -> 3
+
+
 def test_requests_waiting_for_a_decode_slot_grow_decode() -> None:
     decode = PoolSignals(reporting=2, kv_usage_sum=0.4, running=16.0, waiting=16.0)
     sig = signals(0.0, calm_prefill(2), decode, tpot=0.03)

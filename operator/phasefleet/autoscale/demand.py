@@ -66,7 +66,8 @@ def busy_term(pool: PoolSignals) -> Term | None:
 
 
 def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term | None:
-    """Prompt tokens waiting, in seconds of the pool's measured prefill throughput.
+    """Prompt tokens waiting, in seconds of the pool's measured prefill capacity (throughput
+    over busy fraction).
 
     Past the allowed backlog, the pool is sized to keep up with its current throughput and
     drain the backlog within one window: N x (1 + backlog_s / window_s). A load that doubles
@@ -77,6 +78,10 @@ def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term |
         return None
     allowed = targets.ttft_s * BACKLOG_SHARE_OF_TTFT if targets.ttft_s else DEFAULT_BACKLOG_S
     rate = pool.prompt_tokens_per_s
+    if rate and pool.busy_fraction:
+        # what the pool prefills per second of engine time: its capacity, where the rate
+        # alone is only the demand (a half-idle pool clears its backlog twice as fast)
+        rate /= min(1.0, max(pool.busy_fraction, 0.05))
     if not rate:
         return Term(pool.reporting + 1, 2.0, f"{tokens:.0f} prompt tokens waiting, none prefilled")
     backlog_s = tokens / rate
@@ -126,21 +131,42 @@ def latency_term(
     )
 
 
+def prefill_loaded(pool: PoolSignals) -> bool:
+    """Whether more prefill replicas could lower TTFT: prompts wait, or the engines are as busy
+    as their target. Otherwise a high TTFT is the prompts' own length, which no replica count
+    shortens."""
+    return bool(pool.waiting) or (pool.busy_fraction or 0.0) >= BUSY_TARGET
+
+
+def decode_loaded(pool: PoolSignals, targets: Targets) -> bool:
+    """Whether more decode replicas could lower TPOT: requests wait for a batch slot, or the KV
+    caches are as full as their target. Otherwise a high TPOT is the KV hand-off before the
+    second token (long prompts with short answers), which no decode replica count shortens."""
+    kv = (pool.kv_usage_sum or 0.0) / max(pool.reporting, 1)
+    return bool(pool.waiting) or kv >= targets.kv_cache_target
+
+
 def terms(role: str, pool: PoolSignals, signals: Signals, targets: Targets) -> list[Term]:
-    """Every signal's size for this pool: prefill-side, decode-side, or both (aggregated)."""
+    """Every signal's size for this pool: prefill-side, decode-side, or both (aggregated).
+    In a prefill or decode pool a latency term counts only while the pool is loaded (see
+    prefill_loaded, decode_loaded); an aggregated pool's latency is also its phases'
+    interference, which more replicas do relieve."""
     prefill_side = role in (Role.PREFILL.value, Role.WORKER.value)
     decode_side = role in (Role.DECODE.value, Role.WORKER.value)
+    aggregated = prefill_side and decode_side
     n, p = pool.reporting, targets.percentile
     found: list[Term | None] = []
     if prefill_side:
+        ttft = signals.ttft_s if aggregated or prefill_loaded(pool) else None
         found += [
-            latency_term("TTFT", signals.ttft_s, targets.ttft_s, n, p),
+            latency_term("TTFT", ttft, targets.ttft_s, n, p),
             backlog_term(pool, targets, signals.window_s),
             busy_term(pool),
         ]
     if decode_side:
+        tpot = signals.tpot_s if aggregated or decode_loaded(pool, targets) else None
         found += [
-            latency_term("TPOT", signals.tpot_s, targets.tpot_s, n, p),
+            latency_term("TPOT", tpot, targets.tpot_s, n, p),
             kv_term(pool, targets),
             queue_term(pool),
         ]
