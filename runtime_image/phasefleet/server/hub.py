@@ -63,7 +63,7 @@ def fetch_model(
 
     Reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and the cache's place (HF_HUB_CACHE, else
     HF_HOME/hub) when called; raises ModelFetchError."""
-    endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     cache = str(cache_dir or _cache_folder())
     where = f"model {repo_id}" + (f" at revision {revision}" if revision else "")
     try:
