@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL
 from phasefleet.autoscale.deployments import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
-from phasefleet.autoscale.report import Notice
+from phasefleet.autoscale.report import Notice, summary
 from phasefleet.autoscale.service import ServiceAutoscaler, rfc3339, scrape_targets
 from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, replicas_managers
@@ -45,11 +45,13 @@ def make_signals(
     decode_kv: float = 0.1,
     decode_pods: dict[str, PodLoad] | None = None,
 ) -> Signals:
+    """`ttft` over the 100 ms target comes with a busy prefill pool (a load more replicas help)."""
+    busy = 0.9 if ttft is not None and ttft > 0.1 else 0.1
     return Signals(
         sampled_at=now,
         window_s=12.0,
         pools={
-            "prefill": PoolSignals(reporting=prefill, busy_fraction=0.1, prefill_backlog_tokens=0),
+            "prefill": PoolSignals(reporting=prefill, busy_fraction=busy, prefill_backlog_tokens=0),
             "decode": PoolSignals(
                 reporting=decode,
                 kv_usage_sum=decode_kv * decode,
@@ -198,6 +200,10 @@ def test_missing_metrics_hold_every_pool_and_warn_once():
     assert [(n.type, n.reason) for n in step.notices] == [("Warning", "MetricsUnavailable")]
     assert "PrometheusUnreachable" in step.notices[0].message
     assert scaler.step(T0 + 6).notices == []  # still False: no new Warning
+    assert summary(step.decision) == (
+        "holds prefill at 1, decode at 1: MetricsAvailable=False PrometheusUnreachable:"
+        " Prometheus at http://p:9090 did not answer: check its url"
+    )
 
 
 def test_scale_down_marks_the_least_loaded_pod_first():

@@ -133,7 +133,13 @@ def notices(decision: Decision, previous: dict[str, Any]) -> list[Notice]:
 
 
 def summary(decision: Decision) -> str:
-    """The decision as one log line: every pool's sentence."""
+    """The decision as one log line: every pool's sentence, or the hold and why."""
+    if not decision.metrics_available and not any(p.changed for p in decision.pools.values()):
+        sizes = ", ".join(f"{role} at {pool.current}" for role, pool in decision.pools.items())
+        return (
+            f"holds {sizes}: MetricsAvailable=False {decision.metrics_reason}:"
+            f" {decision.metrics_message}"
+        )
     pools = "; ".join(pool.reason for pool in decision.pools.values())
     if decision.metrics_available:
         return pools

@@ -35,31 +35,40 @@ def autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
 
 @kopf.daemon(GROUP, VERSION, PLURAL, when=autoscaling_enabled, cancellation_backoff=10.0)
 async def autoscale(
-    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> None:
     namespace, name = body.metadata.namespace or "", body.metadata.name or ""
     scaler = ServiceAutoscaler(memo.api, namespace, name, getattr(memo, "prometheus_url", None))
-    logger.info("autoscaler started (%s)", scaler.source_name)
+    where = f"{namespace}/{name}"
+    log.info("autoscaler %s: started, %s", where, scaler.source_name)
+    available: bool | None = None  # MetricsAvailable at the last decision
     while not stopped:
         started = time.monotonic()
         try:
             step = await asyncio.to_thread(scaler.step, time.time())
         except (Transient, Rejected, Gone) as exc:
-            log.warning("autoscaler %s/%s: %s", namespace, name, exc)
+            log.warning(
+                "autoscaler %s: step failed, retrying in %.0f s: %s", where, RETRY_SECONDS, exc
+            )
             await stopped.wait(RETRY_SECONDS)
             continue
         for notice in step.notices:
             kopf.event(body, type=notice.type, reason=notice.reason, message=notice.message)
-        if step.decision is not None and any(p.changed for p in step.decision.pools.values()):
-            logger.info("autoscaler: %s", summary(step.decision))
-        elif step.decision is not None and not step.decision.metrics_available:
-            logger.info("autoscaler holds: %s", summary(step.decision))
-        elif step.decision is not None:
-            logger.debug("autoscaler: %s", summary(step.decision))
+        decision = step.decision
+        if decision is None:
+            log.debug("autoscaler %s: no decision: %s", where, step.skipped)
+        elif (
+            any(p.changed for p in decision.pools.values())
+            or decision.metrics_available != available
+        ):
+            log.info("autoscaler %s: %s", where, summary(decision))  # a change: one line
+            available = decision.metrics_available
+        else:
+            log.debug("autoscaler %s: %s", where, summary(decision))
         await stopped.wait(max(0.0, step.interval_s - (time.monotonic() - started)))
     if stopped.reason is not None and stopped.reason & kopf.DaemonStoppingReason.FILTERS_MISMATCH:
         try:
             await asyncio.to_thread(scaler.release)
         except (Transient, Rejected, Gone) as exc:
-            log.warning("autoscaler %s/%s: could not clear its status: %s", namespace, name, exc)
-        logger.info("autoscaler stopped: autoscaling is off, the operator owns replicas again")
+            log.warning("autoscaler %s: could not clear its status: %s", where, exc)
+        log.info("autoscaler %s: stopped, autoscaling is off", where)
