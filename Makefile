@@ -7,7 +7,7 @@ PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
 .PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean \
-	crds bench-operator operator-image demo demo-down
+	crds bench-operator bench-autoscale operator-image demo demo-down
 
 all: venv
 
@@ -60,6 +60,11 @@ crds: venv
 # 50 InferenceServices on the e2e control plane; results go in bench/RESULTS.md by hand.
 bench-operator: venv tools
 	$(PY) bench/operator_scale.py --count 50
+
+# The autoscaling policies replayed on every trace in ../shared/traces, in the simulator with the
+# 8B/H100 curves: tables on stdout, bench/autoscale_*.png; results go in bench/RESULTS.md by hand.
+bench-autoscale: venv
+	$(PY) bench/autoscale_replay.py
 
 operator-image:
 	docker build -f operator/Dockerfile -t ghcr.io/phasefleet/phasefleet-operator:0.1.0 .
