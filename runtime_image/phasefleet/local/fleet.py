@@ -4,6 +4,10 @@ The fleet writes its membership to a JSON file ({pool: [url, ...]}) that the rou
 every refresh, so workers added or drained while it runs (by a person or the autoscaler) join
 or leave the router without a restart. Workers are added to the file only once healthy, and
 removed from it before they are told to drain.
+
+Every worker is in one of three lists: `starting` (loading, not in the file), `workers` (in the
+file, serving) and `leaving` (out of the file, draining). One lock guards the lists and the file,
+so the autoscaler's threads and Ctrl-C may change them at the same time; `stop` reaches all three.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,9 +69,14 @@ class Fleet:
         self.config = config
         self.token = secrets.token_urlsafe(32)  # the fleet's internal token (never logged)
         self.members_path = config.run_dir / "workers.json"
-        self.workers: dict[str, list[Child]] = {pool: [] for pool in config.pools}
+        self.workers: dict[str, list[Child]] = {pool: [] for pool in config.pools}  # serving
+        self.starting: dict[str, list[Child]] = {pool: [] for pool in config.pools}  # loading
+        self.leaving: list[Child] = []  # retired: draining or about to be
+        self.load_seconds: list[float] = []  # each admitted worker's start-to-healthy time
         self.router: Child | None = None
         self._serial = 0
+        self._lock = threading.RLock()
+        self._stopping = False
 
     @property
     def url(self) -> str:
@@ -93,6 +103,7 @@ class Fleet:
         return Child(name, argv, port, self.config.run_dir / f"{name}.log", self._env())
 
     def _write_members(self) -> None:
+        """Call with the lock held (or before any thread starts)."""
         members = {pool: [w.url for w in ws] for pool, ws in self.workers.items()}
         tmp = self.members_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(members))
@@ -103,21 +114,12 @@ class Fleet:
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         self._write_members()
         started = [
-            (pool, self._new_worker(pool))
-            for pool, n in self.config.pools.items()
-            for _ in range(n)
+            self.start_worker(pool) for pool, n in self.config.pools.items() for _ in range(n)
         ]
-        for _, child in started:
-            child.start()
         with ThreadPoolExecutor(len(started)) as executor:
-            waits = [
-                executor.submit(c.wait_healthy, self.config.startup_timeout) for _, c in started
-            ]
-            for wait in waits:
-                wait.result()
-        for pool, child in started:
-            self.workers[pool].append(child)
-        self._write_members()
+            for joined in [executor.submit(self.admit, child) for child in started]:
+                if not joined.result():
+                    raise RuntimeError("the fleet was stopped while its workers were starting")
         argv = [
             *PHASEFLEET, "router",
             RouterFlag.SERVED_MODEL_NAME, self.config.served_model_name,
@@ -131,14 +133,60 @@ class Fleet:
         self.router.start()
         self.router.wait_healthy(60.0)
 
+    def start_worker(self, pool: str) -> Child:
+        """Starts one more worker process in `pool`, listed as starting; `admit` waits for it."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"the fleet is stopping: no new {pool} worker")
+            child = self._new_worker(pool)
+            child.start()
+            self.starting[pool].append(child)
+            return child
+
+    def admit(self, child: Child) -> bool:
+        """Waits until a started worker is healthy, then adds it to the router's list. False if it
+        was cancelled or the fleet stopped meanwhile; RuntimeError (and the worker is stopped) if
+        it exited or timed out."""
+        try:
+            child.wait_healthy(self.config.startup_timeout)
+        except RuntimeError:
+            with self._lock:
+                pool = self._starting_pool(child)
+                if pool is None or self._stopping:
+                    return False  # cancelled or stopped: it exited because it was told to
+                self.starting[pool].remove(child)
+            child.terminate()
+            child.wait(5.0)
+            raise
+        with self._lock:
+            pool = self._starting_pool(child)
+            if pool is None or self._stopping:
+                return False
+            self.starting[pool].remove(child)
+            self.workers[pool].append(child)
+            self._write_members()
+            if child.started_at is not None:
+                self.load_seconds.append(time.monotonic() - child.started_at)
+        logger.info("%s joined (%s)", child.name, child.url)
+        return True
+
+    def _starting_pool(self, child: Child) -> str | None:
+        return next((pool for pool, cs in self.starting.items() if child in cs), None)
+
+    def cancel(self, child: Child) -> None:
+        """Stops a worker that is still loading; `admit` then returns False."""
+        with self._lock:
+            pool = self._starting_pool(child)
+            if pool is None:
+                return
+            self.starting[pool].remove(child)
+        child.terminate()
+
     def add_worker(self, pool: str) -> Child:
         """Starts one more worker in `pool`; it joins the router once healthy."""
-        child = self._new_worker(pool)
-        child.start()
-        child.wait_healthy(self.config.startup_timeout)
-        self.workers[pool].append(child)
-        self._write_members()
-        logger.info("%s joined (%s)", child.name, child.url)
+        child = self.start_worker(pool)
+        if not self.admit(child):
+            raise RuntimeError(f"{child.name} was stopped before it joined")
         return child
 
     def remove_worker(self, child: Child, refresh_wait: float = 2.0) -> None:
@@ -150,28 +198,52 @@ class Fleet:
 
     def retire(self, child: Child) -> None:
         """Out of the router's list: it gets no new requests, keeps serving those it has."""
-        for workers in self.workers.values():
-            if child in workers:
-                workers.remove(child)
-        self._write_members()
+        with self._lock:
+            for workers in self.workers.values():
+                if child in workers:
+                    workers.remove(child)
+                    self.leaving.append(child)
+            self._write_members()
 
     def drain(self, child: Child) -> None:
         """SIGTERM: the worker finishes its in-flight requests and exits; waits for that."""
         child.terminate()
         child.wait(self.config.drain_timeout + 5.0)
+        with self._lock:
+            if child in self.leaving:
+                self.leaving.remove(child)
         logger.info("%s drained and stopped", child.name)
 
+    def members(self) -> dict[str, list[Child]]:
+        """The serving workers per pool (a copy)."""
+        with self._lock:
+            return {pool: list(ws) for pool, ws in self.workers.items()}
+
+    def starting_workers(self) -> dict[str, list[Child]]:
+        """The workers still loading per pool (a copy), oldest first."""
+        with self._lock:
+            return {pool: list(cs) for pool, cs in self.starting.items()}
+
     def dead_children(self) -> list[Child]:
-        everyone = [*(w for ws in self.workers.values() for w in ws)]
+        """Serving workers and the router that exited (not ones starting or leaving)."""
+        with self._lock:
+            everyone = [w for ws in self.workers.values() for w in ws]
         if self.router is not None:
             everyone.append(self.router)
         return [c for c in everyone if c.popen is not None and not c.running()]
 
     def stop(self) -> None:
-        """Drains the router (its open streams finish), then every worker; none is left."""
+        """Drains the router (its open streams finish), then every worker, starting and leaving
+        ones too; none is left. Workers already draining are not signalled twice."""
+        with self._lock:
+            self._stopping = True
+            workers = [
+                *(w for ws in self.workers.values() for w in ws),
+                *(c for cs in self.starting.values() for c in cs),
+                *self.leaving,
+            ]
         if self.router is not None:
             self.router.terminate()
-        workers = [w for ws in self.workers.values() for w in ws]
         for worker in workers:
             worker.terminate()
         grace = self.config.drain_timeout + 5.0

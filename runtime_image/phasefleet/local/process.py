@@ -36,6 +36,8 @@ class Child:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started_at: float | None = None  # time.monotonic() at start()
+    signalled: bool = False  # SIGTERM sent: a second one would cut its drain short
 
     @property
     def url(self) -> str:
@@ -43,6 +45,7 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
                 self.argv,
@@ -76,8 +79,9 @@ class Child:
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
     def terminate(self) -> None:
-        """SIGTERM: the child drains (finishes in-flight requests) and exits."""
-        if self.running() and self.popen is not None:
+        """SIGTERM, once: the child drains (finishes in-flight requests) and exits."""
+        if self.running() and self.popen is not None and not self.signalled:
+            self.signalled = True
             self.popen.send_signal(signal.SIGTERM)
 
     def wait(self, timeout: float) -> None:

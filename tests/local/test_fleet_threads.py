@@ -1,0 +1,80 @@
+"""The fleet's bookkeeping under the autoscaler's threads: a worker still loading is stopped by
+`cancel` or by `stop` (Ctrl-C) and never joins the router; a draining child gets one SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from phasefleet.local.fleet import Fleet, FleetConfig
+from phasefleet.local.process import Child
+from tests.server.worker_proc import free_port
+
+
+def make_fleet(model: Path, run_dir: Path) -> Fleet:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = FleetConfig(
+        model=str(model),
+        served_model_name="tiny",
+        port=free_port(),
+        pools={"prefill": 1, "decode": 1},
+        run_dir=run_dir,
+    )
+    return Fleet(config)
+
+
+def admit_in_thread(fleet: Fleet, child: Child) -> tuple[threading.Thread, list[bool]]:
+    joined: list[bool] = []
+    thread = threading.Thread(target=lambda: joined.append(fleet.admit(child)))
+    thread.start()
+    return thread, joined
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+def test_a_worker_stopped_while_loading_never_joins(
+    tiny_model: Path, tmp_path: Path, how: str
+) -> None:
+    fleet = make_fleet(tiny_model, tmp_path)
+    child = fleet.start_worker("prefill")
+    assert fleet.starting_workers()["prefill"] == [child]
+    thread, joined = admit_in_thread(fleet, child)
+    time.sleep(0.5)  # it is importing torch and loading the model
+    if how == "cancel":
+        fleet.cancel(child)
+        assert fleet.starting_workers()["prefill"] == []
+    else:
+        fleet.stop()
+    thread.join(60)
+    assert joined == [False]  # told to stop: not an error
+    assert child.popen is not None and child.popen.poll() is not None
+    assert fleet.members() == {"prefill": [], "decode": []}
+    assert not (tmp_path / "workers.json").exists()  # the router's list was never written
+    if how == "stop":
+        with pytest.raises(RuntimeError, match="the fleet is stopping"):
+            fleet.start_worker("decode")
+    fleet.stop()
+
+
+def test_terminate_sends_sigterm_once(tmp_path: Path) -> None:
+    counts = (
+        "import signal, sys, time\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: seen.append(1))\n"
+        "print('ready', flush=True)\n"
+        "deadline = time.monotonic() + 1.5\n"
+        "while time.monotonic() < deadline: time.sleep(0.05)\n"
+        "print('sigterms', len(seen))\n"
+    )
+    child = Child("counter", [sys.executable, "-c", counts], 0, tmp_path / "counter.log")
+    child.start()
+    while "ready" not in child.log_tail():
+        time.sleep(0.05)
+    child.terminate()
+    time.sleep(0.2)
+    child.terminate()  # e.g. Ctrl-C's stop() after the autoscaler began this child's drain
+    child.wait(10)
+    assert "sigterms 1" in child.log_tail()
