@@ -3,8 +3,14 @@
     phasefleet serve --model tiny                        # 1 prefill + 1 decode worker
     phasefleet serve --model DIR --prefill 2 --decode 2 --port 8000
     phasefleet serve --model DIR --aggregated --workers 2
+    phasefleet serve --model DIR --autoscale --max prefill=3 --max decode=2 --ttft-ms 500
 
-Ctrl-C (or SIGTERM) drains the router and every worker, then exits; no process is left behind.
+With --autoscale, a loop sizes each pool between its --min and --max on the SLO, with the
+operator's policy (phasefleet.local.autoscaler; flags in phasefleet.local.scaling_flags): new
+workers join the router once healthy, removed ones drain. Each decision is logged.
+
+Ctrl-C (or SIGTERM) stops the autoscaler, then drains the router and every worker (starting and
+draining ones too), then exits; no process is left behind.
 """
 
 from __future__ import annotations
@@ -20,12 +26,16 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from phasefleet.local import scaling_flags
+
 if TYPE_CHECKING:
+    from phasefleet.local.autoscaler import Autoscaler
     from phasefleet.local.fleet import Fleet
 
 logger = logging.getLogger("phasefleet.serve")
 
 TINY = "tiny"  # --model tiny: a small random model, written once into the cache
+WINDOW_INTERVALS = 4  # --autoscale: rates and latency quantiles cover this many intervals
 
 
 def tiny_model_dir() -> Path:
@@ -42,12 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send (default: the folder's)"
     )
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    start = "(default 1; with --autoscale, its --min)"
+    parser.add_argument("--prefill", type=int, help=f"prefill workers to start with {start}")
+    parser.add_argument("--decode", type=int, help=f"decode workers to start with {start}")
     parser.add_argument(
         "--aggregated", action="store_true", help="one pool of workers that do both phases"
     )
-    parser.add_argument("--workers", type=int, default=1, help="workers with --aggregated")
+    parser.add_argument("--workers", type=int, help=f"workers with --aggregated {start}")
     parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
     parser.add_argument(
@@ -61,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=25.0, help="seconds in-flight requests get on stop"
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    scaling_flags.add_arguments(parser)
 
 
 def resolve_model(model: str) -> str:
@@ -95,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     from phasefleet.local.fleet import Fleet, FleetConfig
 
-    pools = {"worker": args.workers} if args.aggregated else {
-        "prefill": args.prefill, "decode": args.decode,
-    }  # fmt: skip
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="phasefleet-serve-"))
     try:
+        pools, bounds = scaling_flags.pool_sizes(
+            args, ["worker"] if args.aggregated else ["prefill", "decode"]
+        )
         model = resolve_model(args.model)
         config = FleetConfig(
             model=model,
@@ -128,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"phasefleet serve: {exc}", file=sys.stderr)
         fleet.stop()
         return 1
+    autoscaler = _start_autoscaler(args, fleet, bounds) if args.autoscale else None
     print(_banner(fleet), flush=True)
     code = 0
     while not stop.wait(1.0):
@@ -139,9 +152,39 @@ def run(args: argparse.Namespace) -> int:
                 )
             code = 1
             break
+        if autoscaler is not None and autoscaler.failed():
+            print("phasefleet serve: the autoscaler failed (traceback above)", file=sys.stderr)
+            code = 1
+            break
+    if autoscaler is not None:
+        autoscaler.stop()  # no decision starts or drains a worker from here on
     logger.info("draining and stopping the fleet")
     fleet.stop()
+    if autoscaler is not None:
+        autoscaler.join_actions()
     return code
+
+
+def _start_autoscaler(
+    args: argparse.Namespace, fleet: Fleet, bounds: dict[str, tuple[int, int]]
+) -> Autoscaler:
+    from phasefleet.autoscale.scrape import ScrapeSource
+    from phasefleet.local.autoscaler import Autoscaler, scrape_targets
+
+    startup_s = max(fleet.load_seconds)  # the first workers' load, all at once
+    config = scaling_flags.scaling_config(args, bounds, startup_s)
+    source = ScrapeSource(
+        lambda: scrape_targets(fleet),
+        percentile=config.percentile,
+        window_s=WINDOW_INTERVALS * config.interval_s,
+    )
+    autoscaler = Autoscaler(fleet, source, config)
+    autoscaler.start()
+    limits = ", ".join(f"{pool} {low}..{high}" for pool, (low, high) in bounds.items())
+    logger.info(
+        "autoscaling every %gs (%s; a worker loads in %.0fs)", config.interval_s, limits, startup_s
+    )
+    return autoscaler
 
 
 def _banner(fleet: Fleet) -> str:

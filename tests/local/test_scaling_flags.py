@@ -1,0 +1,92 @@
+"""`phasefleet serve`'s autoscaling flags: pool bounds, starting sizes, the policy's config, and
+errors that name the flag."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from phasefleet.autoscale.policy import PoolLimits
+from phasefleet.cli import build_parser
+from phasefleet.local.scaling_flags import pool_sizes, scaling_config
+
+DISAGGREGATED = ["prefill", "decode"]
+
+
+def parse(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", "--model", "tiny", *flags])
+
+
+def test_defaults_start_each_pool_at_its_min_and_let_it_grow_to_four() -> None:
+    args = parse("--autoscale")
+    sizes, bounds = pool_sizes(args, DISAGGREGATED)
+    assert sizes == {"prefill": 1, "decode": 1}
+    assert bounds == {"prefill": (1, 4), "decode": (1, 4)}
+    config = scaling_config(args, bounds, startup_s=12.5)
+    assert config.pools == {"prefill": PoolLimits(1, 4), "decode": PoolLimits(1, 4)}
+    assert (config.ttft_s, config.tpot_s, config.percentile, config.kv_cache_target) == (
+        None, None, 0.9, 0.7,
+    )  # fmt: skip
+    assert (config.interval_s, config.scale_down_stabilization_s, config.max_step) == (15, 300, 2)
+    assert config.startup_s == 12.5
+
+
+def test_flags_reach_the_policy_config() -> None:
+    args = parse(
+        "--autoscale", "--prefill", "2", "--min", "prefill=2", "--max", "prefill=6",
+        "--max", "decode=3", "--ttft-ms", "400", "--tpot-ms", "40", "--percentile", "0.95",
+        "--kv-cache-target", "0.8", "--interval", "2.5", "--scale-down-window", "60",
+        "--max-step", "3",
+    )  # fmt: skip
+    sizes, bounds = pool_sizes(args, DISAGGREGATED)
+    assert sizes == {"prefill": 2, "decode": 1}
+    config = scaling_config(args, bounds, startup_s=8.0)
+    assert config.pools == {"prefill": PoolLimits(2, 6), "decode": PoolLimits(1, 3)}
+    assert (config.ttft_s, config.tpot_s, config.percentile, config.kv_cache_target) == (
+        0.4, 0.04, 0.95, 0.8,
+    )  # fmt: skip
+    assert (config.interval_s, config.scale_down_stabilization_s, config.max_step) == (2.5, 60, 3)
+
+
+def test_aggregated_fleet_has_one_pool_named_worker() -> None:
+    args = parse("--aggregated", "--autoscale", "--workers", "3", "--max", "worker=5")
+    assert pool_sizes(args, ["worker"]) == ({"worker": 3}, {"worker": (1, 5)})
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--min", "prefill=2"], "--min need --autoscale"),
+        (["--autoscale", "--min", "prefill"], "--min: expected POOL=N with N a whole number"),
+        (["--autoscale", "--max", "decode=-1"], "--max: expected POOL=N"),
+        (["--autoscale", "--min", "worker=2"], "--min worker=2: no pool 'worker'"),
+        (["--autoscale", "--min", "decode=0"], "--min decode=0: a local pool needs at least 1"),
+        (["--autoscale", "--min", "decode=3", "--max", "decode=2"], "--max decode=2 is below"),
+        (["--autoscale", "--prefill", "5", "--max", "prefill=4"], "--prefill 5 is outside"),
+        (["--autoscale", "--percentile", "1.5"], "--percentile must be between 0.5 and 0.999"),
+        (["--autoscale", "--kv-cache-target", "0"], "--kv-cache-target must be between"),
+        (["--autoscale", "--ttft-ms", "0"], "--ttft-ms must be >= 1, got 0"),
+        (["--autoscale", "--interval", "0"], "--interval must be > 0 seconds"),
+        (["--autoscale", "--max-step", "0"], "--max-step must be >= 1"),
+        (["--autoscale", "--scale-down-window", "-1"], "--scale-down-window must be >= 0"),
+    ],
+)
+def test_bad_flags_are_named(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        pool_sizes(parse(*flags), DISAGGREGATED)
+
+
+def test_serve_refuses_a_bad_flag_before_loading_anything(tiny_model: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "phasefleet.cli", "serve", "--model", str(tiny_model),
+         "--autoscale", "--max", "prefill=x"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "phasefleet serve: --max: expected POOL=N with N a whole number, got 'prefill=x'" in (
+        out.stderr
+    )
