@@ -126,6 +126,8 @@ def test_a_container_running_again_after_a_crash_still_reports_it_until_ready():
     status["containerStatuses"][0]["state"] = {"running": {"startedAt": "2026-11-22T10:01:00Z"}}
     problem = pod_problem([pod("p", **status)])
     assert problem is not None and "model folder /m does not exist" in problem.message
+    status["containerStatuses"][0]["started"] = True  # loaded again, merely not ready yet
+    assert pod_problem([pod("p", **status)]) is None
     status["containerStatuses"][0]["ready"] = True
     assert pod_problem([pod("p", **status)]) is None
 

@@ -87,14 +87,14 @@ def _unschedulable(pod: dict[str, Any], where: str, role: str) -> Problem | None
 
 
 def _exit_problem(container: dict[str, Any], where: str, role: str) -> Problem | None:
-    """A container that exited with an error and is not running ready again: its last exit,
-    with the message it left (the termination message) as the cause."""
+    """A container that exited with an error and is not running again past its startup
+    probe: its last exit, with the message it left (the termination message) as the cause."""
     state = container.get("state") or {}
     ended = state.get("terminated") or (container.get("lastState") or {}).get("terminated")
     if not ended or container.get("ready") or int(ended.get("exitCode") or 0) == 0:
         return None
-    if "running" in state and not int(container.get("restartCount") or 0):
-        return None
+    if "running" in state and (container.get("started") or not container.get("restartCount")):
+        return None  # running past its startup probe: merely not ready, not failing
     name, code = container.get("name", "?"), ended.get("exitCode")
     said = _last_words(ended.get("message") or "")
     if ended.get("reason") == "OOMKilled":
