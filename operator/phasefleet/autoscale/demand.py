@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from phasefleet.api.spec import Role
 from phasefleet.autoscale.signals import PoolSignals, Signals
 
-BUSY_TARGET = 0.75  # share of wall time a prefill engine may spend in steps
+BUSY_TARGET = 0.85  # share of wall time a prefill engine may spend in steps
 BACKLOG_SHARE_OF_TTFT = 0.5  # prompt backlog allowed, in seconds, as a share of the TTFT target
 DEFAULT_BACKLOG_S = 1.0  # backlog allowed when no TTFT target is set (seconds)
 HOT = 0.8  # latency above this share of its target: never scale down
@@ -174,11 +174,13 @@ def terms(role: str, pool: PoolSignals, signals: Signals, targets: Targets) -> l
 
 
 def hot(role: str, signals: Signals, targets: Targets) -> bool:
-    """Whether the pool's own latency is near its target: no scale-down then."""
+    """Whether the pool's own latency is near its target: no scale-down then. As for the
+    latency terms, a prefill or decode pool's latency counts only while that pool is loaded."""
+    pool = signals.pools.get(role) or PoolSignals(reporting=0)
     pairs = []
-    if role in (Role.PREFILL.value, Role.WORKER.value):
+    if role == Role.WORKER.value or (role == Role.PREFILL.value and prefill_loaded(pool)):
         pairs.append((signals.ttft_s, targets.ttft_s))
-    if role in (Role.DECODE.value, Role.WORKER.value):
+    if role == Role.WORKER.value or (role == Role.DECODE.value and decode_loaded(pool, targets)):
         pairs.append((signals.tpot_s, targets.tpot_s))
     return any(v is not None and t is not None and v > HOT * t for v, t in pairs)
 
