@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 from phasefleet.operator.compare import contains
-from phasefleet.operator.kube import Rejected
+from phasefleet.operator.kube import Gone, Rejected
 from phasefleet.operator.meta import FIELD_MANAGER, replicas_managers
 
 DEFAULT_REPLICAS = 1  # what the API server defaults a Deployment's missing spec.replicas to
@@ -114,6 +114,8 @@ class FakeApi:
 
     def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
         """A JSON merge patch: None deletes a key."""
+        if (kind, namespace, name) not in self.objects:
+            raise Gone(f"PATCH {kind}/{name}", 404, f'{kind.lower()}s "{name}" not found')
         live = self.objects[(kind, namespace, name)]
         self.objects[(kind, namespace, name)] = _merge_patch(live, patch)
         self._bump(self.objects[(kind, namespace, name)])

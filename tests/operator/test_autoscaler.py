@@ -8,7 +8,11 @@ import copy
 from typing import Any, cast
 
 from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL
-from phasefleet.autoscale.deployments import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
+from phasefleet.autoscale.deployments import (
+    DELETION_COST_ANNOTATION,
+    REMOVE_FIRST_COST,
+    mark_for_removal,
+)
 from phasefleet.autoscale.report import Notice, summary
 from phasefleet.autoscale.service import ServiceAutoscaler, rfc3339, scrape_targets
 from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
@@ -239,6 +243,16 @@ def test_scale_down_marks_the_least_loaded_pod_first():
     marked = api.writes.index(("patch", "Pod", "d-idle-kv-low"))
     assert marked < api.writes.index(("apply", "Deployment", "llm-decode"))
     assert [n.reason for n in step.notices] == ["ScaledDown"]
+
+
+def test_a_pod_gone_before_its_mark_is_skipped():
+    api = FakeApi()
+    pods = [make_pod("d-gone", "decode"), make_pod("d-old-mark", "decode", cost=REMOVE_FIRST_COST)]
+    api.add(pods[1])
+    mark_for_removal(api, NAMESPACE, pods, ["d-gone"])
+    assert api.patches == [
+        ("Pod", "d-old-mark", {"metadata": {"annotations": {DELETION_COST_ANNOTATION: None}}})
+    ]
 
 
 def test_gpu_budget_caps_growth_with_scaling_limited():

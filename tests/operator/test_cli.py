@@ -24,6 +24,19 @@ def test_namespaces_from_flags_then_env(monkeypatch: pytest.MonkeyPatch):
     assert cli.watched_namespaces(parse()) == []
 
 
+def test_prometheus_url_from_flag_then_env_and_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setenv(cli.PROMETHEUS_ENV, "http://prometheus.monitoring:9090")
+    assert parse().prometheus_url == "http://prometheus.monitoring:9090"
+    assert parse("--prometheus-url", "https://p").prometheus_url == "https://p"
+    monkeypatch.delenv(cli.PROMETHEUS_ENV)
+    assert cli.check_prometheus_url(parse().prometheus_url) is None  # scrape the pods
+    assert cli.run(parse("--prometheus-url", "prometheus:9090")) == 2
+    err = capsys.readouterr().err
+    assert "must start with http:// or https://" in err and "prometheus.url" in err
+
+
 def test_cli_modules_do_not_import_kopf_or_kubernetes_at_import_time():
     import importlib
 

@@ -9,11 +9,12 @@ over `kube.Api`, no kopf.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 from phasefleet.autoscale.signals import PodLoad
-from phasefleet.operator.kube import Api
+from phasefleet.operator.kube import Api, Gone
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, replicas_managers
 
 # The ReplicaSet controller removes pods with the lowest cost first (after unready ones); every
@@ -75,6 +76,10 @@ def mark_for_removal(
             value = None  # merge patch: removes the annotation
         else:
             continue
-        api.patch(
-            "Pod", namespace, name, {"metadata": {"annotations": {DELETION_COST_ANNOTATION: value}}}
-        )
+        with contextlib.suppress(Gone):  # a pod deleted meanwhile needs no mark
+            api.patch(
+                "Pod",
+                namespace,
+                name,
+                {"metadata": {"annotations": {DELETION_COST_ANNOTATION: value}}},
+            )

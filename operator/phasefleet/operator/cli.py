@@ -48,8 +48,27 @@ def watched_namespaces(args: argparse.Namespace) -> list[str]:
     return [ns.strip() for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns.strip()]
 
 
+def check_prometheus_url(url: str) -> str | None:
+    """The autoscaler's Prometheus URL, or None (scrape the pods); ValueError names the fix."""
+    if not url:
+        return None
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(
+            f"--prometheus-url / ${PROMETHEUS_ENV} (the chart's prometheus.url) must start with"
+            f" http:// or https://, got {url!r}"
+        )
+    return url
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
+    import sys
+
+    try:
+        prometheus_url = check_prometheus_url(args.prometheus_url)
+    except ValueError as exc:
+        print(f"phasefleet operator: {exc}", file=sys.stderr)
+        return 2
 
     import kopf
 
@@ -66,6 +85,6 @@ def run(args: argparse.Namespace) -> int:
         standalone=args.peering is None,
         peering_name=args.peering,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(prometheus_url=args.prometheus_url or None),
+        memo=kopf.Memo(prometheus_url=prometheus_url),
     )
     return 0
