@@ -1,13 +1,14 @@
 """Every panel of the chart's dashboard shows data for a live service.
 
 The operator runs a tiny aggregated InferenceService (one worker, one router) whose pods the pod
-runner runs as processes; a real Prometheus scrapes them every second, each target labelled as
-the chart's PodMonitor labels a pod (namespace, pod, and inferenceservice and pool from the pod's
-labels). While requests flow through the router, each query of the dashboard as the chart's
-ConfigMap ships it, with the template variables filled in as Grafana would, must return a finite
-value. The replicas panel's kube-state-metrics queries must parse but find nothing: the e2e
-cluster runs no kube-state-metrics; the panel's own PhaseFleet query carries its data. The
-chart's alert expressions run on the same data: the SLIs are ratios, and no alert fires.
+runner runs as processes. A real Prometheus finds them through Kubernetes pod discovery (the
+harness's podsd.py) and scrapes them every second with the chart's own PodMonitor relabelings
+(namespace, pod, and inferenceservice and pool from the pods' labels). While requests flow
+through the router, each query of the dashboard as the chart's ConfigMap ships it, with the
+template variables filled in as Grafana would, must return a finite value. The replicas panel's
+kube-state-metrics queries must parse but find nothing: the e2e cluster runs no
+kube-state-metrics; the panel's own PhaseFleet query carries its data. The chart's alert
+expressions run on the same series: the SLIs are ratios, and no other alert condition holds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import openai
@@ -24,12 +26,16 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane
+from e2e.harness.kubeapi import KubeApi
+from e2e.harness.podsd import PodDiscovery
 from e2e.harness.prometheus import Prometheus
 from e2e.harness.wait import wait_for
+from e2e.test_autoscaling import PLANS, pod_monitor_scrape_config, ship_linear_plans
 from e2e.test_chart_observability import rendered_dashboard, rule_groups
-from e2e.test_operator_support import Operator, get, is_ready
-from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL, ROUTER_PORT, ROUTER_ROLE, WORKER_PORT
+from e2e.test_operator_support import Operator, is_ready
+from phasefleet.api.contract import ROUTER_PORT, ROUTER_ROLE
 from phasefleet.api.dashboard import KSM_METRICS
+from phasefleet.engine.models.linear_plan import CACHE_ENV
 
 NAME = "dash"
 RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape at a 10 s step, about
@@ -49,31 +55,11 @@ def service(image_model: str) -> dict[str, Any]:
                 "dtype": "float32",
             },
             "mode": "aggregated",
+            "runtime": {"env": [{"name": CACHE_ENV, "value": f"/{PLANS}"}]},
             "worker": {"replicas": 1, "maxNumSeqs": 8},
             "router": {"replicas": 1},
         },
     }
-
-
-def scrape_targets(cluster: ControlPlane, namespace: str) -> list[dict[str, Any]]:
-    """One static target per Ready pod, labelled as the chart's PodMonitor relabels it."""
-    found = get(cluster, "pods", "-n", namespace, "-l", f"{ISVC_LABEL}={NAME}") or {}
-    targets = []
-    for pod in found.get("items", []):
-        labels = pod["metadata"]["labels"]
-        port = ROUTER_PORT if labels[ROLE_LABEL] == ROUTER_ROLE else WORKER_PORT
-        targets.append(
-            {
-                "targets": [f"{pod['status']['podIP']}:{port}"],
-                "labels": {
-                    "namespace": namespace,
-                    "pod": pod["metadata"]["name"],
-                    "inferenceservice": labels[ISVC_LABEL],
-                    "pool": labels[ROLE_LABEL],
-                },
-            }
-        )
-    return targets
 
 
 class Load:
@@ -137,6 +123,7 @@ def live_service(
 ) -> str:
     """The service, Ready, in a run namespace (deleted with it); returns the namespace."""
     manifest = yaml.safe_dump(service(image_model))
+    ship_linear_plans(cluster)
     cluster.kubectl("apply", "-n", run_namespace, "-f", "-", input=manifest)
     try:
         wait_for(lambda: is_ready(cluster, run_namespace, NAME), 360, f"{NAME} Ready")
@@ -151,9 +138,18 @@ def test_every_panel_has_data_while_requests_flow(
     start_prometheus: Callable[[list[dict[str, Any]]], Prometheus],
 ) -> None:
     namespace = live_service
-    targets = scrape_targets(cluster, namespace)
-    assert sorted(t["labels"]["pool"] for t in targets) == ["router", "worker"]
-    prometheus = start_prometheus([{"job_name": "phasefleet", "static_configs": targets}])
+    discovery = PodDiscovery(KubeApi.from_kubeconfig(cluster.kubeconfig), [namespace])
+    discovery.start()
+    with closing(discovery):
+        prometheus = start_prometheus([pod_monitor_scrape_config(cluster, discovery.url)])
+        check_live_service(prometheus, namespace)
+
+
+def check_live_service(prometheus: Prometheus, namespace: str) -> None:
+    targets = f'up{{namespace="{namespace}", inferenceservice="{NAME}"}} == 1'
+    wait_for(lambda: len(prometheus.query(targets)) == 2, 60, "the worker and router scraped")
+    pools = {r["metric"]["pool"]: r["metric"]["instance"] for r in prometheus.query(targets)}
+    assert set(pools) == {"router", "worker"}
     dashboard = rendered_dashboard()
     variables = {"namespace": namespace, "inferenceservice": NAME}
     variables["__rate_interval"] = RATE_INTERVAL
@@ -164,8 +160,7 @@ def test_every_panel_has_data_while_requests_flow(
         next(p for p in dashboard["panels"] if p["title"] == "Requests")["targets"][0]["expr"],
         variables,
     )
-    (router,) = [t for t in targets if t["labels"]["pool"] == ROUTER_ROLE]
-    load = Load(router["targets"][0].rsplit(":", 1)[0])
+    load = Load(pools[ROUTER_ROLE].rsplit(":", 1)[0])
     try:
         wait_for(lambda: any(v > 0 for v in finite(prometheus.query(request_rate))), 60, "traffic")
         time.sleep(3)  # a few more scrapes with traffic in every rate window
