@@ -13,7 +13,7 @@ import pytest
 
 from e2e.harness.container import Container
 from e2e.harness.images import pull_error, registry
-from e2e.harness.memcg import MemoryCgroup, quantity_bytes
+from e2e.harness.memcg import MemoryCgroup, quantity_bytes, remove_cgroup, stray_cgroups
 from e2e.harness.podspec import LaunchPlan
 
 
@@ -106,12 +106,33 @@ def test_a_container_over_its_memory_limit_is_oom_killed(tmp_path: Path) -> None
         pytest.skip("this machine gives no writable memory cgroup: limits are not enforced")
     probe.remove()
     grow = "b = bytearray(600 * 2**20)\nprint(len(b))"
-    c = container(
-        tmp_path, grow, memory_limit=200 * 2**20, cgroup_name=f"phasefleet-test-{os.getpid()}"
-    )
-    terminated = run_until_exit(c)["lastState"]["terminated"]
-    assert (terminated["exitCode"], terminated["reason"]) == (137, "OOMKilled")
-    assert c.cgroup is None  # removed after the exit
+    pod = tmp_path / "pod"  # the pods folder is tmp_path
+    pod.mkdir()
+    c = container(pod, grow, memory_limit=200 * 2**20, cgroup_name=f"phasefleet-test-{os.getpid()}")
+    try:
+        c.step(terminating=False)
+        assert c.cgroup is not None
+        folder = c.cgroup.folder
+        assert stray_cgroups(tmp_path) == [folder]  # named for a sweep while it runs
+        terminated = run_until_exit(c)["lastState"]["terminated"]
+        assert (terminated["exitCode"], terminated["reason"]) == (137, "OOMKilled")
+        assert c.cgroup is None and not folder.exists()  # removed after the exit
+        assert stray_cgroups(tmp_path) == []
+    finally:
+        c.stop(grace=0)
+        c.release()
+
+
+def test_a_cgroup_left_by_a_dead_runner_is_swept(tmp_path: Path) -> None:
+    cgroup = MemoryCgroup.create(f"phasefleet-stray-{os.getpid()}", 64 * 2**20)
+    if cgroup is None:
+        pytest.skip("this machine gives no writable memory cgroup")
+    pod = tmp_path / "pod"
+    pod.mkdir()
+    (pod / "main.cgroup").write_text(str(cgroup.folder))
+    for folder in stray_cgroups(tmp_path):
+        remove_cgroup(folder)
+    assert not cgroup.folder.exists()
 
 
 def test_memory_quantities() -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
+from e2e.harness.memcg import remove_cgroup, stray_cgroups
 from e2e.harness.podnet import release_block
 from e2e.harness.podrunner import RUN_LABEL, RUN_VALUE, stray_process_groups
 from e2e.harness.process import process_group_alive, stop_process_group
@@ -123,6 +124,8 @@ def down() -> int:
         stop_process_group(pid)
     for group in stray_process_groups(STATE_DIR / "pods"):
         stop_process_group(group, grace_seconds=5)
+    for cgroup in stray_cgroups(STATE_DIR / "pods"):
+        remove_cgroup(cgroup)
     leftover = [pid for pid in pids if process_group_alive(pid)]
     if leftover:
         print(f"processes still running: {leftover}", file=sys.stderr)

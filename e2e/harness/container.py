@@ -139,6 +139,8 @@ class Container:
             self.message_path.write_text("")  # each run gets an empty one, as from the kubelet
         if self.memory_limit is not None:
             self.cgroup = MemoryCgroup.create(self.cgroup_name, self.memory_limit)
+        if self.cgroup is not None:  # for a sweep after a crash of the runner
+            self.pid_path.with_suffix(".cgroup").write_text(str(self.cgroup.folder))
         with self.log_path.open("ab") as log:
             self.log_start = log.tell()
             self.popen = subprocess.Popen(
@@ -224,6 +226,7 @@ class Container:
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
+            self.pid_path.with_suffix(".cgroup").unlink(missing_ok=True)
 
     def _probe(self, now: float, terminating: bool) -> None:
         startup = self.probes.get("startup")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from e2e.harness.memcg import remove_cgroup, stray_cgroups
 from e2e.harness.nodes import FAKE_NODES, node_manifests
 from e2e.harness.pki import Pki, make_pki
 from e2e.harness.podnet import claim_block, ensure_local_route, release_block
@@ -124,6 +125,8 @@ class ControlPlane:
         for group in stray_process_groups(self.pods_dir):
             if process_group_alive(group):
                 stop_process_group(group, grace_seconds=5)
+        for cgroup in stray_cgroups(self.pods_dir):
+            remove_cgroup(cgroup)
 
     def pod_log(self, namespace: str, pod: str, container: str) -> str:
         """What a run pod's container printed (all its restarts)."""

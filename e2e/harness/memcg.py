@@ -109,14 +109,24 @@ class MemoryCgroup:
 
     def remove(self) -> None:
         """Removes the cgroup; its last processes may take a moment to leave it."""
-        error: OSError | None = None
-        for _ in range(REMOVE_TRIES):
-            try:
-                self.folder.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                error = exc
-                time.sleep(0.1)
-        log.warning("memory cgroup %s not removed: %s", self.folder, error)
+        remove_cgroup(self.folder)
+
+
+def stray_cgroups(pods_dir: Path) -> list[Path]:
+    """Cgroups a pod's `<container>.cgroup` file still names (after the runner itself died)."""
+    return [Path(f.read_text().strip()) for f in pods_dir.glob("*/*.cgroup")]
+
+
+def remove_cgroup(folder: Path) -> None:
+    """Removes an (emptied) cgroup folder, retrying while its last processes leave it."""
+    error: OSError | None = None
+    for _ in range(REMOVE_TRIES):
+        try:
+            folder.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            error = exc
+            time.sleep(0.1)
+    log.warning("memory cgroup %s not removed: %s", folder, error)
