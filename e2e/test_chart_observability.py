@@ -2,6 +2,8 @@
 (the PrometheusRule also only when its API exists), the values schema refuses an SLO target that
 is no bucket boundary, and the rendered rules pass `promtool check rules` and the
 `promtool test rules` cases in e2e/promtool/alerts_test.yaml, which fire and clear every alert.
+Last, a real install: with the PrometheusRule CRD on the e2e control plane, `helm install`
+creates the rule and the dashboard's ConfigMap, and the API server keeps them as rendered.
 
 Here, not in tests/: helm comes from the e2e tool cache and promtool from Debian's prometheus
 package, both installed by `make tools`, which runs before the e2e stage only.
@@ -12,13 +14,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from e2e.harness.controlplane import tools_bin_dir
+from e2e.harness.controlplane import ControlPlane, tools_bin_dir
 from e2e.test_operator_support import CHART, ROOT
 
 KUBE_VERSION = "--kube-version=1.33.0"
@@ -72,8 +75,11 @@ def test_dashboard_and_rules_render_only_when_asked_for() -> None:
     assert "ConfigMap" not in kinds(plain) and "PrometheusRule" not in kinds(plain)
     assert "PrometheusRule" in kinds(render(RULE_API))
     assert "PrometheusRule" not in kinds(render(RULE_API, "--set", "prometheusRule.enabled=false"))
-    lint = helm("lint", str(CHART), KUBE_VERSION, "--set", "dashboard.enabled=true", check=False)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+    lint = helm(
+        "lint", "--strict", str(CHART), KUBE_VERSION, "--set", "dashboard.enabled=true",
+        check=False,
+    )  # fmt: skip
+    assert lint.returncode == 0 and "[WARNING]" not in lint.stdout, lint.stdout + lint.stderr
 
 
 def test_dashboard_config_map_is_labelled_for_the_grafana_sidecar() -> None:
@@ -177,3 +183,62 @@ def test_rules_pass_promtool_check_and_every_alert_fires_and_clears(tmp_path: Pa
 def _minutes(duration: str) -> int:
     assert duration.endswith("m"), duration
     return int(duration[:-1])
+
+
+RULE_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "prometheusrules.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "PrometheusRule",
+            "plural": "prometheusrules",
+            "singular": "prometheusrule",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+@pytest.fixture
+def rule_crd(cluster: ControlPlane) -> Iterator[None]:
+    name = f"crd/{RULE_CRD['metadata']['name']}"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(RULE_CRD))
+    cluster.kubectl("wait", "--for=condition=Established", name)
+    yield
+    cluster.kubectl("delete", name, "--wait=true")
+
+
+def test_install_creates_the_rule_when_its_api_exists_and_the_dashboard(
+    cluster: ControlPlane, namespace: str, rule_crd: None
+) -> None:
+    release = "obs"
+    cluster.helm(
+        "install", release, str(CHART), "-n", namespace, "--wait", "--timeout", "120s",
+        "--set", "replicaCount=0", "--set", f"watchNamespaces={{{namespace}}}",
+        "--set", "dashboard.enabled=true",
+    )  # fmt: skip
+    try:
+        rule = cluster.get_json("prometheusrule", f"{release}-phasefleet-alerts", "-n", namespace)
+        assert rule["spec"]["groups"] == rule_groups()
+        dashboard = cluster.get_json(
+            "configmap", f"{release}-phasefleet-dashboard", "-n", namespace
+        )
+        assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(dashboard["data"]["phasefleet.json"]) == rendered_dashboard()
+    finally:
+        cluster.helm("uninstall", release, "-n", namespace, "--wait")
