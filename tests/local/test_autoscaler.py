@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from phasefleet.autoscale.demand import BUSY_TARGET
 from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
 from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
 from phasefleet.local.autoscaler import Autoscaler
@@ -161,7 +162,7 @@ def test_ttft_over_target_starts_workers_that_count_while_loading(
     fleet, clock = FakeFleet(prefill=1), FakeClock()
     source = FakeSource(fleet)
     autoscaler = make_autoscaler(fleet, source, clock)
-    source.ttft_s, source.busy = 0.5, 0.9  # 5x the 100 ms target, and the pool is loaded
+    source.ttft_s, source.busy = 0.5, BUSY_TARGET  # 5x the 100 ms target on a loaded pool
 
     decision = autoscaler.step()
     assert (decision.pools["prefill"].current, decision.pools["prefill"].desired) == (1, 3)
@@ -185,7 +186,7 @@ def test_ttft_over_target_starts_workers_that_count_while_loading(
 def test_scale_down_after_the_window_drains_the_least_loaded_worker_without_blocking() -> None:
     fleet, clock = FakeFleet(prefill=3), FakeClock()
     source = FakeSource(fleet)
-    source.busy = 0.4  # 3 workers at 0.4 busy: 2 would do (target 0.75)
+    source.busy = BUSY_TARGET / 2  # 3 workers half as busy as the target: 2 would do
     source.pods = {
         "prefill-0": PodLoad(running=2, kv_usage=0.05),
         "prefill-1": PodLoad(running=0, kv_usage=0.3),
@@ -214,7 +215,7 @@ def test_scale_down_stops_a_worker_still_loading_before_a_serving_one() -> None:
     fleet, clock = FakeFleet(prefill=1), FakeClock()
     source = FakeSource(fleet)
     autoscaler = make_autoscaler(fleet, source, clock)
-    source.ttft_s, source.busy = 0.15, 0.8  # 1.5x target on a loaded pool: one more
+    source.ttft_s, source.busy = 0.15, BUSY_TARGET  # 1.5x target on a loaded pool: one more
     autoscaler.step()
     assert fleet.events == [("start", "prefill-10")]
     source.ttft_s, source.busy = None, 0.1  # the burst is over before it loaded
