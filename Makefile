@@ -7,7 +7,7 @@ PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
 .PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean \
-	crds bench-operator bench-autoscale operator-image demo demo-down
+	crds dashboard bench-operator bench-autoscale operator-image demo demo-down
 
 all: venv
 
@@ -56,6 +56,10 @@ demo-down: venv
 crds: venv
 	$(PY) -m phasefleet.cli crd -o crds/serving.phasefleet.dev_inferenceservices.yaml \
 	  -o helm/phasefleet/crds/serving.phasefleet.dev_inferenceservices.yaml
+
+# The chart's Grafana dashboard, generated from phasefleet.api (a unit test fails when stale).
+dashboard: venv
+	$(PY) -m phasefleet.api.dashboard
 
 # 50 InferenceServices on the e2e control plane; results go in bench/RESULTS.md by hand.
 bench-operator: venv tools

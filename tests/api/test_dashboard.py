@@ -24,10 +24,8 @@ def panels() -> list[dict]:
 
 def test_the_charts_copy_is_current() -> None:
     path = ROOT / CHART_COPY
-    assert path.exists(), f"{path} missing: run `python -m phasefleet.api.dashboard`"
-    assert path.read_text() == dashboard_json(), (
-        f"{path} is stale: run `python -m phasefleet.api.dashboard`"
-    )
+    assert path.exists(), f"{path} missing: run `make dashboard`"
+    assert path.read_text() == dashboard_json(), f"{path} is stale: run `make dashboard`"
 
 
 def test_every_query_names_a_contract_or_kube_state_metric() -> None:

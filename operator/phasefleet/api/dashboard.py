@@ -3,8 +3,8 @@
 Built from the metric names in `phasefleet.api.contract`, so a renamed metric renames every
 panel's query. The SLO targets and objectives are placeholders that the chart's ConfigMap fills
 from the values `slo.*` (the same numbers its alerts use). Regenerate the chart's copy with
-`python -m phasefleet.api.dashboard`; tests/api/test_dashboard.py fails when it is stale.
-docs/observability.md explains each panel.
+`make dashboard` (`python -m phasefleet.api.dashboard`); tests/api/test_dashboard.py fails when
+it is stale. docs/observability.md explains each panel.
 """
 
 from __future__ import annotations
