@@ -137,9 +137,16 @@ def test_rights_never_go_to_the_default_service_account(cluster: ControlPlane) -
 def test_podmonitor_only_when_the_api_exists(cluster: ControlPlane) -> None:
     assert "PodMonitor" not in kinds(render(cluster))
     with_api = render(cluster, "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
-    (monitor,) = [d for d in with_api if d["kind"] == "PodMonitor"]
-    relabel = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]
-    assert relabel["targetLabel"] == "inferenceservice"
+    monitors = {d["metadata"]["name"]: d for d in with_api if d["kind"] == "PodMonitor"}
+    engines = monitors["t-phasefleet-engines"]["spec"]["podMetricsEndpoints"][0]
+    assert engines["relabelings"][0]["targetLabel"] == "inferenceservice"
+    # The operator's own /metrics keeps its series' namespace label (the service's, not its own).
+    operator = monitors["t-phasefleet-operator"]["spec"]["podMetricsEndpoints"][0]
+    assert operator["port"] == "metrics" and operator["honorLabels"] is True
+    (dep,) = [d for d in with_api if d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-port=8081" in container["args"]
+    assert {"name": "metrics", "containerPort": 8081} in container["ports"]
 
 
 @pytest.mark.parametrize(

@@ -104,10 +104,12 @@ class Metric:
     KV_LEASE_EXPIRIES_TOTAL = "phasefleet_kv_lease_expiries_total"
     PREFILLS_TOTAL = "phasefleet_prefills_total"  # decode worker: label `where`, local | remote
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
-    # The autoscaler (not yet exported): 1 while a pool's ask is cut by maxReplicas or the GPU
-    # budget (the ScalingLimited condition), else 0. Its own labels `namespace`,
-    # `inferenceservice` and `pool` name the service; scrape it with honorLabels.
-    AUTOSCALER_SCALING_LIMITED = "phasefleet_autoscaler_scaling_limited"
+    # The operator's autoscaler, on the operator's own /metrics (--metrics-port). Its own
+    # labels `namespace`, `inferenceservice` and `pool` name the service: scrape with
+    # honorLabels (the chart's operator PodMonitor does).
+    AUTOSCALER_SCALING_LIMITED = "phasefleet_autoscaler_scaling_limited"  # 1: ScalingLimited
+    AUTOSCALER_DESIRED_REPLICAS = "phasefleet_autoscaler_desired_replicas"  # last decision
+    AUTOSCALER_METRICS_AVAILABLE = "phasefleet_autoscaler_metrics_available"  # 1: usable
     LABELS = ("model_name", "role")
 
 

@@ -7,6 +7,7 @@ import os
 
 NAMESPACES_ENV = "PHASEFLEET_WATCH_NAMESPACES"  # comma-separated; empty: every namespace
 PROMETHEUS_ENV = "PHASEFLEET_PROMETHEUS_URL"  # the chart's prometheus.url
+METRICS_PORT_ENV = "PHASEFLEET_METRICS_PORT"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=(
             f"Prometheus the autoscaler queries (default: ${PROMETHEUS_ENV}); empty: it scrapes"
             " the pods' /metrics itself"
+        ),
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get(METRICS_PORT_ENV) or 0),
+        help=(
+            "port of the operator's /metrics (the autoscaler's decisions; default:"
+            f" ${METRICS_PORT_ENV}, else 0: not served)"
         ),
     )
     parser.add_argument(
@@ -78,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.metrics_port:
+        from phasefleet.operator.metrics import AUTOSCALER_METRICS
+
+        AUTOSCALER_METRICS.serve(args.metrics_port)
     namespaces = watched_namespaces(args)
     kopf.run(
         clusterwide=not namespaces,
