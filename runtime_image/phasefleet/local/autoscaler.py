@@ -39,8 +39,7 @@ class MetricsSource(Protocol):
 class FleetControl(Protocol):
     """What the loop needs of `phasefleet.local.fleet.Fleet` (a fake in unit tests)."""
 
-    def members(self) -> dict[str, list[Child]]: ...
-    def starting_workers(self) -> dict[str, list[Child]]: ...
+    def snapshot(self) -> tuple[dict[str, list[Child]], dict[str, list[Child]]]: ...
     def start_worker(self, pool: str) -> Child: ...
     def admit(self, child: Child) -> bool: ...
     def cancel(self, child: Child) -> None: ...
@@ -112,8 +111,7 @@ class Autoscaler:
     def step(self) -> Decision:
         """One decision: read, decide, apply."""
         now = self.clock()
-        members = self.fleet.members()
-        starting = self.fleet.starting_workers()
+        members, starting = self.fleet.snapshot()  # serving, loading
         current = {pool: len(members[pool]) + len(starting[pool]) for pool in members}
         signals: Signals | MetricsUnavailable
         try:

@@ -224,6 +224,11 @@ class Fleet:
         with self._lock:
             return {pool: list(cs) for pool, cs in self.starting.items()}
 
+    def snapshot(self) -> tuple[dict[str, list[Child]], dict[str, list[Child]]]:
+        """(serving, starting) per pool, read at one instant: a worker is in exactly one."""
+        with self._lock:
+            return self.members(), self.starting_workers()
+
     def dead_children(self) -> list[Child]:
         """Serving workers and the router that exited (not ones starting or leaving)."""
         with self._lock:
