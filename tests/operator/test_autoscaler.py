@@ -13,7 +13,7 @@ from phasefleet.autoscale.deployments import (
     REMOVE_FIRST_COST,
     mark_for_removal,
 )
-from phasefleet.autoscale.report import Notice, summary
+from phasefleet.autoscale.report import Notice, metrics, summary
 from phasefleet.autoscale.service import ServiceAutoscaler, rfc3339, scrape_targets
 from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, replicas_managers
@@ -332,3 +332,16 @@ def test_the_daemon_runs_only_while_autoscaling_is_enabled():
     assert enabled({"spec": {"autoscaling": {"enabled": True}}})
     assert not enabled({"spec": {"autoscaling": {"enabled": False}}})
     assert not enabled({"spec": {}})
+
+
+def test_metrics_of_an_aggregated_pool_and_missing_values_left_out():
+    reading = Signals(
+        sampled_at=T0,
+        window_s=12.0,
+        pools={"worker": PoolSignals(reporting=2, kv_usage_sum=0.9)},
+        ttft_s=0.12345,
+        tpot_s=None,
+        itl_s=0.0216,
+    )
+    assert metrics(reading) == {"ttftMs": 123.5, "itlMs": 21.6, "kvCacheUsage": 0.45}
+    assert metrics(MetricsUnavailable("NoSamples", "none yet")) == {}
