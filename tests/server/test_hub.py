@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from phasefleet.server import hub_fetch
 from phasefleet.server.hub import ModelFetchError, fetch_model
-from phasefleet.server.model_source import resolve_model
+from phasefleet.server.model_source import resolve_model, served_name
 from tests.server.hub_server import FakeHub, FakeRepo, read_folder
 from tests.server.worker_proc import WORKER_COMMAND, run_worker
 
@@ -341,9 +341,10 @@ def test_serve_downloads_once_and_serves_under_the_repo_id(
     assert Path(folder).is_relative_to(hf_env)
     weights = "model.safetensors"
     assert (Path(folder) / weights).read_bytes() == (tiny_v1 / weights).read_bytes()
-    assert serve_cli.served_name("org/tiny", folder) == "org/tiny"
-    assert serve_cli.served_name(str(tiny_model), str(tiny_model)) == tiny_model.name
-    assert serve_cli.served_name("tiny", "/cache/models/tiny-llama") == "tiny-llama"
+    # The default name, for serve and the worker alike: never a host path.
+    assert served_name("org/tiny", folder) == "org/tiny"
+    assert served_name(str(tiny_model), str(tiny_model)) == tiny_model.name
+    assert served_name("tiny", "/cache/models/tiny-llama") == "tiny"
 
 
 def test_bad_settings_are_refused_before_any_download(

@@ -95,17 +95,13 @@ def resolve_model(model: str) -> str:
     return str(folder)
 
 
-def served_name(model_arg: str, folder: str) -> str:
-    """A Hub model is served under its repo id; a folder under its name."""
-    return model_arg if folder != model_arg and model_arg != TINY else Path(folder).name
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     from phasefleet.local.fleet import Fleet, FleetConfig
+    from phasefleet.server.model_source import served_name
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="phasefleet-serve-"))
     try:

@@ -151,13 +151,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
-    from phasefleet.server.model_source import ModelFetchError, resolve_model
+    from phasefleet.server.model_source import ModelFetchError, resolve_model, served_name
 
     try:  # settings first: a bad flag is not found out after a long download
         folder = resolve_model(args.model, args.revision)  # a folder, or a Hub download
     except ModelFetchError as exc:
         return fail(PROGRAM, str(exc))
-    args.served_model_name = args.served_model_name or args.model  # the repo id, not the cache
+    args.served_model_name = args.served_model_name or served_name(args.model, folder)
     args.model = config.model = folder
     try:
         model_folder_problem(args.model)

@@ -18,6 +18,12 @@ from phasefleet.server.hub import ModelFetchError, fetch_model
 REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # spec.model.hf.repoId's pattern
 
 
+def served_name(model: str, folder: str) -> str:
+    """The default name clients use: a downloaded repo's id, else the folder's last part
+    (never a host path)."""
+    return model if folder != model else Path(folder).name
+
+
 def resolve_model(model: str, revision: str | None = None) -> str:
     """The local folder that `model` stands for; raises ModelFetchError (one line).
 
