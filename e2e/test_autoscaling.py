@@ -38,10 +38,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.kubeapi import KubeApi
 from e2e.harness.podsd import PodDiscovery
+from e2e.harness.process import free_port
 from e2e.harness.prometheus import Prometheus
 from e2e.harness.wait import wait_for
 from e2e.test_operator_support import (
@@ -56,7 +58,7 @@ from e2e.test_operator_support import (
     service_account_kubeconfig,
 )
 from e2e.test_serving import DISAGGREGATED, client, pods, ready_ips, wait_router_sees
-from phasefleet.api.contract import ROUTER_PORT
+from phasefleet.api.contract import ROUTER_PORT, Metric
 from phasefleet.autoscale.deployments import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
 from phasefleet.engine.models.linear_plan import CACHE_ENV, DEFAULT_CACHE_FILE
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
@@ -71,6 +73,18 @@ GPU = {
 }
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 PLANS = "plans/cpu_linear_plans.json"
+METRICS_PORT = free_port()  # the operator's own /metrics
+
+
+def operator_metric(name: str, ns: str, pool: str | None = None) -> float | None:
+    """A series of the operator's /metrics for this service (and pool); None when absent."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+    want = {"namespace": ns, "inferenceservice": NAME, **({"pool": pool} if pool else {})}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == want:
+                return float(sample.value)
+    return None
 
 
 def ship_linear_plans(cluster: ControlPlane) -> None:
@@ -113,7 +127,11 @@ def pod_monitor_scrape_config(cluster: ControlPlane, discovery_url: str) -> dict
         "template", "t", str(CHART), "--kube-version=1.33.0",
         "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
     ).stdout  # fmt: skip
-    (monitor,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor"]
+    (monitor,) = [
+        d
+        for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-engines")
+    ]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ((label, value),) = monitor["spec"]["selector"]["matchLabels"].items()
     meta_label = "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
@@ -150,7 +168,8 @@ def operator_with_prometheus(cluster: ControlPlane, prometheus_url: str) -> Iter
     env = {e["name"]: e.get("value", "") for e in container["env"]}
     assert env["PHASEFLEET_PROMETHEUS_URL"] == prometheus_url
     workdir = Path(tempfile.mkdtemp(prefix="phasefleet-operator-"))
-    op = Operator(cluster, service_account_kubeconfig(cluster, workdir / "kubeconfig"), workdir)
+    kubeconfig = service_account_kubeconfig(cluster, workdir / "kubeconfig")
+    op = Operator(cluster, kubeconfig, workdir, "--metrics-port", str(METRICS_PORT))
     assert op.component.env is not None
     op.component.env["PHASEFLEET_PROMETHEUS_URL"] = env["PHASEFLEET_PROMETHEUS_URL"]
     op.start()
@@ -275,6 +294,9 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
             "ScalingLimited=True",
         )
         assert limited["reason"] == "LimitReached" and "gpuBudget 3 binds" in limited["message"]
+        limited_series = partial(operator_metric, Metric.AUTOSCALER_SCALING_LIMITED, ns, "prefill")
+        wait_for(lambda: limited_series() == 1, 10, "scaling_limited 1 on the operator's /metrics")
+        assert operator_metric(Metric.AUTOSCALER_DESIRED_REPLICAS, ns, "prefill") == 2
         wait_for(
             lambda: len(ready_ips(cluster, ns, "prefill")) == 2, 240, "the new prefill pod Ready"
         )
@@ -310,6 +332,8 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
         )
         assert unavailable["reason"] == "PrometheusUnreachable"
         assert prometheus.url in unavailable["message"]
+        available = partial(operator_metric, Metric.AUTOSCALER_METRICS_AVAILABLE, ns)
+        wait_for(lambda: available() == 0, 10, "metrics_available 0 on the operator's /metrics")
         assert printed(cluster, ns)["TTFT"] == ""  # no stale numbers
         # Without the outage prefill would shrink one window after the burst's samples left
         # the signal window; it holds for longer than that.
@@ -353,6 +377,7 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
     )
     isvc = get(cluster, "inferenceservice", NAME, "-n", ns)
     assert "metrics" not in isvc["status"] and not isvc["metadata"].get("finalizers")
+    assert operator_metric(Metric.AUTOSCALER_DESIRED_REPLICAS, ns, "prefill") is None
 
     reasons = scale_events(cluster, ns)
     assert any(m.startswith("prefill 1->2: TTFT p90") for m in reasons["ScaledUp"]), reasons

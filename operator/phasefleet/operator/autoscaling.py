@@ -23,6 +23,7 @@ from phasefleet.api.crd import GROUP, PLURAL, VERSION
 from phasefleet.autoscale.report import summary
 from phasefleet.autoscale.service import ServiceAutoscaler
 from phasefleet.operator.kube import Gone, Rejected, Transient
+from phasefleet.operator.metrics import AUTOSCALER_METRICS
 
 RETRY_SECONDS = 5.0  # after an API error, before the next step
 
@@ -42,6 +43,7 @@ async def autoscale(
     where = f"{namespace}/{name}"
     log.info("autoscaler %s: started, %s", where, scaler.source_name)
     available: bool | None = None  # MetricsAvailable at the last decision
+    pools: list[str] = []  # the pools of the last decision (their series on /metrics)
     while not stopped:
         started = time.monotonic()
         try:
@@ -55,6 +57,9 @@ async def autoscale(
         for notice in step.notices:
             kopf.event(body, type=notice.type, reason=notice.reason, message=notice.message)
         decision = step.decision
+        if decision is not None:
+            AUTOSCALER_METRICS.record(namespace, name, decision)
+            pools = list(decision.pools)
         if decision is None:
             log.debug("autoscaler %s: no decision: %s", where, step.skipped)
         elif (
@@ -66,6 +71,9 @@ async def autoscale(
         else:
             log.debug("autoscaler %s: %s", where, summary(decision))
         await stopped.wait(max(0.0, step.interval_s - (time.monotonic() - started)))
+    gone = kopf.DaemonStoppingReason.FILTERS_MISMATCH | kopf.DaemonStoppingReason.RESOURCE_DELETED
+    if stopped.reason is not None and stopped.reason & gone:
+        AUTOSCALER_METRICS.forget(namespace, name, pools)
     if stopped.reason is not None and stopped.reason & kopf.DaemonStoppingReason.FILTERS_MISMATCH:
         try:
             await asyncio.to_thread(scaler.release)
