@@ -114,7 +114,7 @@ def test_scale_down_waits_for_a_whole_window_of_lower_asks() -> None:
     sig = signals(now, calm_prefill(4, busy=0.1), calm_decode(2), ttft=0.1)
     decision = step(config, sig, current, state, now)
     assert decision.pools["prefill"].desired == 1  # 4 x 0.1 / 0.75 -> 1
-    assert decision.pools["prefill"].reason.startswith("prefill 4->1: busy 0.10 <= target 0.85")
+    assert decision.pools["prefill"].reason.startswith("prefill 4->1: busy 0.10 <= target 0.75")
 
 
 def test_one_high_ask_in_the_window_holds_the_pool() -> None:
