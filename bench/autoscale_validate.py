@@ -108,7 +108,7 @@ def main() -> None:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     segment = load_segment(
         AZURE_CONV, args.start, args.duration, args.scale, args.max_prompt, vocab
-    )
+    )[:: args.every]
     print(
         f"{len(segment)} requests, {args.start:.0f}+{args.duration:.0f} s of {AZURE_CONV.name}, "
         f"lengths / {args.scale:g}; load {os.getloadavg()[0]:.1f}",
