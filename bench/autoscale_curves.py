@@ -27,7 +27,6 @@ class Curves:
     startup_s: float  # process start (or pod scheduled) to serving
     handoff_bytes_per_s: float  # KV pull bandwidth between a prefill and a decode replica
     kv_bytes_per_token: int
-    decode_floor_s: float = 0.0  # step time never below this (memory-bound weight read)
 
     def prefill_s(self, tokens: float) -> float:
         a, b, c = self.prefill
@@ -35,7 +34,7 @@ class Curves:
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         d0, d1, d2 = self.decode
-        return max(self.decode_floor_s, d0 + d1 * batch + d2 * kv_tokens)
+        return d0 + d1 * batch + d2 * kv_tokens
 
     def handoff_s(self, prompt_tokens: float) -> float:
         return prompt_tokens * self.kv_bytes_per_token / self.handoff_bytes_per_s
