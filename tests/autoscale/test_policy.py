@@ -304,6 +304,58 @@ def test_config_from_an_inference_service_spec() -> None:
         }
     )  # fmt: skip
     config = ScalingConfig.from_spec(spec, startup_s=42.0)
-    assert config.pools == {"prefill": PoolLimits(1, 6, 1), "decode": PoolLimits(1, 4, 0)}
+    assert config.pools == {
+        "prefill": PoolLimits(1, 6, 1, max_num_seqs=64),
+        "decode": PoolLimits(1, 4, 0, max_num_seqs=64),
+    }
     assert (config.ttft_s, config.tpot_s, config.percentile) == (0.8, None, 0.95)
     assert (config.interval_s, config.gpu_budget, config.startup_s) == (5.0, 8, 42.0)
+
+
+def test_full_batch_slots_grow_decode_though_the_kv_cache_is_half_empty() -> None:
+    limits = PoolLimits(1, 10, 1, max_num_seqs=64)
+    config = disaggregated(pools={"prefill": limits, "decode": limits})
+    decode = PoolSignals(reporting=2, kv_usage_sum=0.6, running=128.0, waiting=1.0)
+    sig = signals(0.0, calm_prefill(2), decode, tpot=0.03)
+    decision = decide(config, sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 3  # 129 requests / (64 slots x 0.8) = 2.5
+    assert decision.pools["decode"].reason.startswith("decode 2->3: batch slots 1.00 > target")
+
+
+def test_a_request_or_two_waiting_is_not_a_queue() -> None:
+    decode = PoolSignals(reporting=1, kv_usage_sum=0.1, running=2.0, waiting=1.0)
+    sig = signals(0.0, calm_prefill(1), decode, tpot=0.03)
+    decision = decide(disaggregated(), sig, {"prefill": 1, "decode": 1}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 1
+
+
+def test_no_scale_down_while_new_replicas_may_still_be_loading() -> None:
+    config = disaggregated(scale_down_stabilization_s=0.0, startup_s=60.0)
+    hot = signals(0.0, calm_prefill(2, busy=1.0), calm_decode(2), ttft=0.9)
+    state = decide(config, hot, {"prefill": 2, "decode": 2}, PolicyState(), 0.0).state
+    quiet = signals(30.0, calm_prefill(2, busy=0.05), calm_decode(2), ttft=0.1)
+    held = decide(config, quiet, {"prefill": 4, "decode": 2}, state, 30.0)
+    assert held.pools["prefill"].desired == 4
+    quiet = signals(61.0, calm_prefill(2, busy=0.05), calm_decode(2), ttft=0.1)
+    late = decide(config, quiet, {"prefill": 4, "decode": 2}, state, 61.0)
+    assert late.pools["prefill"].desired == 1  # a start-up later: those two are not coming
+    quiet = signals(30.0, calm_prefill(4, busy=0.05), calm_decode(2), ttft=0.1)
+    loaded = decide(config, quiet, {"prefill": 4, "decode": 2}, state, 30.0)
+    assert loaded.pools["prefill"].desired == 1  # all four report: nothing is loading
+
+
+def test_missing_metrics_still_honour_changed_bounds() -> None:
+    config = disaggregated(pools={"prefill": PoolLimits(1, 2, 1), "decode": PoolLimits(2, 4, 1)})
+    outage = MetricsUnavailable("PrometheusUnreachable", "down")
+    decision = decide(config, outage, {"prefill": 3, "decode": 1}, PolicyState(), 0.0)
+    assert {r: d.desired for r, d in decision.pools.items()} == {"prefill": 2, "decode": 2}
+    assert "within minReplicas 1 .. maxReplicas 2" in decision.pools["prefill"].reason
+
+
+def test_fresh_metrics_give_a_message_that_does_not_change_every_interval() -> None:
+    sizes = {"prefill": 2, "decode": 2}
+    first = decide(disaggregated(), signals(0.0, calm_prefill(2), calm_decode(2)), sizes,
+                   PolicyState(), 0.0)  # fmt: skip
+    later = decide(disaggregated(), signals(10.0, calm_prefill(2), calm_decode(2)), sizes,
+                   first.state, 14.0)  # fmt: skip
+    assert first.metrics_message == later.metrics_message

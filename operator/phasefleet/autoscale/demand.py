@@ -17,6 +17,8 @@ from phasefleet.autoscale.signals import PoolSignals, Signals
 BUSY_TARGET = 0.75  # share of wall time a prefill engine may spend in steps
 BACKLOG_SHARE_OF_TTFT = 0.5  # prompt backlog allowed, in seconds, as a share of the TTFT target
 DEFAULT_BACKLOG_S = 1.0  # backlog allowed when no TTFT target is set (seconds)
+SLOTS_TARGET = 0.8  # share of a decode engine's batch slots (max_num_seqs) to keep in use
+QUEUE_MIN_PER_REPLICA = 2.0  # fewer waiting requests per replica is a moment's noise
 HOT = 0.8  # latency above this share of its target: never scale down
 EPSILON = 1e-6  # so that exactly on target is not one replica more
 
@@ -106,10 +108,24 @@ def kv_term(pool: PoolSignals, targets: Targets) -> Term | None:
     )
 
 
+def slots_term(pool: PoolSignals, slots: int | None) -> Term | None:
+    """Requests running and waiting, in replicas' worth of batch slots (max_num_seqs): with
+    many short sequences the slots fill long before the KV cache does."""
+    if not slots or pool.running is None or pool.reporting == 0:
+        return None
+    demand = pool.running + (pool.waiting or 0.0)
+    mean = pool.running / (pool.reporting * slots)
+    return Term(
+        _size(1, demand / (slots * SLOTS_TARGET)),
+        mean / SLOTS_TARGET,
+        f"batch slots {mean:.2f} {_cmp(mean, SLOTS_TARGET)} target {SLOTS_TARGET:.2f}",
+    )
+
+
 def queue_term(pool: PoolSignals) -> Term | None:
     """Requests a decode engine could not admit (KV or max_num_seqs full)."""
     waiting, running = pool.waiting or 0.0, pool.running or 0.0
-    if waiting <= 0 or pool.reporting == 0:
+    if pool.reporting == 0 or waiting < QUEUE_MIN_PER_REPLICA * pool.reporting:
         return None
     ratio = (running + waiting) / max(running, 1.0)
     return Term(
@@ -146,7 +162,9 @@ def decode_loaded(pool: PoolSignals, targets: Targets) -> bool:
     return bool(pool.waiting) or kv >= targets.kv_cache_target
 
 
-def terms(role: str, pool: PoolSignals, signals: Signals, targets: Targets) -> list[Term]:
+def terms(
+    role: str, pool: PoolSignals, signals: Signals, targets: Targets, slots: int | None = None
+) -> list[Term]:
     """Every signal's size for this pool: prefill-side, decode-side, or both (aggregated).
     In a prefill or decode pool a latency term counts only while the pool is loaded (see
     prefill_loaded, decode_loaded); an aggregated pool's latency is also its phases'
@@ -168,6 +186,7 @@ def terms(role: str, pool: PoolSignals, signals: Signals, targets: Targets) -> l
         found += [
             latency_term("TPOT", tpot, targets.tpot_s, n, p),
             kv_term(pool, targets),
+            slots_term(pool, slots),
             queue_term(pool),
         ]
     return [t for t in found if t is not None]

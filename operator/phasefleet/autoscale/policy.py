@@ -7,6 +7,7 @@ worked example are in docs/autoscaling.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -21,6 +22,7 @@ class PoolLimits:
     min_replicas: int
     max_replicas: int
     gpus_per_replica: int = 0
+    max_num_seqs: int | None = None  # batch slots per replica (decode sizing); None: unknown
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class ScalingConfig:
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec, startup_s: float = 60.0) -> ScalingConfig:
         pools = {
-            role.value: PoolLimits(pool.min_size, pool.max_size, pool_gpus(pool))
+            role.value: PoolLimits(pool.min_size, pool.max_size, pool_gpus(pool), pool.max_num_seqs)
             for role, pool in spec.pools().items()
         }
         scaling, slo = spec.autoscaling, spec.slo
@@ -80,6 +82,7 @@ class PolicyState:
     # Per pool: (time, recommended replicas) over the longer stabilization window.
     history: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_time: Mapping[str, float] = field(default_factory=dict)
+    last_scale_up_time: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ def decide(
         target = _stabilized(config, history[role], size, wanted[role][0], now)
         if role not in missing and target < size and demand.hot(role, signals, config.targets):
             target = size  # latency near its target: not the moment to shrink
+        if target < size and _loading(config, state, signals, role, size, now):
+            target = size  # not before the replicas just added have had a chance to serve
         clamped = min(max(target, limits_.min_replicas), limits_.max_replicas)
         if target > limits_.max_replicas and clamped >= size:
             limits[role] = f"{role} is at maxReplicas {limits_.max_replicas} (asked for {target})"
@@ -168,18 +173,28 @@ def decide(
     limited = list(dict.fromkeys(limits[r] for r in config.pools if r in limits))
     last = dict(state.last_scale_time)
     last.update({r: now for r, d in pools.items() if d.changed})
+    grown = dict(state.last_scale_up_time)
+    grown.update({r: now for r, d in pools.items() if d.desired > d.current})
     no_samples = ", ".join(missing)
     return Decision(
         pools=pools,
-        state=PolicyState(history=history, last_scale_time=last),
+        state=PolicyState(history=history, last_scale_time=last, last_scale_up_time=grown),
         metrics_available=not missing,
         metrics_reason="NoSamples" if missing else "MetricsFresh",
         metrics_message=(
             f"no {no_samples} replica reports metrics: that pool holds its size until one does"
-            if missing else f"metrics {now - signals.sampled_at:.0f} s old"
+            if missing else "every pool reports fresh metrics"
         ),
         scaling_limited="; ".join(limited) or None,
     )  # fmt: skip
+
+
+def _loading(
+    config: ScalingConfig, state: PolicyState, signals: Signals, role: str, size: int, now: float
+) -> bool:
+    """Whether the pool grew less than a start-up ago and some replicas do not report yet."""
+    since = now - state.last_scale_up_time.get(role, -math.inf)
+    return since < config.startup_s and _reporting(signals, role) < size
 
 
 def _reporting(signals: Signals, role: str) -> int:
@@ -192,7 +207,7 @@ def _recommend(
 ) -> tuple[int, str, float]:
     """(replicas the signals ask for, the sentence of the term that decided, its pressure)."""
     pool = signals.pools.get(role) or PoolSignals(reporting=0)
-    found = demand.terms(role, pool, signals, config.targets)
+    found = demand.terms(role, pool, signals, config.targets, config.pools[role].max_num_seqs)
     if not found:
         return size, "no load signal", 0.0
     top = max(found, key=lambda t: (t.replicas, t.pressure))
@@ -289,17 +304,26 @@ def _hold_all(
     state: PolicyState,
     now: float,
 ) -> Decision:
-    """No usable metrics: every pool keeps its size, and the hold counts as a recommendation
-    (so no pool shrinks until a whole window of fresh metrics says it may)."""
+    """No usable metrics: every pool keeps its size (moved into [minReplicas, maxReplicas] if
+    the bounds changed), and the hold counts as a recommendation, so no pool shrinks until a
+    whole window of fresh metrics says it may."""
     sizes = {role: current.get(role, 0) for role in config.pools}
     history = _remember(config, state, sizes, current, now)
-    pools = {
-        role: PoolDecision(role, size, size, f"{role} stays at {size}: {unavailable.message}")
-        for role, size in sizes.items()
-    }
+    pools = {}
+    for role, size in sizes.items():
+        limits = config.pools[role]
+        bounded = min(max(size, limits.min_replicas), limits.max_replicas)
+        if bounded == size:
+            reason = f"{role} stays at {size}: {unavailable.message}"
+        else:
+            reason = (
+                f"{role} {size}->{bounded}: within minReplicas {limits.min_replicas} .."
+                f" maxReplicas {limits.max_replicas} (metrics unavailable: {unavailable.message})"
+            )
+        pools[role] = PoolDecision(role, size, bounded, reason)
     return Decision(
         pools=pools,
-        state=PolicyState(history=history, last_scale_time=dict(state.last_scale_time)),
+        state=replace(state, history=history),
         metrics_available=False,
         metrics_reason=unavailable.reason,
         metrics_message=unavailable.message,
