@@ -359,3 +359,18 @@ def test_fresh_metrics_give_a_message_that_does_not_change_every_interval() -> N
     later = decide(disaggregated(), signals(10.0, calm_prefill(2), calm_decode(2)), sizes,
                    first.state, 14.0)  # fmt: skip
     assert first.metrics_message == later.metrics_message
+
+
+def test_a_rising_ask_is_carried_on_over_one_start_up() -> None:
+    """Asks of 4, then 6 a start-up later: the replicas asked for now serve when the pool
+    needs 8, so 8 is asked for and remembered (the next interval does not undo it)."""
+    config = disaggregated(max_step=8, startup_s=60.0, scale_down_stabilization_s=300.0)
+    first = signals(0.0, calm_prefill(4, busy=0.75), calm_decode(2))
+    state = decide(config, first, {"prefill": 4, "decode": 2}, PolicyState(), 0.0).state
+    rising = signals(60.0, calm_prefill(4, busy=1.1), calm_decode(2))
+    decision = decide(config, rising, {"prefill": 4, "decode": 2}, state, 60.0)
+    assert decision.pools["prefill"].desired == 8
+    assert "rising to 8 by the time replicas load" in decision.pools["prefill"].reason
+    steady = signals(75.0, calm_prefill(4, busy=1.1), calm_decode(2))
+    later = decide(config, steady, {"prefill": 8, "decode": 2}, decision.state, 75.0)
+    assert later.pools["prefill"].desired == 8

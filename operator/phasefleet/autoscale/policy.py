@@ -83,6 +83,8 @@ class PolicyState:
     history: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_time: Mapping[str, float] = field(default_factory=dict)
     last_scale_up_time: Mapping[str, float] = field(default_factory=dict)
+    # Per pool: (time, replicas the signals asked for, before the forecast) over startup_s.
+    asks: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,17 @@ def decide(
         else:
             wanted[role] = _recommend(config, role, signals, size)
 
+    asks = {
+        role: (*((t, n) for t, n in state.asks.get(role, ()) if now - t <= config.startup_s),
+               (now, wanted[role][0]))
+        for role in config.pools
+    }  # fmt: skip
+    for role in config.pools:
+        ask, sentence, pressure = wanted[role]
+        ahead = _ahead(asks[role], ask)
+        if role not in missing and ask > current.get(role, 0) and ahead > ask:
+            wanted[role] = (ahead, f"{sentence}, rising to {ahead} by the time replicas load",
+                            pressure)  # fmt: skip
     history = _remember(config, state, {r: w[0] for r, w in wanted.items()}, current, now)
     desired: dict[str, int] = {}
     limits: dict[str, str] = {}
@@ -178,7 +191,7 @@ def decide(
     no_samples = ", ".join(missing)
     return Decision(
         pools=pools,
-        state=PolicyState(history=history, last_scale_time=last, last_scale_up_time=grown),
+        state=PolicyState(history, last, grown, asks),
         metrics_available=not missing,
         metrics_reason="NoSamples" if missing else "MetricsFresh",
         metrics_message=(
@@ -187,6 +200,13 @@ def decide(
         ),
         scaling_limited="; ".join(limited) or None,
     )  # fmt: skip
+
+
+def _ahead(asks: tuple[tuple[float, int], ...], ask: int) -> int:
+    """A linear forecast over one start-up: a replica asked for now serves `startup_s` later,
+    so growth of the asks over the last start-up is carried on as far again."""
+    oldest = asks[0][1]
+    return ask + max(0, ask - oldest)
 
 
 def _loading(
