@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.server.worker_proc import free_port, run_worker
+from tests.server.worker_proc import run_worker
 
 STARTUP_TIMEOUT = 240.0  # seconds: three processes load the model on a shared 2-core machine
 
@@ -48,10 +49,9 @@ def alive(pid: int) -> bool:
 def test_serve_answers_like_one_worker_and_ctrl_c_leaves_nothing(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
-    cmd = [
+    cmd = [  # --port 0: serve picks a free port and prints it
         sys.executable, "-m", "phasefleet.cli", "serve", "--model", str(tiny_model),
-        "--served-model-name", "tiny", "--port", str(port), "--run-dir", str(tmp_path),
+        "--served-model-name", "tiny", "--port", "0", "--run-dir", str(tmp_path),
         "--worker-args", "--num-kv-blocks 64 --remote-prefill-min-tokens 0",
     ]  # fmt: skip
     log = (tmp_path / "serve.out").open("wb")
@@ -63,7 +63,10 @@ def test_serve_answers_like_one_worker_and_ctrl_c_leaves_nothing(
             assert time.monotonic() < deadline, (tmp_path / "serve.out").read_text()
             time.sleep(0.5)
         banner = (tmp_path / "serve.out").read_text()
-        assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/v1", banner)
+        assert url is not None and "curl" in banner, banner
+        port = int(url.group(1))
+        assert port != 0
         fleet = children_of(proc.pid)
         assert len(fleet) >= 3  # router, prefill worker, decode worker
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)

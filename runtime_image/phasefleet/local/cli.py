@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, help=f"workers with --aggregated {start}")
     parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the router's port (0: a free one, printed)"
+    )
     parser.add_argument(
         "--worker-args", default="", help='extra `phasefleet worker` flags, e.g. "--max-num-seqs 8"'
     )
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
-    from phasefleet.local.fleet import Fleet, FleetConfig
+    from phasefleet.local.fleet import Fleet, FleetConfig, free_port
     from phasefleet.server.model_source import served_name
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="phasefleet-serve-"))
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         config = FleetConfig(
             model=model,
             served_model_name=args.served_model_name or served_name(args.model, model),
-            port=args.port,
+            port=args.port or free_port(),
             pools=pools,
             run_dir=run_dir,
             worker_args=shlex.split(args.worker_args),
