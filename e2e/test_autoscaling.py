@@ -312,7 +312,8 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
         burst_ends = burst.stop()
     assert burst_ends and all(end in ("stop", "length") for end in burst_ends), burst_ends[:5]
     status = get(cluster, "inferenceservice", NAME, "-n", ns)["status"]
-    assert status["pools"]["prefill"]["lastScaleReason"].startswith("prefill 1->2: TTFT p90")
+    reason = status["pools"]["prefill"]["lastScaleReason"]
+    assert reason.startswith("prefill 1->2: ") and "TTFT p90" in reason, reason
     assert "lastScaleReason" not in status["pools"]["decode"]
     assert replicas(cluster, ns, "decode") == 1
 

@@ -374,3 +374,18 @@ def test_a_rising_ask_is_carried_on_over_one_start_up() -> None:
     steady = signals(75.0, calm_prefill(4, busy=1.1), calm_decode(2))
     later = decide(config, steady, {"prefill": 8, "decode": 2}, decision.state, 75.0)
     assert later.pools["prefill"].desired == 8
+
+
+def test_the_forecast_never_reaches_past_max_replicas() -> None:
+    """Asks of 4, then 5: the forecast (6) stops at maxReplicas 5, so the pool is not reported
+    as limited by a guess."""
+    config = disaggregated(
+        pools={"prefill": PoolLimits(1, 5, 1), "decode": PoolLimits(1, 10, 1)}, startup_s=60.0
+    )
+    first = signals(0.0, calm_prefill(4, busy=0.75), calm_decode(2))
+    state = decide(config, first, {"prefill": 4, "decode": 2}, PolicyState(), 0.0).state
+    rising = signals(30.0, calm_prefill(4, busy=0.9), calm_decode(2))
+    decision = decide(config, rising, {"prefill": 4, "decode": 2}, state, 30.0)
+    assert decision.pools["prefill"].desired == 5
+    assert "rising" not in decision.pools["prefill"].reason
+    assert decision.pools["prefill"].limited is None and decision.scaling_limited is None

@@ -152,7 +152,7 @@ def decide(
     }  # fmt: skip
     for role in config.pools:
         ask, sentence, pressure = wanted[role]
-        ahead = _ahead(asks[role], ask)
+        ahead = min(_ahead(asks[role], ask), max(ask, config.pools[role].max_replicas))
         if role not in missing and ask > current.get(role, 0) and ahead > ask:
             wanted[role] = (ahead, f"{sentence}, rising to {ahead} by the time replicas load",
                             pressure)  # fmt: skip
