@@ -81,7 +81,6 @@ class PolicyState:
 
     # Per pool: (time, recommended replicas) over the longer stabilization window.
     history: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
-    last_scale_time: Mapping[str, float] = field(default_factory=dict)
     last_scale_up_time: Mapping[str, float] = field(default_factory=dict)
     # Per pool: (time, replicas the signals asked for, before the forecast) over startup_s.
     asks: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
@@ -177,21 +176,24 @@ def decide(
             limits[role] = budget_message
 
     pools = {
-        role: replace(
-            _explain(config, role, current.get(role, 0), desired[role], wanted[role], signals),
-            limited=limits.get(role),
+        role: _explain(
+            config,
+            role,
+            current.get(role, 0),
+            desired[role],
+            wanted[role],
+            signals,
+            limits.get(role),
         )
         for role in config.pools
     }
     limited = list(dict.fromkeys(limits[r] for r in config.pools if r in limits))
-    last = dict(state.last_scale_time)
-    last.update({r: now for r, d in pools.items() if d.changed})
     grown = dict(state.last_scale_up_time)
     grown.update({r: now for r, d in pools.items() if d.desired > d.current})
     no_samples = ", ".join(missing)
     return Decision(
         pools=pools,
-        state=PolicyState(history, last, grown, asks),
+        state=PolicyState(history, grown, asks),
         metrics_available=not missing,
         metrics_reason="NoSamples" if missing else "MetricsFresh",
         metrics_message=(
@@ -301,6 +303,7 @@ def _explain(
     desired: int,
     wanted: tuple[int, str, float],
     signals: Signals,
+    limited: str | None,
 ) -> PoolDecision:
     _, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
@@ -314,7 +317,7 @@ def _explain(
         )
     else:
         reason = f"{role} stays at {size}: {sentence}{context}"
-    return PoolDecision(role, size, desired, reason)
+    return PoolDecision(role, size, desired, reason, limited)
 
 
 def _hold_all(
