@@ -5,7 +5,6 @@ One worker process (tiny random Llama) serves every test in this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +19,9 @@ from phasefleet.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
 )
-from tests.server.worker_proc import Worker, parse_metrics, run_worker
+from tests.server.worker_proc import Worker, parse_metrics
 
 PROMPT = "The prefill worker reads the whole prompt"
-
-
-@pytest.fixture(scope="module")
-def worker(tiny_model: Path) -> Iterator[Worker]:
-    with run_worker(tiny_model) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def client(worker: Worker) -> openai.OpenAI:
-    return worker.client(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def extra(obj: Any, name: str) -> Any:

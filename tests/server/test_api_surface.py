@@ -6,7 +6,7 @@ min_tokens, /tokenize, /detokenize, /version, a stable /v1/models, and 400s for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.worker_proc import Worker, run_worker
+from tests.server.worker_proc import Worker
 
 PROMPT = "Evaluation harnesses read the logprobs of every token"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about tides."}]
@@ -24,24 +24,6 @@ SAMPLINGS: list[dict[str, Any]] = [
     {"temperature": 0},
     {"temperature": 1.2, "top_p": 0.9, "seed": 11},
 ]
-
-
-@pytest.fixture(scope="module")
-def worker(tiny_model: Path) -> Iterator[Worker]:
-    with run_worker(tiny_model) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def client(worker: Worker) -> openai.OpenAI:
-    return worker.client(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")
