@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
-from e2e.test_operator_support import CHART, ROOT
+from e2e.test_operator_support import CHART, ROOT, monitoring_crd
 
 KUBE_VERSION = "--kube-version=1.33.0"
 RULE_API = "--api-versions=monitoring.coreos.com/v1/PrometheusRule"
@@ -185,33 +185,7 @@ def _minutes(duration: str) -> int:
     return int(duration[:-1])
 
 
-RULE_CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "prometheusrules.monitoring.coreos.com"},
-    "spec": {
-        "group": "monitoring.coreos.com",
-        "scope": "Namespaced",
-        "names": {
-            "kind": "PrometheusRule",
-            "plural": "prometheusrules",
-            "singular": "prometheusrule",
-        },
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {
-                    "openAPIV3Schema": {
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                    }
-                },
-            }
-        ],
-    },
-}
+RULE_CRD = monitoring_crd("PrometheusRule")
 
 
 @pytest.fixture

@@ -24,34 +24,13 @@ from e2e.test_operator_support import (
     can_i,
     get,
     is_ready,
+    monitoring_crd,
     service_account_kubeconfig,
 )
 from phasefleet.api.contract import CHILD_KINDS
 
 KUBE_VERSION = "--kube-version=1.33.0"
-PODMONITOR_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
-    "spec": {
-        "group": "monitoring.coreos.com",
-        "scope": "Namespaced",
-        "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor"},
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {
-                    "openAPIV3Schema": {
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                    }
-                },
-            }
-        ],
-    },
-}
+PODMONITOR_CRD = monitoring_crd("PodMonitor")
 
 
 def render(cluster: ControlPlane, *args: str) -> list[dict[str, Any]]:

@@ -118,3 +118,32 @@ def can_i(cluster: ControlPlane, user: str, *args: str) -> bool:
     """`kubectl auth can-i --as user ...`: what the API server's RBAC allows that user."""
     result = cluster.kubectl("auth", "can-i", "--as", user, *args, check=False)
     return result.stdout.strip() == "yes"
+
+
+def monitoring_crd(kind: str) -> dict[str, Any]:
+    """A schemaless stand-in for the Prometheus Operator's CRD of `kind` (monitoring.coreos.com
+    /v1), so the chart sees that API exist."""
+    plural = f"{kind.lower()}s"
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        }
+                    },
+                }
+            ],
+        },
+    }
