@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import openai
 
-from tests.local.test_serve import alive, children_of
+from tests.local.test_serve import children_of, ctrl_c_leaves_nothing
 from tests.server.worker_proc import free_port
 
 STARTUP_TIMEOUT = 240.0  # seconds: three processes load the model on a shared 2-core machine
@@ -168,12 +167,7 @@ def test_serve_autoscale_grows_prefill_on_ttft_and_shrinks_without_losing_a_stre
         )
         fleet = children_of(proc.pid)
         assert len(fleet) >= 3  # router, prefill worker, decode worker
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: the loop stops, then everything drains
-        assert proc.wait(timeout=60) == 0, serve.output()
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in fleet) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [pid for pid in fleet if alive(pid)] == []
+        ctrl_c_leaves_nothing(proc, fleet, serve.output)  # the loop stops, then all drains
     finally:
         if proc.poll() is None:
             proc.kill()

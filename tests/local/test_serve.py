@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -46,6 +47,18 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def ctrl_c_leaves_nothing(
+    proc: subprocess.Popen[bytes], fleet: list[int], output: Callable[[], str]
+) -> None:
+    """SIGINT (what Ctrl-C sends): serve exits 0 and none of its `fleet` processes is left."""
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, output()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in fleet) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in fleet if alive(pid)] == []
+
+
 def test_serve_answers_like_one_worker_and_ctrl_c_leaves_nothing(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -79,12 +92,7 @@ def test_serve_answers_like_one_worker_and_ctrl_c_leaves_nothing(
         assert got.choices[0].text == want.choices[0].text
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'role="router"' in metrics
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in fleet) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [pid for pid in fleet if alive(pid)] == []
+        ctrl_c_leaves_nothing(proc, fleet, lambda: (tmp_path / "serve.out").read_text())
     finally:
         if proc.poll() is None:
             proc.kill()
