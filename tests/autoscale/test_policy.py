@@ -102,33 +102,38 @@ def test_a_burst_that_doubles_the_load_is_answered_in_the_next_interval() -> Non
     assert bounded.pools["prefill"].desired == 6  # maxStep 2
 
 
-def test_scale_down_waits_for_a_whole_window_of_lower_asks() -> None:
-    config, state = disaggregated(), PolicyState()
-    current = {"prefill": 4, "decode": 2}
-    now = 0.0
-    while now < WINDOW:
-        sig = signals(now, calm_prefill(4, busy=0.1), calm_decode(2), ttft=0.1)
-        decision = step(config, sig, current, state, now)
-        assert decision.pools["prefill"].desired == 4, f"shrank after {now} s"
-        state, now = decision.state, now + INTERVAL
-    sig = signals(now, calm_prefill(4, busy=0.1), calm_decode(2), ttft=0.1)
-    decision = step(config, sig, current, state, now)
-    assert decision.pools["prefill"].desired == 1  # 4 x 0.1 / 0.75 -> 1
-    assert decision.pools["prefill"].reason.startswith("prefill 4->1: busy 0.10 <= target 0.75")
+def calm_run(config: ScalingConfig, busy: dict[int, float], steps: int) -> dict[float, Decision]:
+    """A prefill pool of 4 at busy 0.1 (busy[i] at step i), resized to each decision."""
+    state, current, decisions = PolicyState(), {"prefill": 4, "decode": 2}, {}
+    for i in range(steps):
+        now = i * INTERVAL
+        sig = signals(now, calm_prefill(current["prefill"], busy=busy.get(i, 0.1)),
+                      calm_decode(2), ttft=0.1)  # fmt: skip
+        decision = decisions[now] = step(config, sig, current, state, now)
+        state, current["prefill"] = decision.state, decision.pools["prefill"].desired
+    return decisions
+
+
+def test_scale_down_waits_a_whole_window_then_lets_go_over_the_tail() -> None:
+    """The pool's size before the first decision (4) counts as an ask: it holds fully for the
+    window, then at a share falling to half over the tail (4 x 0.75 = 3 half-way), then the
+    asks of busy 0.1 (4 x 0.1 / 0.75 -> 1) alone size the pool."""
+    decisions = calm_run(disaggregated(), {}, int(2 * WINDOW / INTERVAL) + 2)
+    sizes = {t: d.pools["prefill"].desired for t, d in decisions.items()}
+    assert all(n == 4 for t, n in sizes.items() if t <= WINDOW), sizes
+    assert list(sizes.values()) == sorted(sizes.values(), reverse=True)
+    assert (sizes[1.5 * WINDOW], sizes[2 * WINDOW]) == (3, 1)
+    first = next(d.pools["prefill"] for d in decisions.values() if d.pools["prefill"].changed)
+    assert first.reason.startswith("prefill 4->3: busy 0.10 <= target 0.75; no ask above 3")
 
 
 def test_one_high_ask_in_the_window_holds_the_pool() -> None:
-    config, state = disaggregated(), PolicyState()
-    current = {"prefill": 4, "decode": 2}
-    desired = {}
-    for i in range(32):
-        now = i * INTERVAL
-        busy = 0.7 if i == 10 else 0.1  # one busy interval, 150 s in: it asks for all 4
-        sig = signals(now, calm_prefill(4, busy=busy), calm_decode(2), ttft=0.1)
-        decision = step(config, sig, current, state, now)
-        state, desired[i] = decision.state, decision.pools["prefill"].desired
-    assert all(desired[i] == 4 for i in range(30)), desired
-    assert desired[30] == desired[31] == 1  # 300 s after the busy interval
+    """One busy interval 150 s in asks for all 4: the pool keeps 4 for a window after it, 3
+    half-way through the tail, and 1 once the tail is over."""
+    decisions = calm_run(disaggregated(), {10: 0.7}, 60)
+    sizes = [d.pools["prefill"].desired for d in decisions.values()]
+    assert all(n == 4 for n in sizes[:31]), sizes  # to 150 s + the window
+    assert (sizes[40], sizes[50]) == (3, 1), sizes  # 150 s + 1.5 and 2 windows
 
 
 def test_replicas_still_starting_are_not_asked_for_twice() -> None:
@@ -200,8 +205,10 @@ def test_no_scale_down_for_a_window_after_metrics_come_back() -> None:
     state = decide(config, outage, current, state, now).state
     quiet = signals(WINDOW - 1, calm_prefill(4, busy=0.0), calm_decode(2), ttft=0.1)
     assert decide(config, quiet, current, state, WINDOW - 1).pools["prefill"].desired == 4
-    quiet = signals(WINDOW, calm_prefill(4, busy=0.0), calm_decode(2), ttft=0.1)
-    assert decide(config, quiet, current, state, WINDOW).pools["prefill"].desired == 1
+    quiet = signals(1.5 * WINDOW, calm_prefill(4, busy=0.0), calm_decode(2), ttft=0.1)
+    assert decide(config, quiet, current, state, 1.5 * WINDOW).pools["prefill"].desired == 3
+    quiet = signals(2 * WINDOW, calm_prefill(4, busy=0.0), calm_decode(2), ttft=0.1)
+    assert decide(config, quiet, current, state, 2 * WINDOW).pools["prefill"].desired == 1
 
 
 def test_a_pool_with_no_reporting_replica_holds_and_says_so() -> None:
@@ -389,3 +396,47 @@ def test_the_forecast_never_reaches_past_max_replicas() -> None:
     assert decision.pools["prefill"].desired == 5
     assert "rising" not in decision.pools["prefill"].reason
     assert decision.pools["prefill"].limited is None and decision.scaling_limited is None
+
+
+def worked_example_prefill(t: float, n: int) -> tuple[PoolSignals, float]:
+    """docs/autoscaling.md's example: (prefill signals, TTFT) at time t on n replicas."""
+    if t == 0:
+        return PoolSignals(reporting=4, busy_fraction=0.6, prompt_tokens_per_s=24000,
+                           prefill_backlog_tokens=2000), 0.35  # fmt: skip
+    if t < 90:  # the rate doubled at 15 s; the new replicas load until 90 s
+        return PoolSignals(reporting=4, busy_fraction=1.0, prompt_tokens_per_s=40000,
+                           prefill_backlog_tokens=600_000, waiting=40), 1.9  # fmt: skip
+    if t < 600:  # the doubled load, 0.52 busy on 12 replicas
+        return PoolSignals(reporting=n, busy_fraction=12 * 0.52 / n), 0.4
+    return PoolSignals(reporting=n, busy_fraction=9 * 0.30 / n), 0.3  # the burst is over
+
+
+def test_the_worked_example_in_the_docs() -> None:
+    config = disaggregated(
+        pools={"prefill": PoolLimits(1, 20, 1), "decode": PoolLimits(1, 20, 1)},
+        ttft_s=0.8, max_step=4, kv_cache_target=0.7, startup_s=60.0,
+    )  # fmt: skip
+    state, current, changes = PolicyState(), {"prefill": 4, "decode": 3}, {}
+    for i in range(90):
+        now = i * INTERVAL
+        prefill, ttft = worked_example_prefill(now, current["prefill"])
+        decode = PoolSignals(reporting=3, kv_usage_sum=1.65, running=30.0, waiting=0.0)
+        decision = decide(config, signals(now, prefill, decode, ttft=ttft, tpot=0.038),
+                          current, state, now)  # fmt: skip
+        assert not decision.pools["decode"].changed, decision.pools["decode"].reason
+        pool = decision.pools["prefill"]
+        if pool.changed:
+            changes[now] = pool.reason
+        state, current = decision.state, {r: d.desired for r, d in decision.pools.items()}
+    assert changes[15.0] == (
+        "prefill 4->8: TTFT p90 1900 ms > target 800 ms, rising to 16 by the time replicas load"
+    )
+    assert changes[30.0].startswith("prefill 8->12: TTFT p90 1900 ms")
+    assert changes[105.0].startswith("prefill 12->10: busy 0.52 <= target 0.75")
+    assert changes[435.0].startswith("prefill 10->9: ")
+    tail = {t: r.split(":")[0] for t, r in changes.items() if t > 600}
+    assert tail == {
+        960.0: "prefill 9->8", 1020.0: "prefill 8->7", 1095.0: "prefill 7->6",
+        1155.0: "prefill 6->5", 1185.0: "prefill 5->4",
+    }  # fmt: skip
+    assert len(changes) == 4 + len(tail)

@@ -334,8 +334,19 @@ class AutoscalingSpec(ApiModel):
     kv_cache_target: float = Field(
         default=0.7, ge=0.05, le=1.0, description="Decode KV-cache usage to aim for (0..1)."
     )
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    scale_up_stabilization_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=3600,
+        description="Seconds over which a pool grows only to its lowest ask (0: at once).",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86400,
+        description="Seconds of lower asks before a pool shrinks; a peak then fades to half"
+        " over as long again.",
+    )
     max_step: int = Field(default=2, ge=1, le=100, description="Most replicas added per decision.")
     gpu_budget: int | None = Field(
         default=None, ge=0, description="Most GPUs all pools together may use (GPUs)."

@@ -16,6 +16,11 @@ from phasefleet.autoscale import demand
 from phasefleet.autoscale.budget import Ask, share
 from phasefleet.autoscale.signals import MetricsUnavailable, PoolSignals, Signals
 
+# After the down window an ask still holds the pool, at a share that falls linearly from 1 to
+# this over a second window as long: a peak lets go gradually, not all at once.
+TAIL_FLOOR = 0.5
+EPSILON = 1e-6
+
 
 @dataclass(frozen=True)
 class PoolLimits:
@@ -72,18 +77,22 @@ class ScalingConfig:
 
     @property
     def window_s(self) -> float:
-        return max(self.scale_up_stabilization_s, self.scale_down_stabilization_s)
+        """How long asks are remembered: the up window, or the down window and its tail."""
+        return max(self.scale_up_stabilization_s, 2 * self.scale_down_stabilization_s)
 
 
 @dataclass(frozen=True)
 class PolicyState:
     """What the policy remembers between decisions (start with `PolicyState()`)."""
 
-    # Per pool: (time, recommended replicas) over the longer stabilization window.
+    # Per pool: (time, replicas the signals asked for, before the forecast) over window_s.
     history: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     last_scale_up_time: Mapping[str, float] = field(default_factory=dict)
     # Per pool: (time, replicas the signals asked for, before the forecast) over startup_s.
     asks: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    # Per pool: (time, ask with the forecast) over one start-up and one interval: a replica
+    # added for the forecast is kept until it could have served, then the signals decide.
+    forecasts: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -149,18 +158,24 @@ def decide(
                (now, wanted[role][0]))
         for role in config.pools
     }  # fmt: skip
+    history = _remember(config, state, {r: w[0] for r, w in wanted.items()}, current, now)
+    memory = config.startup_s + config.interval_s
+    forecasts = {
+        role: tuple((t, n) for t, n in state.forecasts.get(role, ()) if now - t < memory)
+        for role in config.pools
+    }
     for role in config.pools:
         ask, sentence, pressure = wanted[role]
         ahead = min(_ahead(asks[role], ask), max(ask, config.pools[role].max_replicas))
         if role not in missing and ask > current.get(role, 0) and ahead > ask:
             wanted[role] = (ahead, f"{sentence}, rising to {ahead} by the time replicas load",
                             pressure)  # fmt: skip
-    history = _remember(config, state, {r: w[0] for r, w in wanted.items()}, current, now)
+            forecasts[role] += ((now, ahead),)
     desired: dict[str, int] = {}
     limits: dict[str, str] = {}
     for role, limits_ in config.pools.items():
         size = current.get(role, 0)
-        target = _stabilized(config, history[role], size, wanted[role][0], now)
+        target = _stabilized(config, history[role], forecasts[role], size, wanted[role][0], now)
         if role not in missing and target < size and demand.hot(role, signals, config.targets):
             target = size  # latency near its target: not the moment to shrink
         if target < size and _loading(config, state, signals, role, size, now):
@@ -193,7 +208,7 @@ def decide(
     no_samples = ", ".join(missing)
     return Decision(
         pools=pools,
-        state=PolicyState(history, grown, asks),
+        state=PolicyState(history, grown, asks, forecasts),
         metrics_available=not missing,
         metrics_reason="NoSamples" if missing else "MetricsFresh",
         metrics_message=(
@@ -257,19 +272,27 @@ def _remember(
 def _stabilized(
     config: ScalingConfig,
     history: tuple[tuple[float, int], ...],
+    forecasts: tuple[tuple[float, int], ...],
     size: int,
     recommended: int,
     now: float,
 ) -> int:
-    """Up at once (bounded by maxStep; with an up window, to the lowest ask over it); down
-    to the highest ask over the down window."""
+    """Up at once (bounded by maxStep; with an up window, to the lowest ask over it). Down to
+    the highest of: the asks over the down window, the asks of the window before it at a
+    fading share (see TAIL_FLOOR), and the recent forecasts."""
     if recommended > size:
         up = recommended
         if config.scale_up_stabilization_s > 0:
-            up = min(n for t, n in history if now - t <= config.scale_up_stabilization_s)
+            earlier = [n for t, n in history[:-1] if now - t <= config.scale_up_stabilization_s]
+            up = min([*earlier, recommended])
         return min(max(up, size), size + config.max_step)
-    down_window = [n for t, n in history if now - t <= config.scale_down_stabilization_s]
-    return min(size, max(down_window))
+    window = config.scale_down_stabilization_s
+    held = [n for _, n in forecasts]
+    for t, n in history:
+        fade = max(0.0, now - t - window) / max(window, EPSILON)
+        if fade <= 1.0:
+            held.append(math.ceil(n * (1.0 - (1.0 - TAIL_FLOOR) * fade) - EPSILON))
+    return min(size, max(held))
 
 
 def _within_budget(
