@@ -69,8 +69,19 @@ def make_signals(
     )
 
 
-def make_pod(name: str, role: str, ready: bool = True, cost: str | None = None) -> dict[str, Any]:
+def make_pod(
+    name: str,
+    role: str,
+    ready: bool = True,
+    cost: str | None = None,
+    started_in_s: float | None = None,  # creation to Ready, for the measured start-up
+) -> dict[str, Any]:
     annotations = {DELETION_COST_ANNOTATION: cost} if cost is not None else {}
+    ready_condition: dict[str, Any] = {"type": "Ready", "status": "True" if ready else "False"}
+    metadata_times = {}
+    if started_in_s is not None:
+        metadata_times["creationTimestamp"] = rfc3339(T0 - 600)
+        ready_condition["lastTransitionTime"] = rfc3339(T0 - 600 + started_in_s)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -79,11 +90,9 @@ def make_pod(name: str, role: str, ready: bool = True, cost: str | None = None) 
             "namespace": NAMESPACE,
             "labels": {ISVC_LABEL: "llm", ROLE_LABEL: role},
             "annotations": annotations,
+            **metadata_times,
         },
-        "status": {
-            "podIP": f"10.1.0.{len(name)}",
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        },
+        "status": {"podIP": f"10.1.0.{len(name)}", "conditions": [ready_condition]},
     }
 
 
@@ -345,3 +354,20 @@ def test_metrics_of_an_aggregated_pool_and_missing_values_left_out():
     )
     assert metrics(reading) == {"ttftMs": 123.5, "itlMs": 21.6, "kvCacheUsage": 0.45}
     assert metrics(MetricsUnavailable("NoSamples", "none yet")) == {}
+
+
+def test_start_up_is_measured_from_the_pools_pods_creation_to_ready():
+    api, _ = service()
+    autoscaler = ServiceAutoscaler(api, NAMESPACE, "llm", source=FakeSource(make_signals(T0)))
+    autoscaler.step(T0)
+    assert autoscaler.startup_s == 60.0  # no pod tells yet: the default
+    for pod in (
+        make_pod("p-a", "prefill", started_in_s=40.0),
+        make_pod("d-a", "decode", started_in_s=50.0),
+        make_pod("d-b", "decode", started_in_s=300.0),  # one slow start does not move the median
+        make_pod("d-loading", "decode", ready=False, started_in_s=5.0),  # not Ready: not counted
+        make_pod("router", "router", started_in_s=1.0),  # not a pool's pod
+    ):
+        api.add(pod)
+    autoscaler.step(T0 + 15)
+    assert autoscaler.startup_s == 50.0

@@ -10,6 +10,8 @@ over `kube.Api`, no kopf.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +53,32 @@ def serving(pod: dict[str, Any]) -> bool:
         return False
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _timestamp(value: Any) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def startup_seconds(pods: list[dict[str, Any]]) -> float | None:
+    """The median time from creation to Ready of the serving pods among `pods` (a replica's
+    start-up: scheduling, image, model load); None when no pod tells."""
+    spans = []
+    for pod in pods:
+        if not serving(pod):
+            continue
+        created = _timestamp(pod["metadata"].get("creationTimestamp"))
+        ready = next(
+            c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"
+        )
+        became_ready = _timestamp(ready.get("lastTransitionTime"))
+        if created is not None and became_ready is not None and became_ready >= created:
+            spans.append(became_ready - created)
+    return statistics.median(spans) if spans else None
 
 
 def least_loaded(pods: list[dict[str, Any]], loads: Mapping[str, PodLoad], count: int) -> list[str]:

@@ -9,7 +9,7 @@ the notices it returns. The policy's history lives in this object only, so an op
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL, ROUTER_PORT, ROUTER_ROLE, WORKER_PORT
@@ -22,6 +22,7 @@ from phasefleet.autoscale.deployments import (
     owns_replicas,
     scale,
     serving,
+    startup_seconds,
 )
 from phasefleet.autoscale.policy import Decision, PolicyState, ScalingConfig, decide
 from phasefleet.autoscale.prometheus import PrometheusSource
@@ -35,6 +36,7 @@ from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, Owner, child_name
 # a few scrapes, short enough that a burst shows within one or two decisions.
 WINDOW_INTERVALS = 4
 MIN_WINDOW_S = 10.0
+DEFAULT_STARTUP_S = 60.0  # a new replica's start-up until one of the service's pods was Ready
 
 
 class Source(Protocol):
@@ -54,13 +56,17 @@ def rfc3339(now: float) -> str:
     return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _role(pod: dict[str, Any]) -> str:
+    return str((pod["metadata"].get("labels") or {}).get(ROLE_LABEL, ""))
+
+
 def scrape_targets(api: Api, namespace: str, name: str, roles: list[str]) -> ScrapeTargets:
     """The service's serving router and worker pods, by pod IP (ScrapeSource's targets)."""
     routers: list[str] = []
     workers: dict[str, dict[str, str]] = {role: {} for role in roles}
     for pod in api.list("Pod", namespace, f"{ISVC_LABEL}={name}"):
         ip = (pod.get("status") or {}).get("podIP")
-        role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL, "")
+        role = _role(pod)
         if not ip or not serving(pod):
             continue
         if role == ROUTER_ROLE:
@@ -87,6 +93,7 @@ class ServiceAutoscaler:
         self.name = name
         self.prometheus_url = prometheus_url
         self.state = PolicyState()
+        self.startup_s = DEFAULT_STARTUP_S  # measured from the pods once one is Ready
         self._fixed_source = source
         self._source: Source | None = None
         self._source_key: tuple[Any, ...] = ()
@@ -138,6 +145,10 @@ class ServiceAutoscaler:
         if len(deployments) < len(config.pools):
             return Step(interval_s=config.interval_s, skipped="pools not created yet")
         current = {role: int(d["spec"].get("replicas") or 0) for role, d in deployments.items()}
+        pods = self.api.list("Pod", self.namespace, f"{ISVC_LABEL}={self.name}")
+        workers = [p for p in pods if _role(p) in current]
+        self.startup_s = startup_seconds(workers) or self.startup_s
+        config = replace(config, startup_s=self.startup_s)
 
         signals: Signals | MetricsUnavailable
         try:
@@ -146,7 +157,7 @@ class ServiceAutoscaler:
             signals = exc
         decision = decide(config, signals, current, self.state, now)
         self.state = decision.state
-        self._act(decision, signals, deployments)
+        self._act(decision, signals, deployments, pods)
 
         previous = dict(body.get("status") or {})
         generation = int(body["metadata"].get("generation") or 0)
@@ -193,18 +204,14 @@ class ServiceAutoscaler:
         decision: Decision,
         signals: Signals | MetricsUnavailable,
         deployments: dict[str, dict[str, Any]],
+        pods: list[dict[str, Any]],
     ) -> None:
         """Marks the pods a scale-down removes, then applies every pool's size that changed
         (or that the autoscaler does not own yet: the first step takes the field over)."""
-        pods: list[dict[str, Any]] | None = None
         for role, pool in decision.pools.items():
             deployment = deployments[role]
             if pool.desired < pool.current and isinstance(signals, Signals):
-                if pods is None:
-                    pods = self.api.list("Pod", self.namespace, f"{ISVC_LABEL}={self.name}")
-                members = [
-                    p for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == role
-                ]
+                members = [p for p in pods if _role(p) == role]
                 loads = signals.pools[role].pods if role in signals.pools else {}
                 chosen = least_loaded(members, loads, pool.current - pool.desired)
                 mark_for_removal(self.api, self.namespace, members, chosen)
