@@ -19,6 +19,7 @@ COLORS = {
     "static peak": "0.6",
     "static mean": "0.3",
     "HPA": "tab:orange",
+    "HPA 0.5": "tab:brown",
     "KEDA": "tab:purple",
     "ours": "tab:blue",
     "oracle": "tab:green",
