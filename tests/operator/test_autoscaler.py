@@ -5,6 +5,7 @@ that field afterwards, the status both write, pod deletion costs, Events."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, cast
 
 from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL
@@ -371,3 +372,32 @@ def test_start_up_is_measured_from_the_pools_pods_creation_to_ready():
         api.add(pod)
     autoscaler.step(T0 + 15)
     assert autoscaler.startup_s == 50.0
+
+
+def test_a_new_service_whose_pods_load_is_starting_not_warned_about():
+    api, _ = service()
+    api.add(make_pod("d-loading", "decode", ready=False))
+    source = FakeSource(MetricsUnavailable("NoSamples", "Prometheus has no series yet"))
+    scaler = ServiceAutoscaler(api, NAMESPACE, "llm", source=source)
+    step = scaler.step(T0)
+    cond = conditions(api)["MetricsAvailable"]
+    assert (cond["status"], cond["reason"]) == ("False", "ReplicasStarting")
+    assert cond["message"].startswith("no prefill, decode replica is Ready yet")
+    assert step.notices == []
+
+    # Ready, and still nothing in Prometheus: now it is worth a Warning
+    api.add(make_pod("d-ready", "decode"))
+    step = scaler.step(T0 + 3)
+    assert conditions(api)["MetricsAvailable"]["reason"] == "NoSamples"
+    assert [(n.type, n.reason) for n in step.notices] == [("Warning", "MetricsUnavailable")]
+    assert "no series yet" in step.notices[0].message
+
+
+def test_a_pool_with_a_ready_pod_and_no_samples_is_warned_about_at_once():
+    api, _ = service()
+    api.add(make_pod("p-ready", "prefill"))
+    reading = make_signals(T0)
+    silent = replace(reading, pools={**reading.pools, "prefill": PoolSignals(reporting=0)})
+    step = ServiceAutoscaler(api, NAMESPACE, "llm", source=FakeSource(silent)).step(T0)
+    assert conditions(api)["MetricsAvailable"]["reason"] == "NoSamples"
+    assert [(n.type, n.reason) for n in step.notices] == [("Warning", "MetricsUnavailable")]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from phasefleet.api.spec import InferenceServiceSpec, Role, pool_gpus
 from phasefleet.autoscale import demand
 from phasefleet.autoscale.budget import Ask, share
-from phasefleet.autoscale.signals import MetricsUnavailable, PoolSignals, Signals
+from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, PoolSignals, Signals
 
 # After the down window an ask still holds the pool, at a share that falls linearly from 1 to
 # this over a second window as long: a peak lets go gradually, not all at once.
@@ -210,7 +210,7 @@ def decide(
         pools=pools,
         state=PolicyState(history, grown, asks, forecasts),
         metrics_available=not missing,
-        metrics_reason="NoSamples" if missing else "MetricsFresh",
+        metrics_reason=NO_SAMPLES if missing else "MetricsFresh",
         metrics_message=(
             f"no {no_samples} replica reports metrics: that pool holds its size until one does"
             if missing else "every pool reports fresh metrics"

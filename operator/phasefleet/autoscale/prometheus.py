@@ -17,7 +17,13 @@ from urllib3.util.retry import Retry
 
 from phasefleet.api.contract import POOL_ENGINE_ROLE, ROUTER_ROLE
 from phasefleet.api.contract import Metric as M
-from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
+from phasefleet.autoscale.signals import (
+    NO_SAMPLES,
+    MetricsUnavailable,
+    PodLoad,
+    PoolSignals,
+    Signals,
+)
 
 URL_SETTING = "the chart value prometheus.url (PHASEFLEET_PROMETHEUS_URL)"
 # A bad status, a query Prometheus refused, or a body that is not its API's JSON.
@@ -97,7 +103,7 @@ class PrometheusSource:
         pod_running = results["pod_running"]
         if not pod_running:
             raise MetricsUnavailable(
-                "NoSamples",
+                NO_SAMPLES,
                 f"Prometheus at {self.url} has no {M.NUM_REQUESTS_RUNNING} series for "
                 f"inferenceservice {self.namespace}/{self.service}: check that it scrapes the "
                 "worker pods (the chart's PodMonitor) and that the workers are ready.",

@@ -19,6 +19,8 @@ from phasefleet.autoscale.signals import MetricsUnavailable, Signals
 LIMITED_REASON = "LimitReached"  # ScalingLimited=True: maxReplicas or gpuBudget binds
 WITHIN_LIMITS_REASON = "WithinLimits"
 METRICS_LOST_EVENT = "MetricsUnavailable"
+# MetricsAvailable=False while a pool's pods are still loading: expected, so no Warning
+STARTING_REASON = "ReplicasStarting"
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,16 @@ def autoscaler_status(
 
 
 def notices(decision: Decision, previous: dict[str, Any]) -> list[Notice]:
-    """An Event per pool scaled, and a Warning when MetricsAvailable turns False."""
+    """An Event per pool scaled, and a Warning when MetricsAvailable turns False (not while
+    pools are only starting, but once they stop being so)."""
     out = [
         Notice("Normal", "ScaledUp" if pool.desired > pool.current else "ScaledDown", pool.reason)
         for pool in decision.pools.values()
         if pool.changed
     ]
     before = _previous_condition(previous, METRICS_AVAILABLE)
-    if not decision.metrics_available and before.get("status") != "False":
+    newly_lost = before.get("status") != "False" or before.get("reason") == STARTING_REASON
+    if not decision.metrics_available and decision.metrics_reason != STARTING_REASON and newly_lost:
         message = f"{decision.metrics_reason}: {decision.metrics_message}"
         out.append(Notice("Warning", METRICS_LOST_EVENT, message))
     return out

@@ -19,7 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from phasefleet.api.contract import METRICS_PATH
 from phasefleet.api.contract import Metric as M
 from phasefleet.autoscale.histogram import histogram_quantile
-from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
+from phasefleet.autoscale.signals import (
+    NO_SAMPLES,
+    MetricsUnavailable,
+    PodLoad,
+    PoolSignals,
+    Signals,
+)
 
 # One exposition: (sample name, `le` or "") -> value, summed over the other labels.
 Samples = dict[tuple[str, str], float]
@@ -104,7 +110,7 @@ class ScrapeSource:
         urls = [*targets.routers, *(u for pool in targets.workers.values() for u in pool.values())]
         if not any(targets.workers.values()):
             raise MetricsUnavailable(
-                "NoSamples", "No worker to scrape: the service has no running worker pods yet."
+                NO_SAMPLES, "No worker to scrape: the service has no running worker pods yet."
             )
         answered = self._scrape_all(urls)
         for url in list(self._history):

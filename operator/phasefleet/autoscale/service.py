@@ -26,9 +26,14 @@ from phasefleet.autoscale.deployments import (
 )
 from phasefleet.autoscale.policy import Decision, PolicyState, ScalingConfig, decide
 from phasefleet.autoscale.prometheus import PrometheusSource
-from phasefleet.autoscale.report import Notice, autoscaler_status, notices
+from phasefleet.autoscale.report import (
+    STARTING_REASON,
+    Notice,
+    autoscaler_status,
+    notices,
+)
 from phasefleet.autoscale.scrape import ScrapeSource, ScrapeTargets
-from phasefleet.autoscale.signals import MetricsUnavailable, Signals
+from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, Signals
 from phasefleet.operator.kube import Api
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, Owner, child_name, is_owned_by
 
@@ -58,6 +63,29 @@ def rfc3339(now: float) -> str:
 
 def _role(pod: dict[str, Any]) -> str:
     return str((pod["metadata"].get("labels") or {}).get(ROLE_LABEL, ""))
+
+
+def starting(
+    decision: Decision, signals: Signals | MetricsUnavailable, workers: list[dict[str, Any]]
+) -> Decision:
+    """A pool without samples whose pods are not Ready yet is starting, not failing: the
+    decision's NoSamples becomes STARTING_REASON (no Warning; see report.notices)."""
+    if decision.metrics_reason != NO_SAMPLES:
+        return decision
+    silent = [
+        role for role in decision.pools
+        if isinstance(signals, MetricsUnavailable) or role not in signals.pools
+        or signals.pools[role].reporting == 0
+    ]  # fmt: skip
+    if any(serving(p) for p in workers if _role(p) in silent):
+        return decision  # a Ready pod that reports nothing: a real NoSamples
+    names = ", ".join(silent)
+    return replace(
+        decision,
+        metrics_reason=STARTING_REASON,
+        metrics_message=f"no {names} replica is Ready yet: the pool holds its size until one"
+        " reports metrics",
+    )
 
 
 def scrape_targets(api: Api, namespace: str, name: str, roles: list[str]) -> ScrapeTargets:
@@ -155,7 +183,7 @@ class ServiceAutoscaler:
             signals = self.source(spec, config).read(now)
         except MetricsUnavailable as exc:
             signals = exc
-        decision = decide(config, signals, current, self.state, now)
+        decision = starting(decide(config, signals, current, self.state, now), signals, workers)
         self.state = decision.state
         self._act(decision, signals, deployments, pods)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+NO_SAMPLES = "NoSamples"  # MetricsUnavailable reason: no series or no replica reports
+
 
 class MetricsUnavailable(Exception):
     """No usable metrics: the policy holds every pool at its size.
