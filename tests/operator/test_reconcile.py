@@ -80,8 +80,12 @@ def test_ready_once_pods_are_ready_and_second_pass_writes_nothing():
 
 def test_missing_pvc_is_reported_and_retried_until_it_exists():
     api, body = setup(model={"pvc": {"claimName": "weights"}})
-    with pytest.raises(Blocked, match="PersistentVolumeClaim team-a/weights not found"):
+    with pytest.raises(Blocked, match="PersistentVolumeClaim team-a/weights not found") as first:
         reconcile(api, body, NOW)
+    assert first.value.news  # one Warning event for it
+    with pytest.raises(Blocked) as retry:
+        reconcile(api, fresh(api), LATER)
+    assert not retry.value.news  # the same problem at the next retry: no second event
     degraded = condition(fresh(api), "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "ModelVolumeMissing"
     assert "spec.model.pvc.claimName" in degraded["message"]

@@ -97,7 +97,8 @@ def reconcile_service(
         kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc)[:1024])
         raise kopf.PermanentError(str(exc)) from exc
     except Blocked as exc:
-        kopf.event(body, type="Warning", reason=exc.problem.reason, message=exc.problem.message)
+        if exc.news:  # once per problem, not at every retry
+            kopf.event(body, type="Warning", reason=exc.problem.reason, message=exc.problem.message)
         raise kopf.TemporaryError(exc.problem.message, delay=PROBLEM_RETRY_SECONDS) from exc
     except Rejected as exc:  # not a child: e.g. the status subresource, or a forbidden list
         kopf.event(body, type="Warning", reason="RequestRejected", message=str(exc)[:1024])

@@ -67,9 +67,10 @@ class InvalidSpec(Exception):
 class Blocked(Exception):
     """A referenced object is missing or a child was refused; reported in status and retried."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, news: bool = True) -> None:
         super().__init__(problem.message)
         self.problem = problem
+        self.news = news  # the pass wrote this Degraded text first: worth one Warning event
 
 
 @dataclass
@@ -234,6 +235,21 @@ def write_status(
     return status
 
 
+def _blocked(
+    api: Api,
+    body: dict[str, Any],
+    spec: InferenceServiceSpec,
+    deployments: dict[str, dict[str, Any]],
+    now: str,
+    problem: Problem,
+) -> Blocked:
+    """Writes the problem into status; the Blocked to raise says whether that was news (a
+    retry of the same problem every PROBLEM_RETRY_SECONDS posts no new event)."""
+    previous = dict(body.get("status") or {})
+    written = write_status(api, body, spec, deployments, now, problem)
+    return Blocked(problem, news=written is not None and bool(degraded_news(written, previous)))
+
+
 def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
     """Applies the children that differ from the spec, retires unwanted ones, writes status.
 
@@ -252,8 +268,7 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
     deployments = _deployments(live)
     problem = preflight(api, owner, spec)
     if problem is not None:
-        write_status(api, body, spec, deployments, now, problem)
-        raise Blocked(problem)
+        raise _blocked(api, body, spec, deployments, now, problem)
 
     outcome = Outcome(parent=body)
     live_replicas = {name: int(d["spec"].get("replicas") or 0) for name, d in deployments.items()}
@@ -282,8 +297,7 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
             raise  # nothing can be created there any more; not a problem with the spec
         except Rejected as exc:
             problem = rejected_problem(owner, obj, exc)
-            write_status(api, body, spec, deployments, now, problem)
-            raise Blocked(problem) from exc
+            raise _blocked(api, body, spec, deployments, now, problem) from exc
         version = after["metadata"].get("resourceVersion")
         if before is None or before["metadata"].get("resourceVersion") != version:
             outcome.applied.append(_ref(obj))
@@ -305,10 +319,11 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
             if kind == "Deployment":
                 deployments.pop(name, None)
             outcome.deleted.append(_ref(obj))
+    previous = dict(body.get("status") or {})
     written = write_status(api, body, spec, deployments, now, retiring=retiring)
     outcome.status_written = written is not None
     if written is not None:
-        outcome.degraded = degraded_news(written, dict(body.get("status") or {}))
+        outcome.degraded = degraded_news(written, previous)
     return outcome
 
 
