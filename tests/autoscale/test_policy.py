@@ -124,7 +124,9 @@ def test_scale_down_waits_a_whole_window_then_lets_go_over_the_tail() -> None:
     assert list(sizes.values()) == sorted(sizes.values(), reverse=True)
     assert (sizes[1.5 * WINDOW], sizes[2 * WINDOW]) == (3, 1)
     first = next(d.pools["prefill"] for d in decisions.values() if d.pools["prefill"].changed)
-    assert first.reason.startswith("prefill 4->3: busy 0.10 <= target 0.75; no ask above 3")
+    assert first.reason.startswith(
+        "prefill 4->3: busy 0.10 <= target 0.75; no ask above 1 for 300 s, older asks still hold 3"
+    )
 
 
 def test_one_high_ask_in_the_window_holds_the_pool() -> None:
@@ -440,3 +442,7 @@ def test_the_worked_example_in_the_docs() -> None:
         1155.0: "prefill 6->5", 1185.0: "prefill 5->4",
     }  # fmt: skip
     assert len(changes) == 4 + len(tail)
+    assert changes[960.0].startswith(
+        "prefill 9->8: busy 0.30 <= target 0.75; no ask above 4 for 300 s, older asks still hold 8"
+    )
+    assert "older asks" not in changes[1185.0]  # 4 is what the window's asks say

@@ -199,6 +199,7 @@ def decide(
             wanted[role],
             signals,
             limits.get(role),
+            max(n for t, n in history[role] if now - t <= config.scale_down_stabilization_s),
         )
         for role in config.pools
     }
@@ -327,6 +328,7 @@ def _explain(
     wanted: tuple[int, str, float],
     signals: Signals,
     limited: str | None,
+    window_max: int,  # the highest ask over the down window
 ) -> PoolDecision:
     _, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
@@ -334,9 +336,12 @@ def _explain(
         reason = f"{role} {size}->{desired}: {sentence}{context}"
     elif desired < size:
         window = config.scale_down_stabilization_s
+        held = ""
+        if window_max < desired and desired > config.pools[role].min_replicas:
+            held = f", older asks still hold {desired}"  # the tail, or a recent forecast
         reason = (
-            f"{role} {size}->{desired}: {sentence}; no ask above {desired} for"
-            f" {window:.0f} s{context}"
+            f"{role} {size}->{desired}: {sentence}; no ask above {min(window_max, desired)} for"
+            f" {window:.0f} s{held}{context}"
         )
     else:
         reason = f"{role} stays at {size}: {sentence}{context}"
