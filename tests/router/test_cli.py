@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,11 +70,18 @@ def test_a_static_list_for_local_use() -> None:
     ],
 )
 def test_bad_settings_exit_2_with_a_message(
-    flags: list[str], capsys: pytest.CaptureFixture[str]
+    flags: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PHASEFLEET_TERMINATION_LOG", str(log))
     args = build_parser().parse_args(["router", "--served-model-name", "m", *flags])
     assert run(args) == 2
-    assert capsys.readouterr().err.startswith("phasefleet router: ")
+    err = capsys.readouterr().err
+    assert err.startswith("phasefleet router: ")
+    assert log.read_text() == err.removeprefix("phasefleet router: ")  # one line, for the pod
 
 
 def test_unknown_policy_is_refused_by_the_parser() -> None:
@@ -93,3 +102,24 @@ def test_the_cli_needs_no_server_dependencies() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["router", "least-loaded"]
+
+
+def test_a_port_it_cannot_listen_on_is_the_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PHASEFLEET_TERMINATION_LOG", str(log))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(
+            ["router", "--served-model-name", "m", "--workers", "http://127.0.0.1:9",
+             "--host", "127.0.0.1", "--port", str(port)]
+        )  # fmt: skip
+        with pytest.raises(SystemExit) as exited:
+            run(args)
+    code = exited.value.code
+    assert code not in (0, None)
+    expected = f"could not serve on 127.0.0.1:{port} (uvicorn exited {code})"
+    assert log.read_text().startswith(expected)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 
 from phasefleet.api.contract import INTERNAL_TOKEN_ENV, ROUTER_PORT, RouterFlag
@@ -30,7 +29,9 @@ from phasefleet.router.endpointslices import (
     KubeAccess,
 )
 from phasefleet.router.policy import POLICIES
+from phasefleet.termination import fail, write_termination_message
 
+PROGRAM = "phasefleet router"
 GRACEFUL_SHUTDOWN_TIMEOUT = 25  # seconds open streams get after SIGTERM (grace period is 30)
 
 logger = logging.getLogger("phasefleet.router")
@@ -141,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
         config.validate()
         sources = discoveries(args)
     except ValueError as exc:
-        print(f"phasefleet router: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROGRAM, str(exc), code=2)
     return _serve(args, config, sources)
 
 
@@ -169,5 +169,13 @@ def _serve(args: argparse.Namespace, config: RouterConfig, sources: dict[str, Di
         "router for %s (policy %s) on %s:%d, pools: %s", config.served_model_name, config.policy,
         args.host, args.port, ", ".join(p.describe() for p in pools.values()),
     )  # fmt: skip
-    uvicorn.Server(uv_config).run()
+    try:
+        uvicorn.Server(uv_config).run()
+    except SystemExit as exc:  # uvicorn exits non-zero when it cannot start (e.g. listen)
+        if exc.code not in (0, None):
+            write_termination_message(
+                f"could not serve on {args.host}:{args.port} (uvicorn exited {exc.code}): is"
+                " the port taken, or not allowed? The log above says which"
+            )
+        raise
     return 0
