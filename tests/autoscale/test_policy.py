@@ -138,6 +138,25 @@ def test_one_high_ask_in_the_window_holds_the_pool() -> None:
     assert (sizes[40], sizes[50]) == (3, 1), sizes  # 150 s + 1.5 and 2 windows
 
 
+def test_an_ask_past_max_replicas_is_remembered_as_max_replicas() -> None:
+    """A TTFT 100x over a tiny target asks for 400 replicas of a pool capped at 4: the tail
+    lets go of 4, not of 400 (which would hold the pool for the whole tail)."""
+    config = disaggregated(pools={"prefill": PoolLimits(1, 4, 1), "decode": PoolLimits(1, 10, 1)})
+    state, current = PolicyState(), {"prefill": 4, "decode": 2}
+    sizes = []
+    for i in range(51):
+        now = i * INTERVAL
+        busy, ttft = (0.9, 50.0) if i == 0 else (0.1, 0.1)
+        sig = signals(now, calm_prefill(current["prefill"], busy=busy), calm_decode(2), ttft=ttft)
+        decision = step(config, sig, current, state, now)
+        state, current["prefill"] = decision.state, decision.pools["prefill"].desired
+        sizes.append(current["prefill"])
+        if i == 0:
+            assert state.history["prefill"][-1] == (0.0, 4)
+    assert all(n == 4 for n in sizes[:21]), sizes  # the window
+    assert (sizes[30], sizes[40]) == (3, 1), sizes  # half-way through the tail, then its end
+
+
 def test_replicas_still_starting_are_not_asked_for_twice() -> None:
     """Prefill went 2 -> 4 and two replicas still load: the same load asks for 4, not 6."""
     sig = signals(0.0, calm_prefill(2, busy=1.0), calm_decode(2), ttft=0.9)

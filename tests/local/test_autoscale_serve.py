@@ -25,7 +25,9 @@ SHORT_TOKENS = 8  # and short answers
 LONG_TOKENS = 1900  # long streams (a few seconds on an idle machine; the model allows 2048)
 SENDERS = 8
 LONG_STREAMS = 4  # started with the load
-LONG_STREAM_EVERY = 0.5  # then one more every 0.5 s until the pool shrinks (seconds)
+LONG_IN_FLIGHT = 2  # then kept this many mid-answer until the pool shrinks: however fast the
+# machine streams, some are running at the shrink, and the one decode worker is not flooded
+# (a queue there holds prompts' KV on the prefill workers and keeps their TTFT term up)
 
 
 def serve_command(model: Path, port: int, run_dir: Path) -> list[str]:
@@ -112,14 +114,14 @@ async def load_then_quiet(serve: Serve, url: str) -> float:
         load_ended = time.monotonic()
         shrunk = asyncio.Event()
 
-        async def keep_a_long_stream_in_flight() -> None:
-            # However fast this machine streams, some are mid-answer when the pool shrinks.
+        async def keep_long_streams_in_flight() -> None:
             while not shrunk.is_set():
-                await asyncio.sleep(LONG_STREAM_EVERY)
-                part = f"A long tale, part {len(longs)}"
-                longs.append(asyncio.create_task(stream(client, part, LONG_TOKENS)))
+                if sum(not task.done() for task in longs) < LONG_IN_FLIGHT:
+                    part = f"A long tale, part {len(longs)}"
+                    longs.append(asyncio.create_task(stream(client, part, LONG_TOKENS)))
+                await asyncio.sleep(0.2)
 
-        starter = asyncio.create_task(keep_a_long_stream_in_flight())
+        starter = asyncio.create_task(keep_long_streams_in_flight())
         short = [result for s in await asyncio.gather(*senders) for result in s]
         await serve.until(lambda: serve.pool_size("prefill") == 1, 90, "scale-down")
         shrunk.set()

@@ -158,7 +158,10 @@ def decide(
                (now, wanted[role][0]))
         for role in config.pools
     }  # fmt: skip
-    history = _remember(config, state, {r: w[0] for r, w in wanted.items()}, current, now)
+    # An ask is remembered within the pool's bounds: a latency far over a tiny target can ask
+    # for thousands, and the tail would otherwise hold a bounded pool for its whole length.
+    bounded = {r: _bounded(config.pools[r], w[0]) for r, w in wanted.items()}
+    history = _remember(config, state, bounded, current, now)
     memory = config.startup_s + config.interval_s
     forecasts = {
         role: tuple((t, n) for t, n in state.forecasts.get(role, ()) if now - t < memory)
@@ -180,7 +183,7 @@ def decide(
             target = size  # latency near its target: not the moment to shrink
         if target < size and _loading(config, state, signals, role, size, now):
             target = size  # not before the replicas just added have had a chance to serve
-        clamped = min(max(target, limits_.min_replicas), limits_.max_replicas)
+        clamped = _bounded(limits_, target)
         if target > limits_.max_replicas and clamped >= size:
             limits[role] = f"{role} is at maxReplicas {limits_.max_replicas} (asked for {target})"
         desired[role] = clamped
@@ -218,6 +221,10 @@ def decide(
         ),
         scaling_limited="; ".join(limited) or None,
     )  # fmt: skip
+
+
+def _bounded(limits: PoolLimits, replicas: int) -> int:
+    return min(max(replicas, limits.min_replicas), limits.max_replicas)
 
 
 def _ahead(asks: tuple[tuple[float, int], ...], ask: int) -> int:
@@ -363,7 +370,7 @@ def _hold_all(
     pools = {}
     for role, size in sizes.items():
         limits = config.pools[role]
-        bounded = min(max(size, limits.min_replicas), limits.max_replicas)
+        bounded = _bounded(limits, size)
         if bounded == size:
             reason = f"{role} stays at {size}: {unavailable.message}"
         else:
