@@ -80,7 +80,6 @@ def test_scaling_decode_down_during_streams_loses_none(fleet: Fleet) -> None:
     runner.start()
     assert started.wait(120)
     leaving = fleet.workers["decode"][0]
-    before = time.monotonic()
     fleet.retire(leaving)  # out of the router's list
     time.sleep(1.5)  # the router has re-read it
     running = httpx.get(f"{leaving.url}/metrics", timeout=10).text
@@ -98,4 +97,3 @@ def test_scaling_decode_down_during_streams_loses_none(fleet: Fleet) -> None:
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert again.choices[0].text == text
-    assert time.monotonic() - before < 120
