@@ -251,7 +251,7 @@ def test_without_slo_targets_a_pool_scales_on_capacity_alone() -> None:
 
 def test_latency_near_its_target_blocks_a_scale_down() -> None:
     config = disaggregated(scale_down_stabilization_s=0.0)
-    queued = replace(calm_prefill(4, busy=0.1), waiting=2.0)
+    queued = replace(calm_prefill(4, busy=0.1), waiting=8.0)
     sig = signals(0.0, queued, calm_decode(2), ttft=0.45)
     decision = decide(config, sig, {"prefill": 4, "decode": 2}, PolicyState(), 0.0)
     assert decision.pools["prefill"].desired == 4
@@ -278,7 +278,12 @@ def test_a_slow_ttft_from_long_prompts_on_idle_prefill_does_not_grow_prefill() -
     sig = signals(0.0, idle, calm_decode(2), ttft=0.9)
     decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
     assert decision.pools["prefill"].desired == 2
-    queued = replace(idle, waiting=3.0)
+    # a prompt per replica waiting at the scrape is arrivals meeting, not a queue
+    met = replace(idle, waiting=2.0)
+    sig = signals(0.0, met, calm_decode(2), ttft=0.9)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 2
+    queued = replace(idle, waiting=4.0)
     sig = signals(0.0, queued, calm_decode(2), ttft=0.9)
     decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
     assert decision.pools["prefill"].desired == 4

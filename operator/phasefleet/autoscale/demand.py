@@ -125,7 +125,7 @@ def slots_term(pool: PoolSignals, slots: int | None) -> Term | None:
 def queue_term(pool: PoolSignals) -> Term | None:
     """Requests a decode engine could not admit (KV or max_num_seqs full)."""
     waiting, running = pool.waiting or 0.0, pool.running or 0.0
-    if pool.reporting == 0 or waiting < QUEUE_MIN_PER_REPLICA * pool.reporting:
+    if pool.reporting == 0 or not queued(pool):
         return None
     ratio = (running + waiting) / max(running, 1.0)
     return Term(
@@ -147,19 +147,25 @@ def latency_term(
     )
 
 
+def queued(pool: PoolSignals) -> bool:
+    """Whether requests wait in a queue: QUEUE_MIN_PER_REPLICA or more per replica. One prompt
+    waiting at the moment of a scrape is two arrivals meeting, not a pool short of replicas."""
+    return (pool.waiting or 0.0) >= QUEUE_MIN_PER_REPLICA * max(pool.reporting, 1)
+
+
 def prefill_loaded(pool: PoolSignals) -> bool:
-    """Whether more prefill replicas could lower TTFT: prompts wait, or the engines are as busy
+    """Whether more prefill replicas could lower TTFT: prompts queue, or the engines are as busy
     as their target. Otherwise a high TTFT is the prompts' own length, which no replica count
     shortens."""
-    return bool(pool.waiting) or (pool.busy_fraction or 0.0) >= BUSY_TARGET
+    return queued(pool) or (pool.busy_fraction or 0.0) >= BUSY_TARGET
 
 
 def decode_loaded(pool: PoolSignals, targets: Targets) -> bool:
-    """Whether more decode replicas could lower TPOT: requests wait for a batch slot, or the KV
+    """Whether more decode replicas could lower TPOT: requests queue for a batch slot, or the KV
     caches are as full as their target. Otherwise a high TPOT is the KV hand-off before the
     second token (long prompts with short answers), which no decode replica count shortens."""
     kv = (pool.kv_usage_sum or 0.0) / max(pool.reporting, 1)
-    return bool(pool.waiting) or kv >= targets.kv_cache_target
+    return queued(pool) or kv >= targets.kv_cache_target
 
 
 def terms(
