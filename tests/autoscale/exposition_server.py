@@ -26,10 +26,13 @@ class FakeWorker:
 
     role: str = "both"
     stats: EngineStats = field(default_factory=lambda: replace(IDLE))
+    loading: bool = False  # the engine has no stats yet, as while the model loads
     metrics: WorkerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = WorkerMetrics("tiny", self.role, lambda: self.stats)
+        self.metrics = WorkerMetrics(
+            "tiny", self.role, lambda: None if self.loading else self.stats
+        )
 
     def render(self) -> bytes:
         return self.metrics.render()

@@ -169,6 +169,30 @@ def test_targets_that_do_not_answer_are_not_reporting(fleet: Fleet) -> None:
     assert d.url in failed.value.message and "/metrics" in failed.value.message
 
 
+def test_a_worker_still_loading_is_not_a_reporting_replica(fleet: Fleet) -> None:
+    """It answers /metrics (its HTTP server is up) with no engine series: counted, it would
+    average its idle 0 into the pool's busy time and hide that it cannot serve yet."""
+    _, prefill, decode, (r, p, d) = fleet
+    loading = FakeWorker("prefill", loading=True)
+    assert b"phasefleet_num_requests_running" not in loading.render()
+    assert b"phasefleet_time_to_first_token_seconds" in loading.render()  # the server's own
+    with serving(loading) as (p1,):
+        source = ScrapeSource(fixed([r], {"prefill": {"p0": p, "p1": p1}, "decode": {"d0": d}}))
+        source.read(now=0.0)
+        prefill.stats = replace(prefill.stats, busy_seconds_total=9.0)
+        pre = source.read(now=10.0).pools["prefill"]
+        assert (pre.reporting, set(pre.pods)) == (1, {"p0"})
+        assert pre.busy_fraction == pytest.approx(0.9)
+        loading.loading = False
+        assert source.read(now=20.0).pools["prefill"].reporting == 2
+        for worker in (prefill, loading, decode):
+            worker.loading = True
+        with pytest.raises(MetricsUnavailable) as failed:
+            source.read(now=30.0)
+    assert failed.value.reason == "NoSamples"
+    assert "none has loaded its model yet" in failed.value.message
+
+
 def test_without_a_router_latencies_come_from_the_answering_workers() -> None:
     prefill, worker = FakeWorker("prefill"), FakeWorker("both")
     with serving(prefill, worker) as (p, w):

@@ -120,6 +120,12 @@ class ScrapeSource:
             self._history.setdefault(url, _History()).add(now, samples, self.window_s)
         pools = {role: self._pool(members, answered) for role, members in targets.workers.items()}
         if not any(p.reporting for p in pools.values()):
+            if any(u in answered for pool in targets.workers.values() for u in pool.values()):
+                raise MetricsUnavailable(
+                    NO_SAMPLES,
+                    "The workers answer but none has loaded its model yet: the pools hold their"
+                    " sizes until one serves.",
+                )
             raise MetricsUnavailable(
                 "ScrapeFailed",
                 f"No worker answered GET {METRICS_PATH} (tried {', '.join(sorted(urls))}): check "
@@ -157,8 +163,13 @@ class ScrapeSource:
             return {url: samples for url, samples in results if samples is not None}
 
     def _pool(self, members: Mapping[str, str], answered: Mapping[str, Samples]) -> PoolSignals:
-        up = {name: answered[url] for name, url in members.items() if url in answered}
-        pairs = [p for u in members.values() if u in answered and (p := self._history[u].pair)]
+        # a worker still loading answers /metrics without engine series: not a replica yet
+        up = {
+            name: answered[url]
+            for name, url in members.items()
+            if url in answered and (M.NUM_REQUESTS_RUNNING, "") in answered[url]
+        }
+        pairs = [p for n, u in members.items() if n in up and (p := self._history[u].pair)]
 
         def total(metric: str) -> float:
             return sum(s.get((metric, ""), 0.0) for s in up.values())

@@ -89,13 +89,17 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        if stats is None:
+            # Loading (or failed to load): no engine series, so a worker that cannot serve yet
+            # is not counted as a reporting replica, nor averaged in as an idle one.
+            return
         for name, (doc, attr) in GAUGES.items():
             family = GaugeMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(self._labels, float(getattr(stats, attr)) if stats else 0.0)
+            family.add_metric(self._labels, float(getattr(stats, attr)))
             yield family
         for name, (doc, attr) in COUNTERS.items():
             counter = CounterMetricFamily(name, doc, labels=LABELS)
-            counter.add_metric(self._labels, float(getattr(stats, attr)) if stats else 0.0)
+            counter.add_metric(self._labels, float(getattr(stats, attr)))
             yield counter
 
 
