@@ -7,10 +7,10 @@ samples with the chart's own PodMonitor relabelings. The pods run as local proce
 pod runner). One disaggregated tiny-model service, autoscaled every 3 s with a 1 ms TTFT target
 and a GPU budget of 3 (each worker asks for one fake GPU), goes through:
 
-1. a burst of streams: TTFT is far over target, prefill grows 1 -> 2 (not 3: the budget binds,
-   ScalingLimited), the new pod starts and joins the router; decode (KV under target, no TPOT
-   target) stays at 1. The operator's next apply of that Deployment leaves the autoscaler's
-   replicas alone (managedFields).
+1. a burst of streams: TTFT is far over target, prefill grows 1 -> 2, the new pod starts and
+   joins the router, and the next ask (3) is refused: the budget binds, ScalingLimited; decode
+   (KV under target, no TPOT target) stays at 1. The operator's next apply of that Deployment
+   leaves the autoscaler's replicas alone (managedFields).
 2. the burst stops, the SLO is relaxed to 60 s (with a 1 ms target every request is over it
    and no pool would ever shrink) and light stream traffic keeps running; Prometheus is stopped:
    MetricsAvailable=False with PrometheusUnreachable, and prefill holds at 2 past the time it
@@ -286,21 +286,23 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
     burst = Streams(router_ip, threads=8, max_tokens=4, ignore_eos=False, prompt_words=60)
     try:
         wait_for(lambda: replicas(cluster, ns, "prefill") == 2, 90, "prefill scaled to 2")
+        # a latency term asks for a quarter more at most: 1 -> 2, then, once both report, 3,
+        # which the budget (3 GPUs, 1 of them decode's) does not allow
+        wait_for(
+            lambda: len(ready_ips(cluster, ns, "prefill")) == 2, 240, "the new prefill pod Ready"
+        )
+        wait_router_sees(router_ip, {"prefill": 2, "decode": 1})
         limited = wait_for(
             lambda: (
                 (c := status_condition(cluster, ns, "ScalingLimited"))["status"] == "True" and c
             ),
-            30,
+            60,
             "ScalingLimited=True",
         )
         assert limited["reason"] == "LimitReached" and "gpuBudget 3 binds" in limited["message"]
         limited_series = partial(operator_metric, Metric.AUTOSCALER_SCALING_LIMITED, ns, "prefill")
         wait_for(lambda: limited_series() == 1, 10, "scaling_limited 1 on the operator's /metrics")
         assert operator_metric(Metric.AUTOSCALER_DESIRED_REPLICAS, ns, "prefill") == 2
-        wait_for(
-            lambda: len(ready_ips(cluster, ns, "prefill")) == 2, 240, "the new prefill pod Ready"
-        )
-        wait_router_sees(router_ip, {"prefill": 2, "decode": 1})
         shown = wait_for(
             lambda: (row := printed(cluster, ns))["PREFILL"] == "2/2" and row, 30, "PREFILL 2/2"
         )
@@ -381,13 +383,13 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
     assert operator_metric(Metric.AUTOSCALER_DESIRED_REPLICAS, ns, "prefill") is None
 
     reasons = scale_events(cluster, ns)
-    assert any(m.startswith("prefill 1->2: TTFT p90") for m in reasons["ScaledUp"]), reasons
+    assert any(m.startswith("prefill 1->2: ") and "TTFT p90" in m for m in reasons["ScaledUp"])
     assert any(m.startswith("prefill 2->1:") for m in reasons["ScaledDown"]), reasons
     assert any("PrometheusUnreachable" in m for m in reasons["MetricsUnavailable"]), reasons
     describe = cluster.kubectl("describe", "inferenceservice", NAME, "-n", ns).stdout
     assert "ScaledUp" in describe and "ScaledDown" in describe
     log = operator.log()
-    assert f"autoscaler {ns}/{NAME}: prefill 1->2: TTFT p90" in log
+    assert f"autoscaler {ns}/{NAME}: prefill 1->2: " in log
     assert f"autoscaler {ns}/{NAME}: holds prefill at 2, decode at" in log
     assert f"autoscaler {ns}/{NAME}: prefill 2->1:" in log
     assert "forbidden" not in log

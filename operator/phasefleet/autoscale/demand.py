@@ -18,7 +18,8 @@ BUSY_TARGET = 0.75  # share of wall time a prefill engine may spend in steps
 BACKLOG_SHARE_OF_TTFT = 0.5  # prompt backlog allowed, in seconds, as a share of the TTFT target
 DEFAULT_BACKLOG_S = 1.0  # backlog allowed when no TTFT target is set (seconds)
 SLOTS_TARGET = 0.8  # share of a decode engine's batch slots (max_num_seqs) to keep in use
-QUEUE_MIN_PER_REPLICA = 2.0  # fewer waiting requests per replica is a moment's noise
+QUEUE_MIN_PER_REPLICA = 4.0  # fewer waiting requests per replica is a moment's noise
+LATENCY_STEP = 1.25  # a latency over target asks for at most this many times the pool
 HOT = 0.8  # latency above this share of its target: never scale down
 EPSILON = 1e-6  # so that exactly on target is not one replica more
 
@@ -136,20 +137,24 @@ def queue_term(pool: PoolSignals) -> Term | None:
 def latency_term(
     name: str, value: float | None, target: float | None, reporting: int, percentile: float
 ) -> Term | None:
-    """Up only: a latency over target asks for replicas in proportion."""
+    """Up only: a latency over target asks for replicas in proportion, at most LATENCY_STEP
+    times the pool per decision. Latency says that more are needed; how many is for the
+    capacity terms to measure (busy time, backlog, KV, batch slots, queue): asked in full
+    proportion, one interval's queue (TTFT at 3x its target) asked for 3x the pool and, as
+    the highest ask of the window, held it there for the whole window."""
     if value is None or target is None or reporting == 0 or value <= target:
         return None
     q = quantile_name(percentile)
     return Term(
-        _size(reporting, value / target),
+        _size(reporting, min(value / target, LATENCY_STEP)),
         value / target,
         f"{name} {q} {_ms(value)} > target {_ms(target)}",
     )
 
 
 def queued(pool: PoolSignals) -> bool:
-    """Whether requests wait in a queue: QUEUE_MIN_PER_REPLICA or more per replica. One prompt
-    waiting at the moment of a scrape is two arrivals meeting, not a pool short of replicas."""
+    """Whether requests wait in a queue: QUEUE_MIN_PER_REPLICA or more per replica. A few
+    waiting at the moment of a scrape are arrivals meeting, not a pool short of replicas."""
     return (pool.waiting or 0.0) >= QUEUE_MIN_PER_REPLICA * max(pool.reporting, 1)
 
 
