@@ -8,6 +8,7 @@ import sys
 from phasefleet.api import contract
 from phasefleet.api.spec import Role
 from phasefleet.operator.kube import RESOURCES
+from tests.autoscale.exposition_server import IDLE
 
 
 def test_contract_imports_without_torch_kopf_or_kubernetes():
@@ -38,7 +39,7 @@ def test_child_kinds_have_rest_paths():
 def test_worker_metrics_expose_every_contract_name():
     from phasefleet.server.metrics import WorkerMetrics
 
-    text = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: None).render().decode()
+    text = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: IDLE).render().decode()
     names = [
         value
         for attr, value in vars(contract.Metric).items()
@@ -51,3 +52,7 @@ def test_worker_metrics_expose_every_contract_name():
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name
+    # while the model loads there are no engine stats: the engine's series are left out
+    loading = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: None).render().decode()
+    assert contract.Metric.NUM_REQUESTS_RUNNING not in loading
+    assert contract.Metric.TIME_TO_FIRST_TOKEN in loading

@@ -16,7 +16,7 @@ import pytest
 from phasefleet.local.fleet import Fleet, FleetConfig
 from tests.server.worker_proc import free_port
 
-MAX_TOKENS = 400
+MAX_TOKENS = 1500  # streams still running 1.5 s after the first token, on an idle machine too
 PROMPTS = [f"Stream {i} of the evening tide" for i in range(12)]
 
 
@@ -28,7 +28,7 @@ def fleet(tiny_model: Path, tmp_path: Path) -> Iterator[Fleet]:
         port=free_port(),
         pools={"prefill": 1, "decode": 2},
         run_dir=tmp_path,
-        worker_args=["--num-kv-blocks", "256", "--remote-prefill-min-tokens", "0"],
+        worker_args=["--num-kv-blocks", "1024", "--remote-prefill-min-tokens", "0"],
         router_args=["--refresh-interval", "0.5"],
         drain_timeout=60.0,
     )

@@ -50,13 +50,20 @@ def make_signals(
     decode_kv: float = 0.1,
     decode_pods: dict[str, PodLoad] | None = None,
 ) -> Signals:
-    """`ttft` over the 100 ms target comes with a busy prefill pool (a load more replicas help)."""
-    busy = 0.9 if ttft is not None and ttft > 0.1 else 0.1
+    """`ttft` over the 100 ms target comes with a busy prefill pool and 27 s of prompt backlog
+    (a load more replicas help: it asks for 1 x (1 + 27 / 12) -> 4, more than maxStep adds)."""
+    slow = ttft is not None and ttft > 0.1
+    busy, backlog = (0.9, 30_000) if slow else (0.1, 0)
     return Signals(
         sampled_at=now,
         window_s=12.0,
         pools={
-            "prefill": PoolSignals(reporting=prefill, busy_fraction=busy, prefill_backlog_tokens=0),
+            "prefill": PoolSignals(
+                reporting=prefill,
+                busy_fraction=busy,
+                prefill_backlog_tokens=backlog,
+                prompt_tokens_per_s=1000.0,
+            ),
             "decode": PoolSignals(
                 reporting=decode,
                 kv_usage_sum=decode_kv * decode,
@@ -141,7 +148,7 @@ def test_scale_up_applies_only_replicas_as_the_autoscaler_and_reports_it():
     assert deployment(api, "decode")["spec"]["replicas"] == 1
     assert AUTOSCALER_FIELD_MANAGER in replicas_managers(deployment(api, "decode"))
 
-    reason = "prefill 1->3: TTFT p90 400 ms > target 100 ms"
+    reason = "prefill 1->3: prompt backlog 27.0 s > 0.05 s (TTFT p90 400 ms, target 100 ms)"
     assert step.notices == [Notice("Normal", "ScaledUp", reason)]
     status = fresh(api)["status"]
     assert status["pools"]["prefill"]["lastScaleReason"] == reason
