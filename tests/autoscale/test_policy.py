@@ -325,11 +325,17 @@ def test_prompt_backlog_is_counted_in_seconds_of_capacity_not_of_demand() -> Non
 
 
 def test_requests_waiting_for_a_decode_slot_grow_decode() -> None:
-    decode = PoolSignals(reporting=2, kv_usage_sum=0.4, running=16.0, waiting=16.0)
+    decode = PoolSignals(reporting=2, kv_usage_sum=1.6, running=16.0, waiting=16.0)
     sig = signals(0.0, calm_prefill(2), decode, tpot=0.03)
     decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
     assert decision.pools["decode"].desired == 4
     assert "16 requests waiting" in decision.pools["decode"].reason
+    # the same queue while the KV caches are 20% full and batch slots free: requests added
+    # since the last step, which more replicas would not admit sooner
+    roomy = replace(decode, kv_usage_sum=0.4)
+    sig = signals(0.0, calm_prefill(2), roomy, tpot=0.03)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["decode"].desired == 2
 
 
 def test_aggregated_pool_reads_both_phases_signals() -> None:

@@ -123,10 +123,12 @@ def slots_term(pool: PoolSignals, slots: int | None) -> Term | None:
     )
 
 
-def queue_term(pool: PoolSignals) -> Term | None:
-    """Requests a decode engine could not admit (KV or max_num_seqs full)."""
+def queue_term(pool: PoolSignals, targets: Targets, slots: int | None) -> Term | None:
+    """Requests a decode engine could not admit (KV or max_num_seqs full). Requests waiting
+    while the KV caches and batch slots have room are between two steps, not short of
+    replicas: more replicas would not admit them sooner."""
     waiting, running = pool.waiting or 0.0, pool.running or 0.0
-    if pool.reporting == 0 or not queued(pool):
+    if pool.reporting == 0 or not queued(pool) or not decode_full(pool, targets, slots):
         return None
     ratio = (running + waiting) / max(running, 1.0)
     return Term(
@@ -165,6 +167,14 @@ def prefill_loaded(pool: PoolSignals) -> bool:
     return queued(pool) or (pool.busy_fraction or 0.0) >= BUSY_TARGET
 
 
+def decode_full(pool: PoolSignals, targets: Targets, slots: int | None) -> bool:
+    """Whether the decode engines are as full as a target: KV usage, or batch slots in use."""
+    n = max(pool.reporting, 1)
+    kv = (pool.kv_usage_sum or 0.0) / n
+    in_use = (pool.running or 0.0) / (n * slots) if slots else 0.0
+    return kv >= targets.kv_cache_target or in_use >= SLOTS_TARGET
+
+
 def decode_loaded(pool: PoolSignals, targets: Targets) -> bool:
     """Whether more decode replicas could lower TPOT: requests queue for a batch slot, or the KV
     caches are as full as their target. Otherwise a high TPOT is the KV hand-off before the
@@ -198,7 +208,7 @@ def terms(
             latency_term("TPOT", tpot, targets.tpot_s, n, p),
             kv_term(pool, targets),
             slots_term(pool, slots),
-            queue_term(pool),
+            queue_term(pool, targets, slots),
         ]
     return [t for t in found if t is not None]
 
