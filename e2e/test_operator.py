@@ -265,11 +265,20 @@ def test_mode_change_replaces_the_pools(
     wait(lambda: is_ready(cluster, namespace, "tiny"), 90, "aggregated tiny Ready")
     isvc = get(cluster, "inferenceservice", "tiny", "-n", namespace)
     assert set(isvc["status"]["pools"]) == {"worker", "router"}
+
     # The old pools were deleted only once the worker pool was ready: the new Deployment
-    # cannot have been ready when it was created, so the deletion came from a later pass.
-    events = get(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")
-    deletions = [e["message"] for e in events["items"] if "deleted" in e["message"]]
-    assert any("the pools replacing them are ready" in m for m in deletions), deletions
+    # cannot have been ready when it was created, so the deletion came from a later pass
+    # (whose event may be posted a moment after the status shows the new pools).
+    def deletions() -> list[str]:
+        events = get(
+            cluster, "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny"
+        )
+        return [e["message"] for e in events["items"] if "deleted" in e["message"]]
+
+    # kopf posts events in the background: wait for it. The pass that deletes them runs for
+    # a child's or a pod's event, and says why.
+    posted = wait(deletions, 30, "the deletion event")
+    assert any("the pools replacing them are ready" in m for m in posted), posted
 
 
 def test_hand_edits_are_restored(

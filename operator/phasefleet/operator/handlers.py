@@ -131,9 +131,13 @@ def child_event(
         # Event handlers are not retried; the next event or the owner's handler catches up.
         logger.warning("could not sync %s: %s", body.get("kind"), exc)
         return
-    if outcome is None or outcome.parent is None:
-        return
-    parent = kopf.Body(cast(Any, outcome.parent))
+    if outcome is not None and outcome.parent is not None:
+        post_settled_pass(kopf.Body(cast(Any, outcome.parent)), outcome, logger)
+
+
+def post_settled_pass(parent: kopf.Body, outcome: Outcome, logger: kopf.Logger) -> None:
+    """The events of an owner's pass run for a child's or a pod's event: what it restored,
+    the old pools it deleted (a mode switch, once the new pools are ready), and Degraded."""
     if outcome.applied:
         message = f"restored {', '.join(outcome.applied)} (edited or deleted outside the operator)"
         kopf.event(parent, type="Normal", reason="DriftCorrected", message=message)
@@ -141,6 +145,7 @@ def child_event(
     if outcome.deleted:
         message = f"deleted {', '.join(outcome.deleted)}: the pools replacing them are ready"
         kopf.event(parent, type="Normal", reason="Updated", message=message)
+        logger.info(message)
     post_degraded(parent, outcome)
 
 
@@ -175,7 +180,8 @@ def pod_event(
         logger.warning("could not read pod %s: %s", body.metadata.name, exc)
         return
     if outcome is not None and outcome.parent is not None:
-        post_degraded(kopf.Body(cast(Any, outcome.parent)), outcome)
+        # the pass may also retire the old pools: their event is posted as for a child's
+        post_settled_pass(kopf.Body(cast(Any, outcome.parent)), outcome, logger)
 
 
 for _child in CHILD_KINDS:
