@@ -179,8 +179,7 @@ def decode_loaded(pool: PoolSignals, targets: Targets) -> bool:
     """Whether more decode replicas could lower TPOT: requests queue for a batch slot, or the KV
     caches are as full as their target. Otherwise a high TPOT is the KV hand-off before the
     second token (long prompts with short answers), which no decode replica count shortens."""
-    kv = (pool.kv_usage_sum or 0.0) / max(pool.reporting, 1)
-    return queued(pool) or kv >= targets.kv_cache_target
+    return queued(pool) or decode_full(pool, targets, slots=None)  # KV usage only
 
 
 def terms(
