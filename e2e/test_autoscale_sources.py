@@ -3,7 +3,8 @@
 A real Prometheus scrapes a real worker and router every second, with the labels the chart's
 PodMonitor gives pod targets (namespace, pod, inferenceservice); PrometheusSource's PromQL and
 ScrapeSource's own scrapes of the same processes, over the same traffic, must agree. Then the
-failures: a service with no series, a URL that is not Prometheus, and a stopped Prometheus.
+failures: a service with no series (or whose only worker pod is being deleted), a URL that is
+not Prometheus, and a stopped Prometheus.
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def test_prometheus_and_scrape_sources_agree_and_prometheus_failures_are_named(
             other.read(now=now)
         assert no_samples.value.reason == "NoSamples"
         assert f"{NAMESPACE}/other" in no_samples.value.message
+
+        def leaving(*pods: str) -> PrometheusSource:
+            return PrometheusSource(
+                prometheus.url,
+                NAMESPACE,
+                SERVICE,
+                ["worker"],
+                window_s=window,
+                leaving=lambda: pods,
+            )
+
+        # A pod being deleted is left out by its pod label; Prometheus takes the matcher.
+        assert leaving("llm-worker-9.x").read(now=now).pools["worker"].reporting == 1
+        with pytest.raises(MetricsUnavailable) as drained:
+            leaving(f"{SERVICE}-worker-0").read(now=now)
+        assert drained.value.reason == "NoSamples"
 
         not_prometheus = PrometheusSource(worker.base_url, NAMESPACE, SERVICE, ["worker"])
         with pytest.raises(MetricsUnavailable) as bad:

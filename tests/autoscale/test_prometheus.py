@@ -173,3 +173,20 @@ def test_bad_settings_name_the_field() -> None:
         PrometheusSource("http://prom:9090", "ns", "llm", ["worker"], window_s=0.5)
     with pytest.raises(ValueError, match="pools"):
         PrometheusSource("http://prom:9090", "ns", "llm", ["router"])
+
+
+def test_worker_series_of_pods_being_deleted_are_left_out(prom: FakePrometheus) -> None:
+    leaving = {"llm-decode-b", "llm-decode-c"}
+    src = PrometheusSource(prom.url, "ns", "llm", ["prefill", "decode"], leaving=lambda: leaving)
+    q = src.queries(leaving)
+    workers = SELECTOR + ',pod!~"llm\\\\-decode\\\\-b|llm\\\\-decode\\\\-c"'
+    assert q["kv_usage_sum"] == f"sum by (role) (phasefleet_kv_cache_usage_perc{{{workers}}})"
+    assert "pod!~" not in q["ttft"]  # a router pod's requests still count
+    # only the queries with the pods left out are answered: read must send those
+    prom.answers = {
+        q["pod_running"]: [sample(5, role="decode", pod="llm-decode-a")],
+        q["kv_usage_sum"]: [sample(0.6, role="decode")],
+        q["sampled_at"]: [sample(1_699_999_998.5)],
+    }
+    decode = src.read(now=0.0).pools["decode"]
+    assert (decode.reporting, decode.kv_usage_sum, set(decode.pods)) == (1, 0.6, {"llm-decode-a"})

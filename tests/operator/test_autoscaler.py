@@ -9,11 +9,14 @@ from dataclasses import replace
 from typing import Any, cast
 
 from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL
+from phasefleet.api.names import validate_service
 from phasefleet.autoscale.deployments import (
     DELETION_COST_ANNOTATION,
     REMOVE_FIRST_COST,
     mark_for_removal,
 )
+from phasefleet.autoscale.policy import ScalingConfig
+from phasefleet.autoscale.prometheus import PrometheusSource
 from phasefleet.autoscale.report import Notice, metrics, summary
 from phasefleet.autoscale.service import ServiceAutoscaler, rfc3339, scrape_targets
 from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
@@ -408,3 +411,20 @@ def test_a_pool_with_a_ready_pod_and_no_samples_is_warned_about_at_once():
     step = ServiceAutoscaler(api, NAMESPACE, "llm", source=FakeSource(silent)).step(T0)
     assert conditions(api)["MetricsAvailable"]["reason"] == "NoSamples"
     assert [(n.type, n.reason) for n in step.notices] == [("Warning", "MetricsUnavailable")]
+
+
+def test_prometheus_reads_leave_out_the_pods_being_deleted():
+    api, _ = service()
+    draining = make_pod("d-old", "decode")
+    draining["metadata"]["deletionTimestamp"] = NOW
+    for pod in (make_pod("p-a", "prefill"), make_pod("d-a", "decode"), draining):
+        api.add(pod)
+    nothing_listens = "http://127.0.0.1:9"  # the read fails; only the source's wiring counts
+    autoscaler = ServiceAutoscaler(api, NAMESPACE, "llm", prometheus_url=nothing_listens)
+    step = autoscaler.step(T0)
+    assert step.decision is not None and not step.decision.metrics_available
+    spec = validate_service("llm", fresh(api)["spec"])
+    source = autoscaler.source(spec, ScalingConfig.from_spec(spec))
+    assert isinstance(source, PrometheusSource)
+    assert set(source.leaving()) == {"d-old"}
+    assert 'pod!~"d\\\\-old"' in source.queries(source.leaving())["kv_usage_sum"]

@@ -2,13 +2,16 @@
 
 Series are selected by the labels Prometheus adds to each pod's samples (`namespace`, and
 `inferenceservice` copied from the pod label phasefleet.dev/inferenceservice) and by the metrics'
-own `role` label: `router` for the users' latencies, the engine role for each pool.
+own `role` label: `router` for the users' latencies, the engine role for each pool. Worker pods
+being deleted (draining their last streams) are left out by their `pod` label, as the direct
+scrape leaves them out: they are no longer part of the pool's capacity.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import requests
@@ -40,6 +43,7 @@ class PrometheusSource:
         percentile: float = 0.9,
         window_s: float = 60.0,
         timeout_s: float = 5.0,
+        leaving: Callable[[], Collection[str]] = frozenset,  # names of pods being deleted
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"Prometheus url must start with http:// or https://, got {url!r}")
@@ -57,20 +61,28 @@ class PrometheusSource:
         self.engine_roles = {POOL_ENGINE_ROLE[p].value: p for p in pool_list}  # engine role -> pool
         self.percentile = percentile
         self.window_s = window_s  # seconds the rates and quantiles cover
+        self.leaving = leaving
         # One quick retry on a dropped connection; the caller's next interval is the real retry.
         retry = Retry(total=1, backoff_factor=0.1, status_forcelist=())
         self.client = PrometheusConnect(self.url, retry=retry, timeout=timeout_s)
 
-    def selector(self, role: str) -> str:
-        """The label matchers of this service's series with metric label `role` (a regex)."""
-        return (
+    def selector(self, role: str, leaving: Collection[str] = ()) -> str:
+        """The label matchers of this service's series with metric label `role` (a regex),
+        without those of the pods named in `leaving`."""
+        matchers = (
             f'namespace="{_quote(self.namespace)}",inferenceservice="{_quote(self.service)}",'
             f'role=~"{role}"'
         )
+        if leaving:
+            names = "|".join(re.escape(name) for name in sorted(leaving))
+            matchers += f',pod!~"{_quote(names)}"'
+        return matchers
 
-    def queries(self) -> dict[str, str]:
-        """Every PromQL query `read` runs, by the name `read` uses for its result."""
-        router, workers = self.selector(ROUTER_ROLE), self.selector("|".join(self.engine_roles))
+    def queries(self, leaving: Collection[str] = ()) -> dict[str, str]:
+        """Every PromQL query `read` runs, by the name `read` uses for its result; worker
+        series of the pods in `leaving` are left out."""
+        router = self.selector(ROUTER_ROLE)
+        workers = self.selector("|".join(self.engine_roles), leaving)
         w = f"[{int(self.window_s)}s]"
 
         def quantile(histogram: str) -> str:
@@ -99,7 +111,8 @@ class PrometheusSource:
     def read(self, now: float) -> Signals:
         """Signals as of Prometheus' newest samples; `now` is unused (Prometheus evaluates at its
         own time, and `sampled_at` is on the Unix clock)."""
-        results = {name: self._query(promql) for name, promql in self.queries().items()}
+        queries = self.queries(self.leaving())
+        results = {name: self._query(promql) for name, promql in queries.items()}
         pod_running = results["pod_running"]
         if not pod_running:
             raise MetricsUnavailable(

@@ -126,6 +126,7 @@ class ServiceAutoscaler:
         self._source: Source | None = None
         self._source_key: tuple[Any, ...] = ()
         self._written: dict[str, Any] | None = None  # the status last applied
+        self._leaving: frozenset[str] = frozenset()  # worker pods being deleted, at this step
 
     @property
     def source_name(self) -> str:
@@ -145,7 +146,7 @@ class ServiceAutoscaler:
         if self.prometheus_url:
             self._source = PrometheusSource(
                 self.prometheus_url, self.namespace, self.name, roles,
-                percentile=config.percentile, window_s=window_s,
+                percentile=config.percentile, window_s=window_s, leaving=lambda: self._leaving,
             )  # fmt: skip
         else:
             self._source = ScrapeSource(
@@ -175,6 +176,9 @@ class ServiceAutoscaler:
         current = {role: int(d["spec"].get("replicas") or 0) for role, d in deployments.items()}
         pods = self.api.list("Pod", self.namespace, f"{ISVC_LABEL}={self.name}")
         workers = [p for p in pods if _role(p) in current]
+        self._leaving = frozenset(
+            p["metadata"]["name"] for p in workers if p["metadata"].get("deletionTimestamp")
+        )
         self.startup_s = startup_seconds(workers) or self.startup_s
         config = replace(config, startup_s=self.startup_s)
 
