@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import kopf
+import pytest
 from kopf._cogs.structs.references import Resource
 
 from phasefleet.api.contract import CHILD_KINDS, ISVC_LABEL
@@ -67,7 +68,10 @@ def _switched_to_aggregated() -> FakeApi:
     return api
 
 
-def _worker_pod(ready: bool) -> kopf.Body:
+def _pod_event(api: FakeApi, ready: bool, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Runs the pod handler for a worker pod's change; returns the events it posted."""
+    posted: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda _body, **event: posted.append(event))
     pod: Any = {
         "kind": "Pod",
         "metadata": {
@@ -77,20 +81,16 @@ def _worker_pod(ready: bool) -> kopf.Body:
         },
         "status": {"conditions": [{"type": "Ready", "status": str(ready)}]},
     }
-    return kopf.Body(pod)
+    memo = kopf.Memo()
+    memo.api = api
+    pod_event: Any = handlers.pod_event  # the kopf decorator's type wants kopf's own kwargs
+    pod_event(body=kopf.Body(pod), type="MODIFIED", memo=memo, logger=logging.getLogger("t"))
+    return posted
 
 
 def test_a_pod_event_that_retires_the_old_pools_posts_their_deletion(monkeypatch):
     api = _switched_to_aggregated()
-    posted: list[dict[str, Any]] = []
-    monkeypatch.setattr(kopf, "event", lambda _body, **event: posted.append(event))
-    memo = kopf.Memo()
-    memo.api = api
-    pod_event: Any = handlers.pod_event  # the kopf decorator's type wants kopf's own kwargs
-    pod_event(
-        body=_worker_pod(ready=False), type="MODIFIED", memo=memo, logger=logging.getLogger("t")
-    )
-
+    posted = _pod_event(api, ready=False, monkeypatch=monkeypatch)
     names = {name for kind, _, name in api.objects if kind == "Deployment"}
     assert names == {"llm-worker", "llm-router"}
     deletions = [e for e in posted if e["message"].startswith("deleted ")]
@@ -102,14 +102,6 @@ def test_a_pod_event_that_retires_the_old_pools_posts_their_deletion(monkeypatch
 
 def test_a_ready_pods_event_runs_no_pass(monkeypatch):
     api = _switched_to_aggregated()
-    posted: list[dict[str, Any]] = []
-    monkeypatch.setattr(kopf, "event", lambda _body, **event: posted.append(event))
-    memo = kopf.Memo()
-    memo.api = api
-    pod_event: Any = handlers.pod_event
-    pod_event(
-        body=_worker_pod(ready=True), type="MODIFIED", memo=memo, logger=logging.getLogger("t")
-    )
-    assert posted == []
+    assert _pod_event(api, ready=True, monkeypatch=monkeypatch) == []
     # the old pools stay until a pass runs: the Deployment's own event runs it, not the pod's
     assert ("Deployment", NAMESPACE, "llm-prefill") in api.objects
