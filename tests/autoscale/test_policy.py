@@ -321,7 +321,24 @@ def test_prompt_backlog_is_counted_in_seconds_of_capacity_not_of_demand() -> Non
     full = replace(quarter, busy_fraction=1.0)
     sig = signals(0.0, full, calm_decode(2), ttft=0.2)
     decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
-    assert decision.pools["prefill"].desired == 3  # 0.5 s > 0.25 s: 2 x (1 + 0.5 / 15) -> 3
+    assert decision.pools["prefill"].desired == 3  # 0.5 s > 0.25 s: 2 x (1 + 0.25 / 15) -> 3
+
+
+def test_only_the_backlog_over_its_allowance_is_drained() -> None:
+    """A 10 s TTFT target allows 5 s of backlog. 6 s of it on 12 replicas asks for 1 s over
+    the allowance to be drained within the 15 s window: 12 x (1 + 1 / 15) -> 13. Draining it
+    all (12 x (1 + 6 / 15) -> 17, 14 within maxStep) paid for long prompts arriving together."""
+    busy = PoolSignals(
+        reporting=12, busy_fraction=0.6, prefill_backlog_tokens=6 * 20_000,
+        prompt_tokens_per_s=0.6 * 20_000,
+    )  # fmt: skip
+    config = disaggregated(
+        ttft_s=10.0, pools={"prefill": PoolLimits(1, 32, 1), "decode": PoolLimits(1, 32, 1)}
+    )
+    sig = signals(0.0, busy, calm_decode(2), ttft=2.0)
+    decision = decide(config, sig, {"prefill": 12, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 13
+    assert "prompt backlog 6.0 s > 5.00 s" in decision.pools["prefill"].reason
 
 
 def test_requests_waiting_for_a_decode_slot_grow_decode() -> None:

@@ -73,8 +73,10 @@ def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term |
     over busy fraction).
 
     Past the allowed backlog, the pool is sized to keep up with its current throughput and
-    drain the backlog within one window: N x (1 + backlog_s / window_s). A load that doubles
-    for a window leaves one window of backlog, so the pool doubles.
+    drain what is over the allowance within one window: N x (1 + (backlog_s - allowed) /
+    window_s). A load that doubles for a window leaves one window of backlog, so the pool
+    doubles (less the allowance). Draining all of it asked N x allowed / window_s more at the
+    allowance: with a loose TTFT target (5 s allowed), a sixth more for a clump of long prompts.
     """
     tokens = pool.prefill_backlog_tokens
     if not tokens or pool.reporting == 0:
@@ -91,7 +93,7 @@ def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term |
     if backlog_s <= allowed:
         return None  # a short backlog is normal; busy time sizes the pool then
     return Term(
-        _size(pool.reporting, 1 + backlog_s / max(window_s, EPSILON)),
+        _size(pool.reporting, 1 + (backlog_s - allowed) / max(window_s, EPSILON)),
         backlog_s / allowed,
         f"prompt backlog {backlog_s:.1f} s > {allowed:.2f} s",
     )
