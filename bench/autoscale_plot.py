@@ -23,7 +23,7 @@ COLORS = {
     "KEDA": "tab:purple",
     "ours": "tab:blue",
     "oracle": "tab:green",
-}
+}  # others (the oracle held through the scale-down window): olive
 
 
 def per_bin(times: np.ndarray, values: np.ndarray, q: float, bins: int) -> np.ndarray:
@@ -56,7 +56,7 @@ def plot_runs(
     twin.set_ylabel("k prompt tokens/s", color="tab:red")
     axes[0].set_ylabel("requests/s")
     for name, fleet in fleets.items():
-        style: dict[str, Any] = {"color": COLORS.get(name), "label": name, "lw": 1.2}
+        style: dict[str, Any] = {"color": COLORS.get(name, "tab:olive"), "label": name, "lw": 1.2}
         if name.startswith("static"):
             style["ls"] = "--"
         t = np.array([s.time for s in fleet.samples]) / 60

@@ -183,6 +183,20 @@ def oracle_sizes(d: Demand, curves: Curves, rho: Mapping[str, float]) -> dict[st
     return {"prefill": np.maximum(pre, 1).astype(int), "decode": np.maximum(dec, 1).astype(int)}
 
 
+def held(
+    sizes: Mapping[str, np.ndarray], window_s: float, interval_s: float
+) -> dict[str, np.ndarray]:
+    """The oracle's sizes under a scale-down window: no pool shrinks before `window_s` of
+    lower sizes, so each interval's size is kept over the intervals the window covers. With
+    `oracle` it is the cheapest fleet that knows the load in advance and still obeys
+    scaleDownStabilizationSeconds: what no reactive policy with that window can beat."""
+    extra = max(0, math.ceil(window_s / interval_s - 1e-9) - 1)
+    return {
+        pool: np.array([s[max(0, i - extra) : i + 1].max() for i in range(len(s))])
+        for pool, s in sizes.items()
+    }
+
+
 def oracle(sizes: Mapping[str, np.ndarray], interval_s: float, lead_s: float) -> Controller:
     """Asks for each interval's size `lead_s` (start-up time plus one decision interval) ahead,
     and lets go of replicas as soon as the next `lead_s` does not need them."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from autoscale_curves import Curves, h100_8b
 from autoscale_observe import Observer
-from autoscale_policies import Hpa, demand, oracle, oracle_sizes, ours, static
+from autoscale_policies import Hpa, demand, held, oracle, oracle_sizes, ours, static
 from autoscale_sim import Fleet, simulate
 from autoscale_traces import Trace, add_spike, compress_bursts, scale_rate
 
@@ -223,3 +223,11 @@ def test_h100_curves_follow_the_roofline() -> None:
     assert 350_000 < c.kv_capacity_tokens < 450_000  # ~52 GB free of 72 GB after 16 GB weights
     assert c.decode_step_s(1, 0) == pytest.approx(0.004 + 16.06e9 / (3.35e12 * 0.8), rel=0.01)
     assert c.prefill_s(8192) > 8192 * 2 * 8.03e9 / 989e12  # no faster than peak FLOP/s
+
+
+def test_the_held_oracle_keeps_each_size_through_the_scale_down_window() -> None:
+    sizes = {"prefill": np.array([1, 5, 1, 1, 1, 1, 1, 2]), "decode": np.array([3, 1, 1])}
+    out = held(sizes, window_s=300.0, interval_s=60.0)  # a size stays 4 more minutes
+    assert list(out["prefill"]) == [1, 5, 5, 5, 5, 5, 1, 2]
+    assert list(out["decode"]) == [3, 3, 3]
+    assert list(held(sizes, window_s=60.0, interval_s=60.0)["prefill"]) == list(sizes["prefill"])
