@@ -79,6 +79,8 @@ def test_queries_select_the_service_by_its_labels_and_pools_by_engine_role() -> 
         f"sum(rate(phasefleet_e2e_request_latency_seconds_count{{{router}}}[60s]))"
     )
     assert q["kv_usage_sum"] == f"sum by (role) (phasefleet_kv_cache_usage_perc{{{SELECTOR}}})"
+    backlog = "phasefleet_prefill_tokens_pending|phasefleet_prefill_tokens_waiting"
+    assert q["prefill_backlog"] == f'sum by (role) ({{__name__=~"{backlog}",{SELECTOR}}})'
     assert q["busy"] == (
         f"avg by (role) (rate(phasefleet_engine_busy_seconds_total{{{SELECTOR}}}[60s]))"
     )

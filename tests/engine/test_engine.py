@@ -198,6 +198,7 @@ def test_waiting_and_pending_prefill_stats(tiny_model: ModelPath) -> None:
     stats = eng.stats()
     assert (stats.num_running, stats.num_waiting) == (1, 1)
     assert stats.prefill_tokens_pending == 24
+    assert stats.prefill_tokens_waiting == 5  # the queued prompt: the autoscaler's backlog too
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

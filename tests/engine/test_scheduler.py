@@ -26,6 +26,7 @@ def test_new_requests_are_prefilled_in_chunks_within_the_budget() -> None:
     out = run_step(sched)
     assert plan(out) == [("r0", 10)]
     assert out.num_batched_tokens == 10
+    assert (sched.prefill_tokens_pending, sched.prefill_tokens_waiting) == (2, 12)  # r1 queued
     assert not out.scheduled[0].sample
     # r0's last 2 prompt tokens, then r1's first chunk with the rest of the budget.
     out = run_step(sched)

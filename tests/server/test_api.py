@@ -374,7 +374,8 @@ def test_metrics_after_traffic(worker: Worker, client: openai.OpenAI) -> None:
     def value(name: str, extra_label: str = "") -> float:
         return samples[f"{name}{{{extra_label}{labels}}}"]
 
-    for gauge in ("num_requests_running", "num_requests_waiting", "prefill_tokens_pending"):
+    gauges = ("num_requests_running", "num_requests_waiting", "prefill_tokens_pending")
+    for gauge in (*gauges, "prefill_tokens_waiting"):
         assert value(f"phasefleet_{gauge}") == 0
     assert value("phasefleet_kv_cache_usage_perc") == 0
     assert value("phasefleet_prompt_tokens_total") >= len(PROMPT.split())

@@ -87,6 +87,7 @@ class Metric:
     NUM_REQUESTS_WAITING = "phasefleet_num_requests_waiting"
     KV_CACHE_USAGE_PERC = "phasefleet_kv_cache_usage_perc"
     PREFILL_TOKENS_PENDING = "phasefleet_prefill_tokens_pending"
+    PREFILL_TOKENS_WAITING = "phasefleet_prefill_tokens_waiting"
     TIME_TO_FIRST_TOKEN = "phasefleet_time_to_first_token_seconds"
     INTER_TOKEN_LATENCY = "phasefleet_inter_token_latency_seconds"
     TIME_PER_OUTPUT_TOKEN = "phasefleet_time_per_output_token_seconds"

@@ -166,10 +166,15 @@ def panels() -> list[dict[str, Any]]:
         ),
         panel(
             "Prefill backlog",
-            "Prompt tokens admitted but not yet prefilled, and requests queued, by engine role.",
+            "Prompt tokens admitted but not yet prefilled, prompt tokens of queued requests, and"
+            " requests queued, by engine role.",
             [
                 target(
                     f"sum by (role) ({M.PREFILL_TOKENS_PENDING}{{{WORKERS}}})", "tokens {{role}}"
+                ),
+                target(
+                    f"sum by (role) ({M.PREFILL_TOKENS_WAITING}{{{WORKERS}}})",
+                    "queued tokens {{role}}",
                 ),
                 target(
                     f"sum by (role) ({M.NUM_REQUESTS_WAITING}{{{WORKERS}}})", "waiting {{role}}"

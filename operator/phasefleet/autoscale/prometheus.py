@@ -84,6 +84,7 @@ class PrometheusSource:
         router = self.selector(ROUTER_ROLE)
         workers = self.selector("|".join(self.engine_roles), leaving)
         w = f"[{int(self.window_s)}s]"
+        backlog = f"{M.PREFILL_TOKENS_PENDING}|{M.PREFILL_TOKENS_WAITING}"
 
         def quantile(histogram: str) -> str:
             return (
@@ -97,7 +98,9 @@ class PrometheusSource:
             "itl": quantile(M.INTER_TOKEN_LATENCY),
             "request_rate": f"sum(rate({M.E2E_REQUEST_LATENCY}_count{{{router}}}{w}))",
             "kv_usage_sum": f"sum by (role) ({M.KV_CACHE_USAGE_PERC}{{{workers}}})",
-            "prefill_backlog": f"sum by (role) ({M.PREFILL_TOKENS_PENDING}{{{workers}}})",
+            # admitted and queued prompts' tokens: both gauges in one sum, so a worker that
+            # exports only the first still counts
+            "prefill_backlog": f'sum by (role) ({{__name__=~"{backlog}",{workers}}})',
             "prompt_rate": f"sum by (role) (rate({M.PROMPT_TOKENS_TOTAL}{{{workers}}}{w}))",
             "generation_rate": f"sum by (role) (rate({M.GENERATION_TOKENS_TOTAL}{{{workers}}}{w}))",
             "busy": f"avg by (role) (rate({M.ENGINE_BUSY_SECONDS_TOTAL}{{{workers}}}{w}))",

@@ -178,7 +178,9 @@ class ScrapeSource:
         return PoolSignals(
             reporting=len(up),
             kv_usage_sum=total(M.KV_CACHE_USAGE_PERC) if up else None,
-            prefill_backlog_tokens=total(M.PREFILL_TOKENS_PENDING) if up else None,
+            prefill_backlog_tokens=(
+                total(M.PREFILL_TOKENS_PENDING) + total(M.PREFILL_TOKENS_WAITING) if up else None
+            ),  # admitted and queued prompts alike
             prompt_tokens_per_s=_sum_rates(pairs, M.PROMPT_TOKENS_TOTAL),
             generation_tokens_per_s=_sum_rates(pairs, M.GENERATION_TOKENS_TOTAL),
             busy_fraction=min(1.0, sum(busy) / len(busy)) if busy else None,

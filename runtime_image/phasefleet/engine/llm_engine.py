@@ -343,6 +343,7 @@ class LLMEngine:
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_usable_blocks,
             prefill_tokens_pending=s.prefill_tokens_pending,
+            prefill_tokens_waiting=s.prefill_tokens_waiting,
             num_preemptions_total=s.num_preemptions_total,
             prefix_cache_queries_total=s.prefix_cache_queries_total,
             prefix_cache_hits_total=s.prefix_cache_hits_total,

@@ -69,3 +69,5 @@ class EngineStats:
     """Leases that ran out before the decode worker released them (their blocks were freed)."""
     busy_seconds_total: float = 0.0
     """Wall seconds spent in steps that had work (its rate is the busy fraction, 0..1)."""
+    prefill_tokens_waiting: int = 0
+    """Prompt tokens of the queued requests, not yet admitted (prefix-cache hits not known yet)."""

@@ -81,6 +81,14 @@ class Scheduler:
     def prefill_tokens_pending(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for r in self.running if _prefilling(r))
 
+    @property
+    def prefill_tokens_waiting(self) -> int:
+        """Tokens the queued requests will prefill once admitted (before prefix-cache hits,
+        which are known only then; KV brought by a hand-off is not prefilled)."""
+        return sum(
+            r.num_tokens - max(r.num_computed_tokens, r.num_imported_tokens) for r in self.waiting
+        )
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], 0)

@@ -52,6 +52,10 @@ GAUGES = {
         "Prompt tokens admitted but not yet prefilled.",
         "prefill_tokens_pending",
     ),
+    M.PREFILL_TOKENS_WAITING: (
+        "Prompt tokens of queued requests, not yet admitted.",
+        "prefill_tokens_waiting",
+    ),
 }
 COUNTERS = {
     M.PROMPT_TOKENS_TOTAL: ("Prompt tokens processed.", "prompt_tokens_total"),
