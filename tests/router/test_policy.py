@@ -8,12 +8,15 @@ from phasefleet.router.policy import (
     AFFINITY_SLACK,
     MAX_PREFIX_CHUNKS,
     PREFIX_CHUNK_CHARS,
+    TYPICAL_PROMPT,
     Candidate,
     PrefixIndex,
     WorkerLoad,
     load_score,
+    prefill_score,
     prefix_chunks,
     rank,
+    rank_prefill,
 )
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
@@ -112,3 +115,14 @@ def test_prefix_index_is_bounded() -> None:
     assert index.match(prefix_chunks("q" * PREFIX_CHUNK_CHARS * 6)) == {}  # the head fell out
     with pytest.raises(ValueError, match="capacity"):
         PrefixIndex(capacity=0)
+
+
+def test_prefill_backlog_counts_the_queued_prompts_tokens_when_the_worker_says_them() -> None:
+    """A prefill worker with one 8k-token prompt queued carries more backlog than one with
+    three 100-token prompts queued; without the gauge each queued request is a typical prompt."""
+    long_one = Candidate(A, WorkerLoad(1, 1, 0.1, prefill_pending=512, prefill_waiting=8192), 0)
+    short_ones = Candidate(B, WorkerLoad(1, 3, 0.1, prefill_pending=512, prefill_waiting=300), 0)
+    assert rank_prefill("least-loaded", [long_one, short_ones], 0, {}) == [B, A]
+    assert prefill_score(short_ones) == pytest.approx((512 + 300) / TYPICAL_PROMPT)
+    older = Candidate(C, WorkerLoad(1, 3, 0.1, prefill_pending=512), inflight=1)
+    assert prefill_score(older) == pytest.approx(1 + (512 + 3 * TYPICAL_PROMPT) / TYPICAL_PROMPT)

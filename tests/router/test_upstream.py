@@ -71,6 +71,11 @@ def test_parse_load_reads_the_three_gauges() -> None:
         ]
     )
     assert parse_load(text) == WorkerLoad(running=3, waiting=1, kv_usage=0.25)
+    backlog = 'phasefleet_prefill_tokens_pending{role="prefill"} 700.0'
+    queued = 'phasefleet_prefill_tokens_waiting{role="prefill"} 4096.0'
+    assert parse_load("\n".join([text, backlog, queued])) == WorkerLoad(
+        running=3, waiting=1, kv_usage=0.25, prefill_pending=700, prefill_waiting=4096
+    )
     with pytest.raises(ValueError, match="phasefleet_kv_cache_usage_perc"):
         parse_load(text.replace("kv_cache_usage_perc", "something_else"))
 

@@ -25,7 +25,8 @@ POLICIES = ("least-loaded", "round-robin", "prefix-aware")
 WAITING_WEIGHT = 1.0  # a waiting request counts this much on top of itself: the batch is full
 KV_WEIGHT = 4.0  # requests' worth of a full KV cache (near preemption)
 AFFINITY_SLACK = 4.0  # load units a prefix owner may exceed the least-loaded worker by
-TYPICAL_PROMPT = 512.0  # prompt tokens one unit of prefill backlog stands for
+TYPICAL_PROMPT = 512.0  # prompt tokens one unit of prefill backlog stands for (and a queued
+# request's prompt, from a worker that does not export phasefleet_prefill_tokens_waiting)
 PREFIX_CHUNK_CHARS = 64  # prompt characters per hashed chunk (about a 16-token KV block)
 MAX_PREFIX_CHUNKS = 256  # chunks hashed per prompt (the first 16 Ki characters)
 PREFIX_INDEX_CAPACITY = 200_000  # chunk hashes remembered, least recently used dropped first
@@ -38,7 +39,8 @@ class WorkerLoad:
     running: float  # phasefleet_num_requests_running
     waiting: float  # phasefleet_num_requests_waiting
     kv_usage: float  # phasefleet_kv_cache_usage_perc, 0..1
-    prefill_pending: float = 0.0  # phasefleet_prefill_tokens_pending: prompt tokens queued
+    prefill_pending: float = 0.0  # phasefleet_prefill_tokens_pending: prompt tokens admitted
+    prefill_waiting: float | None = None  # phasefleet_prefill_tokens_waiting: of queued requests
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,12 @@ def rank_prefix_aware(
 
 def prefill_score(c: Candidate) -> float:
     """A prefill worker's backlog in units of typical prompts; lower is better."""
-    pending = 0.0 if c.load is None else c.load.prefill_pending + c.load.waiting * TYPICAL_PROMPT
-    return c.inflight + pending / TYPICAL_PROMPT
+    if c.load is None:
+        return float(c.inflight)
+    queued = c.load.prefill_waiting
+    if queued is None:  # a worker without the gauge: each queued request a typical prompt
+        queued = c.load.waiting * TYPICAL_PROMPT
+    return c.inflight + (c.load.prefill_pending + queued) / TYPICAL_PROMPT
 
 
 def rank_prefill(

@@ -33,6 +33,7 @@ RUNNING = Metric.NUM_REQUESTS_RUNNING
 WAITING = Metric.NUM_REQUESTS_WAITING
 KV_USAGE = Metric.KV_CACHE_USAGE_PERC
 PREFILL_PENDING = Metric.PREFILL_TOKENS_PENDING
+PREFILL_WAITING = Metric.PREFILL_TOKENS_WAITING
 
 
 class Event(enum.Enum):
@@ -77,7 +78,7 @@ def parse_load(text: str) -> WorkerLoad:
     for line in text.splitlines():
         if line.startswith("phasefleet_"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in (RUNNING, WAITING, KV_USAGE, PREFILL_PENDING):
+            if name in (RUNNING, WAITING, KV_USAGE, PREFILL_PENDING, PREFILL_WAITING):
                 values[name] = float(line.rsplit(" ", 1)[1])
     missing = {RUNNING, WAITING, KV_USAGE} - values.keys()
     if missing:
@@ -87,6 +88,7 @@ def parse_load(text: str) -> WorkerLoad:
         waiting=values[WAITING],
         kv_usage=values[KV_USAGE],
         prefill_pending=values.get(PREFILL_PENDING, 0.0),
+        prefill_waiting=values.get(PREFILL_WAITING),
     )
 
 
