@@ -19,10 +19,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[engine,operator,dev]'
 	touch $@
 
-# Kubernetes control plane, KWOK, etcd, kubectl and helm, built once into $(PHASEFLEET_CACHE).
+# Kubernetes control plane, KWOK, etcd, kubectl and helm, built once into $(PHASEFLEET_CACHE);
+# Prometheus; guidellm (a peer load generator) in its own virtualenv there.
 tools:
 	bash e2e/tools/install.sh
 	bash e2e/tools/install-prometheus.sh
+	bash e2e/tools/install-guidellm.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .
