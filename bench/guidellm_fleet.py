@@ -1,9 +1,9 @@
 """A peer load generator's view of our endpoints: guidellm (e2e/tools/install-guidellm.sh) runs
 the same concurrent loads against a local aggregated fleet (2 workers) and a disaggregated one
-(1 prefill + 1 decode worker), both `phasefleet serve` on the same model with one CPU thread
-per worker (OMP_NUM_THREADS=1: two workers on a 2-core machine, as in disagg_replay.py), and
-prints guidellm's own TTFT, ITL and throughput side by side with the disaggregated / aggregated
-ratio, plus a PNG.
+(1 prefill + 1 decode worker), each the fleet `phasefleet serve` runs, on the same model, one
+CPU thread per worker (OMP_NUM_THREADS=1: two workers on a 2-core machine, as in
+disagg_replay.py), and prints guidellm's own TTFT, ITL and throughput side by side with the
+disaggregated / aggregated ratio, plus a PNG.
 
     .venv/bin/python bench/guidellm_fleet.py --model /tmp/pf-bench --streams 1,2,4,8
 """
@@ -13,24 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from phasefleet.local.fleet import Fleet, FleetConfig, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-FLEETS = {"aggregated": ["--aggregated", "--workers", "2"], "disaggregated": ["--prefill", "1"]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+FLEETS = {"aggregated": {"worker": 2}, "disaggregated": {"prefill": 1, "decode": 1}}
 
 
 def guidellm() -> str:
@@ -39,34 +30,27 @@ def guidellm() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def start_fleet(model: Path, mode: str, port: int, run_dir: Path) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "phasefleet.cli", "serve", "--model", str(model),
-        "--served-model-name", "bench", "--port", str(port), "--run-dir", str(run_dir),
-        "--log-level", "warning", *FLEETS[mode],
-    ]  # fmt: skip
-    log = (run_dir / "bench.out").open("wb")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one core per worker: the fleets compare fairly
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited {proc.returncode}: see {run_dir}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise SystemExit(f"{mode} fleet not up in 600 s: see {run_dir}")
+def start_fleet(model: Path, mode: str) -> Fleet:
+    """The fleet `phasefleet serve` runs (router and worker processes), started and healthy."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"pf-guidellm-{mode}-"))
+    config = FleetConfig(
+        model=str(model),
+        served_model_name="bench",
+        port=free_port(),
+        pools=dict(FLEETS[mode]),
+        run_dir=run_dir,
+        router_args=["--log-level", "warning"],
+    )
+    fleet = Fleet(config)
+    fleet.start()
+    return fleet
 
 
-def run_load(binary: str, port: int, model: Path, streams: int, args: argparse.Namespace) -> dict:
+def run_load(binary: str, url: str, model: Path, streams: int, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
     command = [
         binary, "run",
-        "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model=bench",
+        "--backend", f"kind=openai_http,target={url},model=bench",
         "--profile", f"kind=concurrent,streams={streams}",
         "--constraint", f"kind=max_requests,count={args.requests}",
         "--data", f"kind=synthetic_text,prompt_tokens={args.prompt},output_tokens={args.output}",
@@ -139,17 +123,15 @@ def main() -> None:
     binary = guidellm()
     levels = [int(s) for s in args.streams.split(",")]
     results: dict[str, dict[int, dict[str, float]]] = {}
+    os.environ["OMP_NUM_THREADS"] = "1"  # one core per worker (they inherit it): a fair match
     for mode in FLEETS:
-        port = free_port()
-        run_dir = Path(tempfile.mkdtemp(prefix=f"pf-guidellm-{mode}-"))
-        proc = start_fleet(args.model, mode, port, run_dir)
+        fleet = start_fleet(args.model, mode)
         try:
             warm = argparse.Namespace(**{**vars(args), "requests": 4})  # first requests' setup
-            run_load(binary, port, args.model, 1, warm)
-            results[mode] = {s: run_load(binary, port, args.model, s, args) for s in levels}
+            run_load(binary, fleet.url, args.model, 1, warm)
+            results[mode] = {s: run_load(binary, fleet.url, args.model, s, args) for s in levels}
         finally:
-            proc.send_signal(2)
-            proc.wait(timeout=120)
+            fleet.stop()
     args.png.with_suffix(".json").write_text(json.dumps(results, indent=1))
 
     def ratio(num: float, den: float) -> str:
