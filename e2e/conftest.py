@@ -64,6 +64,14 @@ def image_model(cluster: ControlPlane) -> str:
     return "/models/tiny-llama"
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama for tests that start worker processes themselves (no cluster)."""
+    from phasefleet.engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", seed=0)
+
+
 @pytest.fixture
 def start_prometheus() -> Iterator[Callable[[list[dict[str, Any]]], Prometheus]]:
     """Starts real Prometheus servers with the given scrape configs; stops them after."""

@@ -30,13 +30,6 @@ NAMESPACE, SERVICE = "demo", "llm"
 REQUESTS = 12
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from phasefleet.engine.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", seed=0)
-
-
 def pod_target(url: str, pod: str, pool: str) -> dict[str, Any]:
     """A static target labelled as the PodMonitor's relabelling labels a pod's samples."""
     labels = {"namespace": NAMESPACE, "pod": pod, "inferenceservice": SERVICE, "pool": pool}

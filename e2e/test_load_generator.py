@@ -46,13 +46,6 @@ def guidellm_binary() -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from phasefleet.engine.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", seed=0)
-
-
-@pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     members = tmp_path_factory.mktemp("fleet") / "workers.json"
     mp = pytest.MonkeyPatch()
