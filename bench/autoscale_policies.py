@@ -188,8 +188,9 @@ def held(
 ) -> dict[str, np.ndarray]:
     """The oracle's sizes under a scale-down window: no pool shrinks before `window_s` of
     lower sizes, so each interval's size is kept over the intervals the window covers. With
-    `oracle` it is the cheapest fleet that knows the load in advance and still obeys
-    scaleDownStabilizationSeconds: what no reactive policy with that window can beat."""
+    `oracle` it is the cheapest fleet that knows the load in advance, runs at the oracle's
+    utilization and still obeys scaleDownStabilizationSeconds (a policy can cost less only by
+    running hotter, at a lower attainment: ShareGPT in bench/RESULTS.md)."""
     extra = max(0, math.ceil(window_s / interval_s - 1e-9) - 1)
     return {
         pool: np.array([s[max(0, i - extra) : i + 1].max() for i in range(len(s))])
