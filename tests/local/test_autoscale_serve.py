@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx2
 import openai
 
 from tests.local.test_serve import children_of, ctrl_c_leaves_nothing
@@ -89,7 +90,14 @@ class Serve:
 
 async def load_then_quiet(serve: Serve, url: str) -> float:
     """Returns the seconds from the load's end (no new request) to the prefill pool's shrink."""
-    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    # Idle pooled connections are dropped after 2 s, before the router's server closes them
+    # (5 s keep-alive): a new stream sent on one the server is closing fails with a connection
+    # error before reaching the router (it failed a CI run so), and max_retries=0 does not retry.
+    limits = httpx2.Limits(max_connections=100, max_keepalive_connections=100, keepalive_expiry=2.0)
+    http_client = openai.DefaultAsyncHttpx2Client(limits=limits)
+    client = openai.AsyncOpenAI(
+        base_url=url, api_key="unused", max_retries=0, timeout=300, http_client=http_client
+    )
     quiet = asyncio.Event()
 
     async def keep_sending(sender: int) -> list[tuple[str | None, int]]:
