@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
+from phasefleet.local.fleet import check_port, free_port
 from tests.server.worker_proc import run_worker
 
 STARTUP_TIMEOUT = 240.0  # seconds: three processes load the model on a shared 2-core machine
@@ -108,3 +111,33 @@ def test_serve_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "model must be a Hugging Face model folder" in out.stderr
+
+
+def test_serve_refuses_a_taken_port_before_any_worker_starts(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [
+            sys.executable, "-m", "phasefleet.cli", "serve", "--model", str(tiny_model),
+            "--port", str(port), "--run-dir", str(tmp_path),
+        ]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"phasefleet serve: port {port} on 127.0.0.1 is taken: stop what listens there, or"
+        " choose another --port (--port 0 picks a free one)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # no worker was started (none wrote a log)
+
+
+def test_check_port_passes_a_free_port_and_names_a_taken_one() -> None:
+    check_port("127.0.0.1", free_port())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} on 0.0.0.0 is taken"):
+            check_port("0.0.0.0", port)  # the wildcard address overlaps 127.0.0.1

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
-    from phasefleet.local.fleet import Fleet, FleetConfig, free_port
+    from phasefleet.local.fleet import Fleet, FleetConfig, check_port, free_port
     from phasefleet.server.model_source import served_name
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="phasefleet-serve-"))
@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         pools, bounds = scaling_flags.pool_sizes(
             args, ["worker"] if args.aggregated else ["prefill", "decode"]
         )
+        if args.port:  # before any model loads: the router binds only once all workers are up
+            check_port(args.host, args.port)
         model = resolve_model(args.model)
         config = FleetConfig(
             model=model,

@@ -12,6 +12,7 @@ so the autoscaler's threads and Ctrl-C may change them at the same time; `stop` 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,31 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError naming the port and the fix if the router could not listen on host:port.
+
+    Binds each address the router would (with SO_REUSEADDR, as uvicorn does, so a port only in
+    TIME_WAIT counts as free) and lets it go at once.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve: {exc.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    why = f"port {port} on {host} is taken: stop what listens there, or choose"
+                else:
+                    why = f"cannot listen on {host}:{port} ({exc.strerror}): choose"
+                raise ValueError(f"{why} another --port (--port 0 picks a free one)") from None
 
 
 @dataclass
