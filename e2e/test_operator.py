@@ -188,11 +188,13 @@ def test_example_gets_children_status_and_columns(
 
     table = cluster.kubectl("get", "inferenceservices", "-n", namespace).stdout
     row = columns(table)[0]
-    assert list(row) == ["NAME", "MODE", "PREFILL", "DECODE", "TTFT", "TPOT", "KV", "READY", "AGE"]
-    first = spec[roles[0]].get("replicas", 1)
-    last = spec[roles[-1]].get("replicas", 1)
+    assert list(row) == [
+        "NAME", "MODE", "PREFILL", "DECODE", "WORKERS", "TTFT", "TPOT", "KV", "READY", "AGE"
+    ]  # fmt: skip
     assert row["NAME"] == name and row["MODE"] == spec.get("mode", "disaggregated")
-    assert (row["PREFILL"], row["DECODE"]) == (f"{first}/{first}", f"{last}/{last}")
+    for column, role in (("PREFILL", "prefill"), ("DECODE", "decode"), ("WORKERS", "worker")):
+        want = spec[role].get("replicas", 1) if role in roles else None
+        assert row[column] == ("" if want is None else f"{want}/{want}"), (column, table)
     assert row["TTFT"] in ("", "<none>")  # metrics come from the autoscaler, not running here
     assert row["READY"] == "True"
 

@@ -147,6 +147,9 @@ def test_mode_change_keeps_the_old_pools_serving_until_the_new_one_is_ready():
     names = {name for kind, _, name in api.objects if kind == "Deployment"}
     assert names == {"llm-worker", "llm-router"}
     assert condition(fresh(api), "Ready")["status"] == "True"
+    status = fresh(api)["status"]  # kubectl get: the worker pool, and no old pool's column
+    assert status["workersReady"] == "1/1"
+    assert "prefillReady" not in status and "decodeReady" not in status
 
 
 def test_spec_change_changes_the_pod_template():

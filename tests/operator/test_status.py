@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phasefleet.api.crd import PRINTER_COLUMNS
 from phasefleet.operator.status import Problem, compute_status, status_changed
 from tests.operator.factories import make_owner, make_spec
 
@@ -28,16 +29,37 @@ def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in status["conditions"]}
 
 
-def test_aggregated_summaries_show_the_worker_pool():
+def printed(status: dict[str, Any]) -> dict[str, Any]:
+    """The pool columns of `kubectl get inferenceservice` for this status (None prints blank)."""
+    cells = {}
+    for column in PRINTER_COLUMNS:
+        if column["name"] in ("Prefill", "Decode", "Workers"):
+            field = column["jsonPath"].removeprefix(".status.")
+            assert field.isalpha(), column  # a plain `.status.<field>` path
+            cells[column["name"]] = status.get(field)
+    return cells
+
+
+def test_aggregated_shows_the_worker_pool_once():
     spec = make_spec(mode="aggregated", prefill=None, decode=None, worker={"replicas": 2})
     deps = {
         "llm-worker": deployment("llm-worker", 2, 1),
         "llm-router": deployment("llm-router", 1, 1),
     }
     status = compute_status(make_owner(), 1, spec, deps, {}, NOW)
-    assert status["prefillReady"] == status["decodeReady"] == "1/2"
+    assert printed(status) == {"Prefill": None, "Decode": None, "Workers": "1/2"}
     ready = conditions(status)["Ready"]
     assert ready["status"] == "False" and "worker 1/2 ready" in ready["message"]
+
+
+def test_disaggregated_shows_prefill_and_decode():
+    deps = {
+        "llm-prefill": deployment("llm-prefill", 1, 1),
+        "llm-decode": deployment("llm-decode", 2, 1),
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    status = compute_status(make_owner(), 1, make_spec(), deps, {}, NOW)
+    assert printed(status) == {"Prefill": "1/1", "Decode": "1/2", "Workers": None}
 
 
 def test_stuck_rollout_is_degraded():

@@ -94,10 +94,13 @@ _POOL_READY = "Ready replicas / desired replicas"
 
 PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+    # Each mode fills its own pool columns and leaves the others blank.
     {"name": "Prefill", "type": "string", "jsonPath": ".status.prefillReady",
-     "description": f"{_POOL_READY} (aggregated: the worker pool)"},
+     "description": f"{_POOL_READY} of the prefill pool (disaggregated)"},
     {"name": "Decode", "type": "string", "jsonPath": ".status.decodeReady",
-     "description": f"{_POOL_READY} (aggregated: the worker pool)"},
+     "description": f"{_POOL_READY} of the decode pool (disaggregated)"},
+    {"name": "Workers", "type": "string", "jsonPath": ".status.workersReady",
+     "description": f"{_POOL_READY} of the worker pool (aggregated)"},
     {"name": "TTFT", "type": "number", "jsonPath": ".status.metrics.ttftMs",
      "description": "Time to first token at the SLO percentile (ms)"},
     {"name": "TPOT", "type": "number", "jsonPath": ".status.metrics.tpotMs",

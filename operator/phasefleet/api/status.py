@@ -58,8 +58,15 @@ class InferenceServiceStatus(ApiModel):
     pools: dict[str, PoolStatus] = Field(
         default_factory=dict, description="By role: prefill, decode or worker."
     )
-    prefill_ready: str | None = Field(default=None, description="ready/desired, for kubectl get.")
-    decode_ready: str | None = Field(default=None, description="ready/desired, for kubectl get.")
+    prefill_ready: str | None = Field(
+        default=None, description="Prefill pool: ready/desired, for kubectl get (disaggregated)."
+    )
+    decode_ready: str | None = Field(
+        default=None, description="Decode pool: ready/desired, for kubectl get (disaggregated)."
+    )
+    workers_ready: str | None = Field(
+        default=None, description="Worker pool: ready/desired, for kubectl get (aggregated)."
+    )
     metrics: MetricsStatus | None = None
     endpoint: str | None = Field(default=None, description="The router's in-cluster URL.")
 

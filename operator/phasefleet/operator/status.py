@@ -18,6 +18,13 @@ from phasefleet.operator.compare import contains
 from phasefleet.operator.meta import ROLE_LABEL, ROUTER, Owner, child_name
 
 OWNED_CONDITIONS = (READY, PROGRESSING, DEGRADED)
+# The ready/desired summary of each pool, for `kubectl get`'s columns: a service writes those of
+# its own pools only, so an aggregated one shows its worker pool once (the others print blank).
+SUMMARY_FIELDS = {
+    Role.PREFILL.value: "prefillReady",
+    Role.DECODE.value: "decodeReady",
+    Role.WORKER.value: "workersReady",
+}
 STUCK_REASONS = {"ProgressDeadlineExceeded", "ReplicaFailure"}
 MAX_CAUSE = 300  # characters of an API server or kubelet message quoted in a condition
 MAX_LAST_WORDS = 600  # characters of a container's termination message (its end is kept)
@@ -309,17 +316,17 @@ def compute_status(
 
     conditions = _transitions([ready, progressing, degraded], previous, now)
 
-    def summary(role: str) -> str:
-        return f"{pools[role]['readyReplicas']}/{pools[role]['desiredReplicas']}"
-
-    worker = Role.WORKER.value
+    summaries = {
+        field: f"{pools[role]['readyReplicas']}/{pools[role]['desiredReplicas']}"
+        for role, field in SUMMARY_FIELDS.items()
+        if role in pools
+    }
     observed = generation if applied else previous.get("observedGeneration")
     return {
         **({"observedGeneration": observed} if observed is not None else {}),
         "conditions": conditions,
         "pools": pools,
-        "prefillReady": summary(worker if worker in pools else Role.PREFILL.value),
-        "decodeReady": summary(worker if worker in pools else Role.DECODE.value),
+        **summaries,
         "endpoint": endpoint(owner),
     }
 
@@ -349,7 +356,7 @@ def invalid_status(
     """
     kept: dict[str, Any] = {
         k: previous[k]
-        for k in ("observedGeneration", "prefillReady", "decodeReady", "endpoint")
+        for k in ("observedGeneration", *SUMMARY_FIELDS.values(), "endpoint")
         if k in previous
     }
     if previous.get("pools"):
