@@ -6,7 +6,9 @@ exists."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness.controlplane import ControlPlane
+from e2e.harness.controlplane import ControlPlane, tools_bin_dir
 from e2e.harness.wait import wait_for
 from e2e.test_operator_support import (
     CHART,
@@ -46,6 +48,32 @@ def test_lint_is_clean(cluster: ControlPlane) -> None:
     result = cluster.helm("lint", "--strict", str(CHART), KUBE_VERSION)
     assert "0 chart(s) failed" in result.stdout
     assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout
+
+
+def helm_without_a_cluster(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """helm as a tool that renders charts runs it: no cluster, no kubeconfig."""
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "no-kubeconfig")}
+    helm = str(tools_bin_dir() / "helm")
+    return subprocess.run([helm, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_renders_and_lints_without_a_cluster_or_a_kube_version(tmp_path: Path) -> None:
+    # Helm then reports its built-in default version: v1.20.0 for this Helm, built from source.
+    rendered = helm_without_a_cluster(tmp_path, "template", "t", str(CHART), "-n", "pf")
+    assert rendered.returncode == 0, rendered.stderr
+    assert "Deployment" in kinds([d for d in yaml.safe_load_all(rendered.stdout) if d])
+    linted = helm_without_a_cluster(tmp_path, "lint", "--strict", str(CHART))
+    assert linted.returncode == 0 and "0 chart(s) failed" in linted.stdout, linted.stdout
+
+
+def test_a_kube_version_below_the_minimum_is_refused(tmp_path: Path) -> None:
+    old = helm_without_a_cluster(tmp_path, "template", "t", str(CHART), "--kube-version=1.29.0")
+    assert old.returncode != 0
+    assert "needs Kubernetes 1.30 or later" in old.stderr and "is v1.29.0" in old.stderr
+    for version in ("1.30.0", "1.30.0-eks-1a2b3c"):  # a cloud's suffix is a semver pre-release
+        args = ("template", "t", str(CHART), f"--kube-version={version}")
+        ok = helm_without_a_cluster(tmp_path, *args)
+        assert ok.returncode == 0, (version, ok.stderr)
 
 
 def test_default_render_is_cluster_wide(cluster: ControlPlane) -> None:
