@@ -4,6 +4,8 @@ the official openai client. Greedy output through the router equals output strai
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,6 +273,34 @@ def test_tokenizer_version_and_models_through_the_router(
     [card] = listings[0]["data"]
     assert card["id"] == card["root"] == "tiny" and card["owned_by"] == "phasefleet"
     assert card["max_model_len"] == 2048
+
+
+def referenced(document: dict[str, Any], roots: list[Any]) -> dict[str, Any]:
+    """The component schemas `roots` refer to, directly or through other components."""
+    schemas = document.get("components", {}).get("schemas", {})
+    found: dict[str, Any] = {}
+    pending = list(roots)
+    while pending:
+        text = json.dumps(pending.pop())
+        for name in re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', text):
+            if name not in found:
+                found[name] = schemas.get(name)
+                pending.append(found[name])
+    return found
+
+
+def test_openapi_declares_the_workers_request_bodies(
+    router: Router, workers: tuple[Worker, Worker]
+) -> None:
+    mine = httpx.get(f"{router.base_url}/openapi.json").json()
+    theirs = httpx.get(f"{workers[0].base_url}/openapi.json").json()
+    paths = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+    bodies = [theirs["paths"][path]["post"]["requestBody"] for path in paths]
+    assert [mine["paths"][path]["post"].get("requestBody") for path in paths] == bodies
+    assert bodies[0]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CompletionRequest"
+    }
+    assert referenced(mine, bodies) == referenced(theirs, bodies)  # nested schemas too
 
 
 def test_refused_fields_get_the_workers_400_through_the_router(via_router: openai.OpenAI) -> None:

@@ -3,8 +3,9 @@
 
 Generation and tokenizer bodies are not validated here: they go to a worker as received, and the
 worker's 400/404 comes back unchanged, so the router and the workers can never disagree on what a
-valid request is. /v1/models is a worker's list with the router's own start as `created`, so it
-is the same whichever worker answers; /version is the router's own.
+valid request is; /openapi.json declares the worker's request bodies all the same
+(phasefleet.router.openapi). /v1/models is a worker's list with the router's own start as
+`created`, so it is the same whichever worker answers; /version is the router's own.
 
 The pools refresh in a background task started by the app's lifespan; the first
 refresh completes before the router takes requests.
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from phasefleet.router.dispatch import Router
+from phasefleet.router.openapi import publish_worker_bodies
 from phasefleet.server.errors import APIError, install_error_handlers
 from phasefleet.server.tokenize import package_version
 
@@ -181,4 +183,5 @@ def build_app(router: Router) -> FastAPI:
         path = "/v1/chat/completions"
         return await _unless_client_leaves(raw, router.generate(path, body, arrival))
 
+    publish_worker_bodies(app)
     return app
