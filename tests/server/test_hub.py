@@ -333,10 +333,10 @@ def test_serve_downloads_once_and_serves_under_the_repo_id(
     with local_hub(tiny_model, tiny_v1) as hub_server:
         monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
         monkeypatch.setenv("HF_REVISION", "v1")
-        folder = serve_cli.resolve_model("org/tiny")  # the cache from $HF_HOME, as in a worker
+        folder = serve_cli.resolve_model("org/tiny", [])  # the cache from $HF_HOME, as in a worker
         monkeypatch.delenv("HF_REVISION")
         with pytest.raises(ValueError, match="is gated and no token was given"):
-            serve_cli.resolve_model("org/gated")
+            serve_cli.resolve_model("org/gated", [])
     assert Path(folder).name == hub_server.repos["org/tiny"].commit("v1")
     assert Path(folder).is_relative_to(hf_env)
     weights = "model.safetensors"

@@ -35,19 +35,26 @@ class SecretKeyRef(ApiModel):
 
 
 class PvcSource(ApiModel):
-    """A Hugging Face model folder on a PersistentVolumeClaim, mounted read-only."""
+    """A Hugging Face model folder (or a GGUF file) on a PersistentVolumeClaim, mounted
+    read-only."""
 
     claim_name: str = Field(min_length=1, description="Name of the PersistentVolumeClaim.")
     path: str = Field(
         default="/",
-        description="Folder inside the volume that holds config.json and the safetensors.",
+        description="Folder inside the volume that holds config.json and the safetensors, or a"
+        " .gguf file (or a folder holding one), converted once per pod into its cache.",
     )
 
 
 class ImageSource(ApiModel):
-    """A model folder baked into the runtime image."""
+    """A model folder (or a GGUF file) baked into the runtime image."""
 
-    path: str = Field(min_length=1, pattern=r"^/", description="Absolute path of the model folder.")
+    path: str = Field(
+        min_length=1,
+        pattern=r"^/",
+        description="Absolute path of the model folder, or of a .gguf file (or a folder holding"
+        " one), converted once per pod into its cache.",
+    )
 
 
 class HuggingFaceSource(ApiModel):

