@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from phasefleet.engine.attention import triton_decode
-from phasefleet.engine.attention.metadata import AttentionMetadata
+from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup
 
 
 def write_kv(
@@ -55,46 +55,22 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    parts = []  # outputs in batch order: the decodes (one part per group), then each prefill
     n_dec = meta.num_decode_tokens
     if n_dec and meta.decode_backend == "triton":
-        out[:n_dec] = triton_decode.paged_decode(
-            q[:n_dec],
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-            meta.sliding_window,
+        parts.append(
+            triton_decode.paged_decode(
+                q[:n_dec],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                meta.sliding_window,
+            )
         )
     elif n_dec:
-        kv_heads, head_dim = k.shape[1], k.shape[2]
-        for group in meta.decode_groups:
-            end = group.start + group.size
-            shape = (group.size, -1, kv_heads, head_dim)
-            if group.first_block is not None:
-                blocks = slice(group.first_block, group.first_block + group.block_tables.shape[1])
-                keys = k_cache[blocks].view(shape).transpose(1, 2)  # [1, Hkv, S, D], a view
-                values = v_cache[blocks].view(shape).transpose(1, 2)
-            else:
-                # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool
-                flat = group.block_tables.reshape(-1)
-                keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
-                values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
-            if group.bias is not None:
-                out[group.start : end] = grouped_decode_attention(
-                    q[group.start : end], keys, values, group.bias, scale
-                )
-                continue
-            o = F.scaled_dot_product_attention(
-                q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
-                keys,
-                values,
-                attn_mask=group.mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[group.start : end] = o.squeeze(2)
+        parts += [_decode_group(q, k_cache, v_cache, group, scale) for group in meta.decode_groups]
     for seq in meta.prefills:
         end = seq.start + seq.q_len
         if seq.ctx_len == seq.q_len:
@@ -111,5 +87,37 @@ def paged_attention(
             scale=scale,
             enable_gqa=True,
         )
-        out[seq.start : end] = o[0].transpose(0, 1)
-    return out
+        parts.append(o[0].transpose(0, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no copy
+
+
+def _decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    """The group's one-token queries against its blocks -> [size, heads, head_dim]."""
+    end = group.start + group.size
+    shape = (group.size, -1, k_cache.shape[2], k_cache.shape[3])
+    if group.first_block is not None:
+        blocks = slice(group.first_block, group.first_block + group.block_tables.shape[1])
+        keys = k_cache[blocks].view(shape).transpose(1, 2)  # [1, Hkv, S, D], a view
+        values = v_cache[blocks].view(shape).transpose(1, 2)
+    else:
+        # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool
+        flat = group.block_tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
+        values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    if group.bias is not None:
+        return grouped_decode_attention(q[group.start : end], keys, values, group.bias, scale)
+    o = F.scaled_dot_product_attention(
+        q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
+        keys,
+        values,
+        attn_mask=group.mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o.squeeze(2)

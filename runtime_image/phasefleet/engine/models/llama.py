@@ -46,7 +46,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # one fused op, bit for bit the arithmetic below
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype  # 16-bit: normalized in float32, scaled in the model's dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -81,17 +83,15 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        """x: [T, hidden]; cos, sin: [T, 1, head_dim] -> [T, hidden]."""
+        if self.qkv_proj is None:
+            raise RuntimeError("Attention runs fused: call fuse() once the weights are loaded")
+        t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k heads in one pass
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(t, heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -110,10 +110,9 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_up_proj is None:
+            raise RuntimeError("MLP runs fused: call fuse() once the weights are loaded")
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -162,7 +161,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.linear_backend = "torch"  # or pack_for_cpu()'s summary of the paths
         self.rope_cos: torch.Tensor | None = None  # [max_positions, head_dim], set by the loader
-        self.rope_sin: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None  # sin with its first half negated (rope.py)
 
     def forward(
         self,
@@ -174,7 +173,7 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] long -> final hidden states [T, hidden]."""
         if self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("rope tables are not set; load the model with load_model()")
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)

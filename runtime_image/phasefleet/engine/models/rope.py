@@ -19,7 +19,8 @@ def rope_type(config: Any) -> str:
 
 
 def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, head_dim] float32 on CPU, scaled like transformers does."""
+    """cos, sin_rot: [max_positions, head_dim] float32 on CPU, scaled like transformers does;
+    sin_rot is sin with its first half negated, as apply_rope() takes it."""
     kind = rope_type(config)
     if kind not in STATIC_ROPE_TYPES:
         raise ValueError(
@@ -30,11 +31,14 @@ def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Te
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+    sin = emb.sin() * attention_scaling
+    half = sin.shape[-1] // 2
+    return emb.cos() * attention_scaling, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] (rows already picked by position)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin_rot: [T, 1, head_dim], rows picked by position from the
+    tables of rope_tables(). transformers' `x * cos + rotate_half(x) * sin` in four ops: with
+    x = (x1, x2), rotate_half(x) * sin = (-x2 * s1, x1 * s2) = roll(x) * (-s1, s2), bit for
+    bit (negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_rot
