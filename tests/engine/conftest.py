@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from phasefleet.engine.tiny import make_tiny
-from tests.engine.factories import TINY_MODELS
+from tests.engine.factories import DEVICE, TINY_MODELS
+
+
+def pytest_report_header() -> str:
+    return f"engine tests run the engine on {DEVICE} (PHASEFLEET_TEST_DEVICE)"
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,44 @@
-"""Small factories for engine tests: schedulers, requests, prompts, tiny-model settings."""
+"""Small factories for engine tests: schedulers, requests, prompts, tiny-model settings, and
+the device the engine runs on (PHASEFLEET_TEST_DEVICE)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
+from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler
+
+
+def _test_device() -> str:
+    device = os.environ.get("PHASEFLEET_TEST_DEVICE", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"PHASEFLEET_TEST_DEVICE must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("PHASEFLEET_TEST_DEVICE=cuda, but torch sees no GPU here")
+    return device
+
+
+# Where the engine runs in the tests that compare it with transformers or move KV (the hand-off);
+# the reference stays transformers on the CPU in float32. Tests of CPU-only paths say "cpu".
+DEVICE = _test_device()
+CUDA_TEST_KV_BLOCKS = 8193  # on CUDA when a test gives none: auto takes 85% of the GPU per engine
+
+
+def engine_config(folder: Path, **kw: object) -> EngineConfig:
+    """An EngineConfig for `folder` on DEVICE (unless kw has a device); on CUDA in float32 (auto
+    is bfloat16 there) and with CUDA_TEST_KV_BLOCKS unless the test sets num_kv_blocks."""
+    device = str(kw.pop("device", DEVICE))
+    if device == "cuda":
+        kw.setdefault("dtype", "float32")
+        kw.setdefault("num_kv_blocks", CUDA_TEST_KV_BLOCKS)
+    return EngineConfig(model=str(folder), device=device, **kw)  # type: ignore[arg-type]
+
 
 # name -> make_tiny arguments; each model is written once per test session.
 TINY_MODELS: dict[str, dict[str, object]] = {

@@ -1,4 +1,5 @@
-"""Our engine against transformers on the same weights: greedy, token for token (float32)."""
+"""Our engine against transformers on the same weights: greedy, token for token (float32), on
+the CPU or, with PHASEFLEET_TEST_DEVICE=cuda, on the GPU."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
-from tests.engine.factories import TINY_MODELS, random_prompts
+from tests.engine.factories import TINY_MODELS, engine_config, random_prompts
 
 HFGreedy = Callable[[str, list[int], int], list[int]]
 ModelPath = Callable[[str], Path]
@@ -19,8 +19,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
 def engine(folder: Path, **kw: object) -> LLMEngine:
-    config = EngineConfig(model=str(folder), device="cpu", **kw)  # type: ignore[arg-type]
-    return LLMEngine(config)
+    return LLMEngine(engine_config(folder, **kw))
 
 
 def check(eng: LLMEngine, name: str, prompts: list[list[int]], hf_greedy: HFGreedy) -> None:
@@ -63,7 +62,9 @@ def test_both_cpu_linear_paths_match_transformers(
 ) -> None:
     # "torch" (F.linear) is the path CUDA runs; "onednn" the CPU default. qwen2: bias, tied.
     monkeypatch.setenv("PHASEFLEET_CPU_LINEAR", backend)
-    eng = engine(tiny_model(name), block_size=4, max_num_batched_tokens=24, num_kv_blocks=128)
+    eng = engine(
+        tiny_model(name), device="cpu", block_size=4, max_num_batched_tokens=24, num_kv_blocks=128
+    )
     assert eng.runner.model.linear_backend == backend
     check(eng, name, random_prompts([3, 17, 40, 9], seed=3), hf_greedy)
 

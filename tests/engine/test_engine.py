@@ -15,14 +15,14 @@ from phasefleet.engine.detokenizer import IncrementalDetokenizer
 from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 from phasefleet.engine.model_runner import resolve_dtype
 from phasefleet.engine.sampling_params import SamplingParams
-from tests.engine.factories import random_prompts
+from tests.engine.factories import engine_config, random_prompts
 
 ModelPath = Callable[[str], Path]
 
 
 @pytest.fixture
 def eng(tiny_model: ModelPath) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model("llama")), device="cpu", num_kv_blocks=64))
+    return LLMEngine(engine_config(tiny_model("llama"), num_kv_blocks=64))
 
 
 def greedy(n: int, **kw: object) -> SamplingParams:
@@ -188,9 +188,7 @@ def test_busy_seconds_grow_while_a_request_runs_and_not_while_idle(eng: LLMEngin
 
 
 def test_waiting_and_pending_prefill_stats(tiny_model: ModelPath) -> None:
-    config = EngineConfig(
-        model=str(tiny_model("llama")), device="cpu", max_num_batched_tokens=16, max_num_seqs=1
-    )
+    config = engine_config(tiny_model("llama"), max_num_batched_tokens=16, max_num_seqs=1)
     eng = LLMEngine(config)
     for i, p in enumerate(random_prompts([40, 5], seed=14)):
         eng.add_request(f"s{i}", p, greedy(2))

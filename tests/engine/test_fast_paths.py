@@ -1,5 +1,6 @@
 """The GPU fast paths, checked as far as a CPU allows: the Triton paged-decode kernel through
-Triton's interpreter and compiled to PTX/cubin for sm_90; the CUDA-graph decode path eagerly."""
+Triton's interpreter and compiled to PTX/cubin for sm_90; the CUDA-graph decode path eagerly
+(captured as graphs with PHASEFLEET_TEST_DEVICE=cuda)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from phasefleet.engine.attention import triton_decode
-from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.cuda_graphs import DecodeGraphs, batch_sizes
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.model_runner import choose_decode_backend
 from phasefleet.engine.sampling_params import SamplingParams
-from tests.engine.factories import random_prompts
+from tests.engine.factories import DEVICE, engine_config, random_prompts
 
 ModelPath = Callable[[str], Path]
 HFGreedy = Callable[[str, list[int], int], list[int]]
@@ -94,17 +94,17 @@ def test_graph_batch_sizes() -> None:
 def test_padded_decode_path_matches_transformers(
     name: str, tiny_model: ModelPath, hf_greedy: HFGreedy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CUDA-graph decode path (fixed-shape buffers, padded batches), run eagerly."""
-    config = EngineConfig(
-        model=str(tiny_model(name)),
-        device="cpu",
+    """The CUDA-graph decode path (fixed-shape buffers, padded batches), run eagerly on the CPU
+    and captured as graphs on CUDA."""
+    config = engine_config(
+        tiny_model(name),
         block_size=4,
         num_kv_blocks=40,
         max_num_batched_tokens=32,
         max_model_len=128,
     )
     eng = LLMEngine(config)
-    eng.runner.enable_decode_graphs(max_batch=6, capture=False)
+    eng.runner.enable_decode_graphs(max_batch=6, capture=DEVICE == "cuda")
     calls: list[int] = []
     run = DecodeGraphs.run
 

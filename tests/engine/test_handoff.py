@@ -9,13 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.kv_transfer import KVLayout, LeaseTable
 from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler
-from tests.engine.factories import make_requests, make_scheduler, random_prompts
+from tests.engine.factories import (
+    DEVICE,
+    engine_config,
+    make_requests,
+    make_scheduler,
+    random_prompts,
+)
 
 
 def run_to_finish(sched: Scheduler) -> list[Request]:
@@ -144,8 +149,8 @@ def test_runner_reads_and_writes_blocks_in_wire_order(
 
     folder = tiny_model("llama")
     config = AutoConfig.from_pretrained(folder)
-    sender = ModelRunner(folder, config, dtype, torch.device("cpu"), 4, 64)
-    receiver = ModelRunner(folder, config, dtype, torch.device("cpu"), 4, 64)
+    sender = ModelRunner(folder, config, dtype, torch.device(DEVICE), 4, 64)
+    receiver = ModelRunner(folder, config, dtype, torch.device(DEVICE), 4, 64)
     sender.allocate_kv(6)
     receiver.allocate_kv(6)
     gen = torch.Generator().manual_seed(0)
@@ -166,8 +171,7 @@ def test_runner_reads_and_writes_blocks_in_wire_order(
 
 
 def _engine(folder: Path, **kw: object) -> LLMEngine:
-    config = EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64, block_size=4, **kw)  # type: ignore[arg-type]
-    return LLMEngine(config)
+    return LLMEngine(engine_config(folder, num_kv_blocks=64, block_size=4, **kw))
 
 
 def _run(engine: LLMEngine) -> dict[str, RequestOutput]:

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.outputs import RequestOutput, TokenLogprob
 from phasefleet.engine.sampling_params import SamplingParams
-from tests.engine.factories import random_prompts
+from tests.engine.factories import engine_config, random_prompts
 
 TOLERANCE = 1e-4  # nats; float32 forward passes that batch differently
 
@@ -41,8 +40,7 @@ def run(
     folder: Path, prompts: list[list[int]], params: SamplingParams, **kw: object
 ) -> list[tuple[RequestOutput, list[TokenLogprob], list[TokenLogprob] | None]]:
     """Final outputs with every step's logprobs gathered, and the prompt logprobs."""
-    config = EngineConfig(model=str(folder), device="cpu", **kw)  # type: ignore[arg-type]
-    eng = LLMEngine(config)
+    eng = LLMEngine(engine_config(folder, **kw))
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         eng.add_request(rid, prompt, SamplingParams(**vars(params)))

@@ -18,6 +18,11 @@ import pytest
 from phasefleet.server.named_models import SMOLLM2, models_dir, named_model_folder, wheel_gguf
 
 STARTUP_TIMEOUT = 300.0  # seconds: three processes load 540 MB each on a shared 2-core machine
+DEVICE = os.environ.get("PHASEFLEET_TEST_DEVICE", "cpu")  # cuda: the workers run on the GPU
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"PHASEFLEET_TEST_DEVICE must be cpu or cuda, got {DEVICE!r}")
+# float32 on either device, as the reference runs (auto would be bfloat16 on CUDA)
+WORKER_ARGS = f"--device {DEVICE} --dtype float32"
 
 
 @pytest.fixture(scope="session")

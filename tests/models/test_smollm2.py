@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.models.conftest import serve
+from tests.models.conftest import WORKER_ARGS, serve
 
 MAX_TOKENS = 24
 QUESTIONS = [
@@ -36,7 +36,7 @@ class Answer:
 
 @pytest.fixture(scope="module")
 def reference(smollm2: Path) -> dict[str, Answer]:
-    """transformers' greedy answers on the same folder, in float32 as our engine runs on CPU."""
+    """transformers' greedy answers on the same folder, in float32 as the workers run."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,7 +92,8 @@ def counter(url: str, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     run_dir = tmp_path_factory.mktemp("disaggregated")
-    args = "--remote-prefill-min-tokens 0 --num-kv-blocks 256"  # every prompt is handed off
+    # every prompt is handed off
+    args = f"--remote-prefill-min-tokens 0 --num-kv-blocks 256 {WORKER_ARGS}"
     with serve(run_dir, "--model", "smollm2", "--worker-args", args) as url:
         yield url, run_dir
 
@@ -120,7 +121,8 @@ def test_disaggregated_answers_equal_transformers_through_the_hand_off(
 def test_aggregated_from_the_gguf_file_equals_transformers(
     smollm2_gguf: Path, reference: dict[str, Answer], tmp_path: Path
 ) -> None:
-    argv = ("--model", str(smollm2_gguf), "--served-model-name", "smollm2", "--aggregated")
+    argv = ["--model", str(smollm2_gguf), "--served-model-name", "smollm2", "--aggregated"]
+    argv += ["--worker-args", WORKER_ARGS]
     with serve(tmp_path, *argv) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
         for stream in (False, True):
