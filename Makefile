@@ -7,7 +7,7 @@ PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
 .PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean \
-	crds dashboard bench-operator bench-autoscale operator-image demo demo-down
+	crds dashboard bench-operator bench-autoscale operator-image demo demo-down gpu-check
 
 all: venv
 
@@ -71,6 +71,14 @@ bench-operator: venv tools
 # 8B/H100 curves: tables on stdout, bench/autoscale_*.png; results go in bench/RESULTS.md by hand.
 bench-autoscale: venv
 	$(PY) bench/autoscale_replay.py
+
+# Every GPU claim of the engine in one run of under 8 minutes (bench/gpu_check.py; docs/engine.md,
+# "The GPU check"): gpu_check.json and gpu_check.md in $OUT, else bench/gpu_check/. No venv
+# prerequisite: on a lent GPU machine the .venv comes with the copy and pip has no network.
+# SmolLM2 from .gpu-models/ (gitignored) when present, e.g. GPU_CHECK_ARGS="--smollm2 DIR".
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 operator-image:
 	docker build -f operator/Dockerfile -t ghcr.io/phasefleet/phasefleet-operator:0.1.0 .
