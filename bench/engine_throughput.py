@@ -5,10 +5,15 @@ Request lengths are drawn from the ShareGPT trace (prompt and output token count
 batch generates up to its longest requested output; we count only the requested tokens, the
 same work our engine does), at every --hf-batch-sizes value, with batches in arrival order and
 grouped by output length (an oracle: it needs the output lengths in advance); the best of each
-is reported. Then one request alone on each side: decode tokens/s after the first token.
+is reported. Then one request alone on each side: decode tokens/s after the first token, and
+each as a fraction of the memory roofline measured in the same run: the bytes one decode step
+must read (every weight once: the linears, and the output projection, which for a tied model is
+the embedding; the KV of a short context is negligible) over the bandwidth of a large tensor
+copy (bytes read plus bytes written, per second).
 
     .venv/bin/python bench/engine_throughput.py --num-requests 24 --hf-batch-sizes 4,8,16
     .venv/bin/python bench/engine_throughput.py --preset bench-mha --num-requests 24
+    .venv/bin/python bench/engine_throughput.py --model smollm2   # the trained SmolLM2-135M
 """
 
 from __future__ import annotations
@@ -42,9 +47,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--model",
-        type=Path,
-        help="model folder, made from --preset if absent (default: one per preset in "
-        "~/.cache/phasefleet)",
+        help="model folder or any --model source of `phasefleet worker` (smollm2, a .gguf "
+        "file); default: made from --preset, one per preset in ~/.cache/phasefleet",
     )
     p.add_argument("--preset", choices=BENCH_PRESETS, default="bench", help="model shape")
     p.add_argument("--trace", type=Path, default=TRACE, help="CSV with num_prefill_tokens, ...")
@@ -171,6 +175,29 @@ def hf_decode_rate(model: Any, prompt: list[int], n: int, pad: int) -> float:
     return (n - 1) / (timed(n) - timed(1))
 
 
+def copy_bandwidth(nbytes: int, device: torch.device) -> float:
+    """Bytes moved per second (read plus written) by the best of 5 copies of an nbytes tensor."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def decode_step_bytes(model: Any) -> int:
+    """Weight bytes one decode step reads: every parameter but the embedding table, plus the
+    output projection (the embedding itself when tied: it is read once, as the projection)."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    head = model.get_output_embeddings().weight
+    return total + (head.numel() * head.element_size() if head is embed else 0)
+
+
 def load_engines(args: argparse.Namespace, config: EngineConfig) -> dict[str, LLMEngine]:
     """One engine per --linears mode (PHASEFLEET_CPU_LINEAR at load), printing load times."""
     engines = {}
@@ -202,6 +229,10 @@ def main() -> None:
     if args.model is None:
         name = "bench-llama-100m" if args.preset == "bench" else f"{args.preset}-llama"
         args.model = CACHE / name
+    else:
+        from phasefleet.server.model_source import resolve_model
+
+        args.model = Path(resolve_model(args.model, dtype=args.dtype))
     if not (args.model / "config.json").is_file():
         print(f"making the benchmark model ({args.preset}) in {args.model}")
         make_tiny(args.model, arch="llama", preset=args.preset, seed=0)
@@ -230,6 +261,8 @@ def main() -> None:
     hf = hf.to(eng.device).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     pad = eng.tokenizer.pad_token_id
+    if pad is None:  # e.g. a tokenizer converted from GGUF: pad with eos, as generate() would
+        pad = eng.tokenizer.eos_token_id
     c = hf.config
     print(
         f"model {args.model.name}: {n_params / 1e6:.0f}M parameters, {c.num_hidden_layers} "
@@ -287,11 +320,20 @@ def main() -> None:
         for m, e in engines.items():
             ours_1[m] = max(ours_1[m], engine_decode_rate(e, prompt, args.single_output))
         hf_1 = max(hf_1, hf_decode_rate(hf, prompt, args.single_output, pad))
+    step_bytes = decode_step_bytes(hf)
+    bandwidth = copy_bandwidth(max(1 << 30, 2 * step_bytes), eng.device)
+    roofline = bandwidth / step_bytes
     print(
         f"single request decode (best of {args.repeats}): "
         + ", ".join(f"ours ({m}) {v:.1f} tok/s" for m, v in ours_1.items())
         + f", transformers {hf_1:.1f} tok/s; ratios "
         + ", ".join(f"{m} {v / hf_1:.2f}x" for m, v in ours_1.items())
+    )
+    print(
+        f"memory roofline: {step_bytes / 1e6:.0f} MB of weights per step at {bandwidth / 1e9:.1f}"
+        f" GB/s (a tensor copy, read + write) -> {roofline:.1f} tok/s; "
+        + ", ".join(f"ours ({m}) {v / roofline:.0%}" for m, v in ours_1.items())
+        + f", transformers {hf_1 / roofline:.0%} of it"
     )
 
 

@@ -219,7 +219,9 @@ def fake_timings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     empty in-process cache. Returns the weight shapes that were 'timed'."""
     timed: list[tuple[int, ...]] = []
 
-    def measure(weights: list[torch.Tensor], bias: torch.Tensor | None) -> Measure:
+    def measure(
+        weights: list[torch.Tensor], bias: torch.Tensor | None, model: list[torch.Tensor]
+    ) -> Measure:
         timed.append(tuple(weights[0].shape))
         return lambda path, rows: dict(
             zip(ROWS, MIXED.onednn_s if path == "onednn" else MIXED.torch_s, strict=True)
@@ -299,13 +301,20 @@ def test_an_engine_whose_linears_mix_both_paths_matches_transformers(
         assert out.output_token_ids == hf_greedy(name, prompt, greedy.max_tokens)
 
 
-def test_small_row_counts_are_timed_over_more_weight_than_the_cache_holds(
+def test_small_row_counts_are_timed_inside_a_pass_over_the_models_weights(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    weights = [torch.randn(4, 8), torch.randn(4, 8)]  # 128 bytes each
-    monkeypatch.setattr(cpu_linear, "COLD_BYTES", 500)
-    cold = cpu_linear._cold_set(weights)
-    assert len(cold) == 4 and cold[0] is weights[0] and cold[1] is weights[1]
-    assert cold[2] is not weights[0] and torch.equal(cold[2], weights[0])  # a copy
-    measure = cpu_linear._measure(weights, None)
-    assert measure("onednn", 2) > 0 and measure("torch", 64) > 0
+    shape_a = [torch.randn(4, 8), torch.randn(4, 8)]  # 128 bytes each
+    other = torch.randn(6, 8)
+    model = [shape_a[0], other, shape_a[1], torch.randn(5, 8)]
+    run = cpu_linear._step_pass(shape_a, model)
+    assert [(w is m, timed) for (w, timed), m in zip(run, model, strict=True)] == [
+        (True, True), (True, False), (True, True), (True, False),
+    ]  # fmt: skip
+    monkeypatch.setattr(cpu_linear, "STEP_PASS_BYTES", 200)  # the model's first two weights
+    lm_head = torch.randn(4, 8)  # a shape whose only weight comes last, as the output head
+    run = cpu_linear._step_pass([lm_head], model)
+    assert [w is m for (w, _), m in zip(run, [*model[:2], lm_head], strict=True)] == [True] * 3
+    assert [timed for _, timed in run] == [False, False, True]
+    measure = cpu_linear._measure(shape_a, None, model)
+    assert measure("onednn", 2) > 0 and measure("torch", 64) > 0 and measure("torch", 1) > 0

@@ -44,10 +44,12 @@ EXACT_ROWS = 16  # row counts up to this are not padded
 BUCKETS_PER_DOUBLING = 8
 MEASURE_S = 1e-3  # timing one path at one row count: repeat passes for about this long
 MAX_PASSES = 20  # ... but at most this many (and at least one)
-COLD_BYTES = 48 << 20  # a timing pass at a small row count reads this much weight (> L3)
-# Above this many rows a matmul does >= 8 float32 FLOPs per weight byte it reads: bound by
-# compute, not by where the weight comes from, so one weight is timed.
+# Up to this many rows a matmul is bound by reading its weight, and its speed depends on where
+# the weight comes from: such row counts are timed inside a pass over the model's weights in
+# order, as a decode step reads them (STEP_PASS_BYTES of them at most, then the shape's own).
+# Above it a matmul does >= 8 float32 FLOPs per weight byte it reads: one weight is timed.
 COLD_MAX_ROWS = 16
+STEP_PASS_BYTES = 1 << 30
 
 _PLANS: dict[str, LinearPlan] = {}  # this process's plans, by plan_key()
 
@@ -170,62 +172,79 @@ def plan_key(weight: torch.Tensor, has_bias: bool) -> str:
     )
 
 
-def _cold_set(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Weights to cycle through when timing small row counts: the shape's own, then copies,
-    until they hold COLD_BYTES. A decode step reads every weight once, from memory; timing one
-    weight over and over reads it from cache, where F.linear looked faster than it is (a
-    1536x1024 matrix at 1 row: 0.081 vs 0.077 ms from cache, 0.314 vs 0.193 ms from memory)."""
-    cold: list[torch.Tensor] = []
+def _step_pass(
+    weights: list[torch.Tensor], model: list[torch.Tensor]
+) -> list[tuple[torch.Tensor, bool]]:
+    """The weights a timing pass at a small row count runs, in order, each marked True when it
+    is one of `weights` (the shape being timed): the model's weights as a decode step reads
+    them, so the caches hold what they hold in a real step (timing one weight over and over
+    reads it from cache: on a 32 MiB-L3 machine F.linear at 1 row looked as fast as oneDNN from
+    cache and was 1.6x slower from memory; with a 480 MiB L3 even 48 MiB of copies stayed
+    cached). At most STEP_PASS_BYTES of the model, then any of `weights` not reached yet."""
+    ids = {id(w) for w in weights}
+    chosen: list[tuple[torch.Tensor, bool]] = []
     size = 0
-    while size < COLD_BYTES:
-        w = weights[len(cold) % len(weights)]
-        cold.append(w if len(cold) < len(weights) else w.clone())
+    for w in model:
+        if size >= STEP_PASS_BYTES:
+            break
+        chosen.append((w, id(w) in ids))
         size += w.numel() * w.element_size()
-    return cold
+    seen = {id(w) for w, _ in chosen}
+    return chosen + [(w, True) for w in weights if id(w) not in seen]
 
 
-def _measure(weights: list[torch.Tensor], bias: torch.Tensor | None) -> Measure:
-    """measure(path, rows): best seconds per call of that path on a random [rows, in] input
-    (wall time, or CPU time with one torch thread), over passes through _cold_set(weights) (up
-    to COLD_MAX_ROWS rows; one weight above) for about MEASURE_S. The first oneDNN pass of a
-    row count, which builds its primitive, is not timed. Copies and packs nothing until
-    called: a cached plan times nothing."""
-    plain: dict[bool, list[torch.Tensor]] = {}  # cold? -> weights
-    packed: dict[bool, list[torch.Tensor]] = {}
+def _measure(
+    weights: list[torch.Tensor], bias: torch.Tensor | None, model: list[torch.Tensor]
+) -> Measure:
+    """measure(path, rows): best seconds per call of that path on a random [rows, in] input.
+    Up to COLD_MAX_ROWS rows a pass is _step_pass(weights, model): the other weights run
+    F.linear and only the calls of this shape are timed; above, a pass is one weight. Passes
+    repeat for about MEASURE_S (wall time, or CPU time with one torch thread). The first oneDNN
+    pass of a row count, which builds its primitive, is not timed. Copies and packs nothing
+    until called: a cached plan times nothing."""
+    passes_by_size: dict[bool, list[tuple[torch.Tensor, bool]]] = {}  # small rows? -> pass
+    packed: dict[int, torch.Tensor] = {}  # id of a weight of this shape -> its packed copy
     gen = torch.Generator().manual_seed(0)
-    inputs: dict[int, torch.Tensor] = {}
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
     warm: set[int] = set()
 
     def measure(path: str, rows: int) -> float:
-        cold = rows <= COLD_MAX_ROWS
-        if cold not in plain:
-            plain[cold] = _cold_set(weights) if cold else weights[:1]
-        if path == "onednn" and cold not in packed:
-            packed[cold] = [_pack(w) for w in plain[cold]]
-        if rows not in inputs:
-            in_f, dtype = weights[0].shape[1], weights[0].dtype
-            inputs[rows] = torch.randn(rows, in_f, generator=gen).to(dtype)
-        x, ws = inputs[rows], (packed if path == "onednn" else plain)[cold]
+        small = rows <= COLD_MAX_ROWS
+        if small not in passes_by_size:
+            passes_by_size[small] = _step_pass(weights, model) if small else [(weights[0], True)]
+        run = passes_by_size[small]
+        for w, timed in run:
+            key = (rows, w.shape[1])
+            if key not in inputs:
+                inputs[key] = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
+            if timed and path == "onednn" and id(w) not in packed:
+                packed[id(w)] = _pack(w)
+        # One thread: its CPU time, which other processes' time slices do not inflate.
+        tick = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
-        def one_pass() -> None:
-            for w in ws:
+        def one_pass() -> float:
+            took = 0.0
+            for w, timed in run:
+                x = inputs[(rows, w.shape[1])]
+                if not timed:
+                    F.linear(x, w)
+                    continue
+                start = tick()
                 if path == "onednn":
-                    _packed_linear(x, w, bias)
+                    _packed_linear(x, packed[id(w)], bias)
                 else:
                     F.linear(x, w, bias)
+                took += tick() - start
+            return took
 
         if path == "onednn" and rows not in warm:
             one_pass()  # builds and caches oneDNN's primitive for this shape
             warm.add(rows)
-        # One thread: its CPU time, which other processes' time slices do not inflate.
-        tick = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         best, spent, passes = float("inf"), 0.0, 0
         while passes == 0 or (spent < MEASURE_S and passes < MAX_PASSES):
-            start = tick()
-            one_pass()
-            took = tick() - start
+            took = one_pass()
             best, spent, passes = min(best, took), spent + took, passes + 1
-        return best / len(ws)
+        return best / sum(timed for _, timed in run)
 
     return measure
 
@@ -246,10 +265,13 @@ def pack_linears(module: nn.Module) -> str:
     by_key: dict[str, list[nn.Linear]] = {}
     for _, _, lin in linears:
         by_key.setdefault(plan_key(lin.weight, lin.bias is not None), []).append(lin)
+    model = [lin.weight.detach() for _, _, lin in linears]  # in the order a step runs them
     for key, same in by_key.items():
         weights = [lin.weight.detach() for lin in same]
         bias = None if same[0].bias is None else same[0].bias.detach()
-        plans[key] = cache.get(key, _measure(weights, bias), CALIBRATION_ROWS) if measured else None
+        plans[key] = (
+            cache.get(key, _measure(weights, bias, model), CALIBRATION_ROWS) if measured else None
+        )
     for parent, name, lin in linears:
         plan = plans[plan_key(lin.weight, lin.bias is not None)]
         setattr(parent, name, CpuLinear(lin.weight, lin.bias, plan))
