@@ -21,8 +21,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 _patch = interpreter._patch_lang_tensor
 
 
-def _patched(tensor: Any) -> None:
-    _patch(tensor)
+def _patched(tensor: Any, *scope: Any) -> None:  # triton 3.6 passes a patch scope
+    _patch(tensor, *scope)
     tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
 
