@@ -261,7 +261,6 @@ class ModelRunner:
                     q_len=s.num_tokens,
                     ctx_len=end,
                     block_table=block_table.to(self.device),
-                    mask=self._prefill_mask(s.start, end),
                 )
             )
         dev = self.device
@@ -316,15 +315,3 @@ class ModelRunner:
             )
             i = j
         return groups
-
-    def _prefill_mask(self, start: int, end: int) -> torch.Tensor | None:
-        """[q_len, end] causal mask aligned to the bottom right (the chunk's queries are the last
-        q_len positions); None when plain top-left causal is the same thing."""
-        if start == 0 and self.sliding_window is None:
-            return None
-        q_pos = torch.arange(start, end).unsqueeze(1)
-        k_pos = torch.arange(end).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        return mask.to(self.device)

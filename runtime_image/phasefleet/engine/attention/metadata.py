@@ -13,7 +13,6 @@ class PrefillSeq:
     q_len: int  # query tokens this step
     ctx_len: int  # tokens it attends to, cached prefix plus this chunk
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] long, its blocks in order
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool (True = attend); None: plain causal
 
 
 @dataclass

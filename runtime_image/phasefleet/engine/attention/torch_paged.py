@@ -7,6 +7,7 @@ groups of similar context length, so padding every gather to the longest one in 
 not multiply the bytes copied. On the CPU, SDPA is slow for bfloat16/float16 one-token queries
 (its flash kernel runs 4-7x longer than float32), so there a group with a `bias` runs as two
 batched matmuls with a float32 softmax instead, the arithmetic of transformers' eager attention.
+All of a step's prefills go through one call of prefill.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from phasefleet.engine.attention import triton_decode
 from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup
+from phasefleet.engine.attention.prefill import prefill_attention
 
 
 def write_kv(
@@ -71,23 +73,10 @@ def paged_attention(
         )
     elif n_dec:
         parts += [_decode_group(q, k_cache, v_cache, group, scale) for group in meta.decode_groups]
-    for seq in meta.prefills:
-        end = seq.start + seq.q_len
-        if seq.ctx_len == seq.q_len:
-            keys, values = k[seq.start : end], v[seq.start : end]  # nothing cached before
-        else:
-            keys = k_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.ctx_len]
-            values = v_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.ctx_len]
-        o = F.scaled_dot_product_attention(
-            q[seq.start : end].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
-            keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx_len, D]
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=seq.mask,
-            is_causal=seq.mask is None,
-            scale=scale,
-            enable_gqa=True,
+    if meta.prefills:
+        parts.append(
+            prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, meta.sliding_window)
         )
-        parts.append(o[0].transpose(0, 1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no copy
 
 
