@@ -7,7 +7,8 @@ PYTEST := scripts/pytest-strict $(PY)
 export PHASEFLEET_CACHE ?= $(HOME)/.cache/phasefleet
 
 .PHONY: all venv tools lint test test-unit test-e2e cluster-up cluster-down run clean \
-	crds dashboard bench-operator bench-autoscale operator-image demo demo-down gpu-check
+	crds dashboard bench-operator bench-autoscale operator-image demo demo-down gpu-check \
+	gpu-pack
 
 all: venv
 
@@ -74,11 +75,17 @@ bench-autoscale: venv
 
 # Every GPU claim of the engine in one run of under 8 minutes (bench/gpu_check.py; docs/engine.md,
 # "The GPU check"): gpu_check.json and gpu_check.md in $OUT, else bench/gpu_check/. No venv
-# prerequisite: on a lent GPU machine the .venv comes with the copy and pip has no network.
+# prerequisite: a lent GPU machine has no .venv and no network; there, bench/gpu_box.sh runs it
+# with the machine's python3 and what gpu-pack packed (or `make gpu-check PY=python3`).
 # SmolLM2 from .gpu-models/ (gitignored) when present, e.g. GPU_CHECK_ARGS="--smollm2 DIR".
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# What a lent GPU machine lacks for gpu-check, into .gpu-pack/ (gitignored): Python 3.12 wheels
+# and SmolLM2's .gguf in two parts, one per call; prints what each call sends, fails over 64 MiB.
+gpu-pack: venv
+	$(PY) bench/gpu_pack.py
 
 operator-image:
 	docker build -f operator/Dockerfile -t ghcr.io/phasefleet/phasefleet-operator:0.1.0 .
