@@ -116,18 +116,21 @@ def test_preemption_without_prefix_caching(tiny_model: ModelPath, hf_greedy: HFG
     assert stats.prefix_cache_hits_total == 0
 
 
-def test_decodes_are_grouped_by_context_length(tiny_model: ModelPath) -> None:
+def test_decodes_are_grouped_by_context_length() -> None:
+    import numpy as np
     import torch
 
-    eng = engine(tiny_model("llama"), block_size=4)
-    ctx = [4, 5, 30, 31, 100]  # blocks 1, 2, 8, 8, 25
-    tables = torch.arange(1, 5 * 25 + 1).view(5, 25)
-    groups = eng.runner._decode_groups(tables, ctx)
+    from phasefleet.engine.block_table import BlockTables
+    from phasefleet.engine.step_plan import _groups
+
+    ctx = [4, 5, 30, 31, 100]  # blocks 1, 2, 8, 8, 25 of 4 tokens
+    tables = BlockTables(8, 25, torch.device("cpu"), separate=False)
+    rows = [tables.row(f"r{i}", list(range(1 + 25 * i, 26 + 25 * i)), 25) for i in range(5)]
+    groups = _groups(ctx, rows, tables, 4)
     assert [(g.start, g.size) for g in groups] == [(0, 1), (1, 1), (2, 2), (4, 1)]
-    assert [tuple(g.block_tables.shape) for g in groups] == [(1, 1), (1, 2), (2, 8), (1, 25)]
-    assert groups[2].mask.shape == (2, 1, 1, 32)
-    assert groups[2].mask[0, 0, 0].sum() == 30
+    assert [g.width for g in groups] == [1, 2, 8, 25]
     # A lone request whose blocks are consecutive in the pool is read as a view, not gathered.
     assert [g.first_block for g in groups] == [1, 26, None, 101]
-    tables[4, 3] = 7
-    assert eng.runner._decode_groups(tables, ctx)[3].first_block is None
+    tables.host[rows[4], 3] = 7
+    assert _groups(ctx, rows, tables, 4)[3].first_block is None
+    assert np.array_equal(tables.host[rows[0], :3], [1, 2, 3])

@@ -261,8 +261,6 @@ def inject(eng: LLMEngine, request_id: str, fault: str) -> None:
     """Break one running request the way a real fault would."""
     if fault == "nan":
         eng._rows[request_id].params.temperature = float("nan")  # past validation
-    elif fault == "generator":
-        eng._rows[request_id].generator = object()  # type: ignore[assignment]
     else:
         eng._detok[request_id] = BrokenDetokenizer(eng.tokenizer, ["zzz-never"], fault)
 
@@ -293,7 +291,7 @@ def run_batch(eng: LLMEngine, fault: str | None) -> dict[str, RequestOutput]:
     return final
 
 
-@pytest.mark.parametrize("fault", ["nan", "generator", "detokenizer", "stop_string"])
+@pytest.mark.parametrize("fault", ["nan", "detokenizer", "stop_string"])
 def test_a_fault_in_one_request_leaves_its_batch_untouched(eng: LLMEngine, fault: str) -> None:
     clean = run_batch(eng, None)
     total = eng.stats().num_total_blocks
@@ -325,12 +323,13 @@ def test_a_seed_torch_cannot_take_is_refused_and_nothing_is_queued(eng: LLMEngin
 def test_a_request_whose_setup_fails_is_not_queued(
     eng: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(seed: int, device: torch.device) -> torch.Generator:
-        raise RuntimeError("no generator today")
+    def broken(*args: object) -> None:
+        raise RuntimeError("no detokenizer today")
 
-    monkeypatch.setattr(llm_engine, "make_generator", broken)
-    with pytest.raises(RuntimeError, match="no generator"):
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", broken)
+    with pytest.raises(RuntimeError, match="no detokenizer"):
         eng.add_request("s", [1, 2, 3], SamplingParams(max_tokens=4, seed=1))
+    monkeypatch.undo()
     assert not eng.has_unfinished_requests()
     assert eng.step() == []
     eng.add_request("s", [1, 2, 3], greedy(2))  # the id is free again

@@ -2,15 +2,27 @@ from __future__ import annotations
 
 import torch
 
-from phasefleet.engine.sampler import FAILED, SamplingRow, make_generator, sample
-from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.sampler import (
+    FAILED,
+    DeviceSampling,
+    SamplingBatch,
+    SamplingRow,
+    seed_halves,
+)
+from phasefleet.engine.sampler import sample as sample_batch
+from phasefleet.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 CPU = torch.device("cpu")
 
 
 def row(seed: int | None = None, **kw: object) -> SamplingRow:
-    params = SamplingParams(**kw)  # type: ignore[arg-type]
-    return SamplingRow(params, None if seed is None else make_generator(seed, CPU))
+    return SamplingRow(SamplingParams(seed=seed, **kw))  # type: ignore[arg-type]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], position: int = 0) -> list[int]:
+    """Every row samples the token at `position` (what the seeded draw hashes)."""
+    batch = SamplingBatch.from_rows(rows, [position] * len(rows), logits.shape[-1])
+    return sample_batch(logits, rows, DeviceSampling.direct(batch, CPU))
 
 
 def test_greedy_is_argmax() -> None:
@@ -43,14 +55,38 @@ def test_same_seed_same_tokens_and_independent_of_batch() -> None:
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
     a = row(seed=42, temperature=1.0)
     b = row(seed=42, temperature=1.0)
-    first = [sample(logits, [a])[0] for _ in range(20)]
-    # b runs with other rows around it: its own generator gives the same sequence.
+    first = [sample(logits, [a], position=p)[0] for p in range(20)]
+    # b runs with other rows around it, a seeded one among them: the same sequence.
     second = []
-    for _ in range(20):
+    for p in range(20):
         batch = torch.cat([logits, logits, logits])
-        second.append(sample(batch, [row(temperature=0), b, row(temperature=1.0)])[1])
+        rows = [row(temperature=0), b, row(seed=7, temperature=1.0)]
+        second.append(sample(batch, rows, position=p)[1])
     assert first == second
     assert len(set(first)) > 1  # actually sampling, not greedy
+    assert [sample(logits, [a], position=p)[0] for p in range(20)] == first  # again: same
+    other = [sample(logits, [row(seed=43, temperature=1.0)], position=p)[0] for p in range(20)]
+    assert other != first
+
+
+def test_a_seeded_draw_follows_the_distribution() -> None:
+    logits = torch.tensor([[0.0, 0.0, -100.0, 1.0]])
+    counts = [0, 0, 0, 0]
+    for seed in range(600):
+        counts[sample(logits, [row(seed=seed, temperature=1.0)], position=seed % 7)[0]] += 1
+    assert counts[2] == 0
+    expected = logits.softmax(-1)[0].tolist()  # [0.212, 0.212, 0, 0.576]
+    for got, p in zip(counts, expected, strict=True):
+        assert abs(got / 600 - p) < 0.06, counts
+
+
+def test_seeds_at_the_bounds_split_into_32_bit_halves() -> None:
+    assert seed_halves(SEED_MAX) == (2**32 - 1, 2**32 - 1)
+    assert seed_halves(SEED_MIN) == (0, 2**31)
+    assert seed_halves(-1) == seed_halves(SEED_MAX)  # as manual_seed maps negatives
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(5))
+    tokens = sample(logits, [row(seed=SEED_MAX, temperature=1.0), row(seed=SEED_MIN)], 3)
+    assert all(0 <= t < 30 for t in tokens)
 
 
 def test_temperature_sampling_follows_the_distribution() -> None:
@@ -91,17 +127,16 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
         ]
 
     clean_rows = batch()
-    clean = [sample(logits, clean_rows) for _ in range(10)]
+    clean = [sample(logits, clean_rows) for _ in range(10)]  # seeded rows: the same each time
     faulty_rows = batch()
     faulty_rows[1].params.temperature = float("nan")  # a distribution that is all NaN
-    faulty_rows[3].generator = object()  # type: ignore[assignment]  # a generator that raises
     bad_logits = logits.clone()
     bad_logits[4, 5] = float("nan")  # the model's own row is broken (greedy)
     faulty = [sample(bad_logits, faulty_rows) for _ in range(10)]
     for step_clean, step_faulty in zip(clean, faulty, strict=True):
-        assert [step_faulty[i] for i in (0, 2)] == [step_clean[i] for i in (0, 2)]
-        assert [step_faulty[i] for i in (1, 3, 4)] == [FAILED] * 3
-    assert [r.error is not None for r in faulty_rows] == [False, True, False, True, True]
+        assert [step_faulty[i] for i in (0, 2, 3)] == [step_clean[i] for i in (0, 2, 3)]
+        assert [step_faulty[i] for i in (1, 4)] == [FAILED] * 2
+    assert [r.error is not None for r in faulty_rows] == [False, True, False, False, True]
     assert "not finite" in str(faulty_rows[1].error)
     assert all(r.error is None for r in clean_rows)
 

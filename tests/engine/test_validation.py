@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from phasefleet.engine.config import EngineConfig
-from phasefleet.engine.sampler import make_generator
 from phasefleet.engine.sampling_params import (
     API_SEED_MAX,
     MAX_N,
@@ -57,7 +55,6 @@ def test_default_sampling_params_are_valid() -> None:
 def test_the_bounds_themselves_are_valid() -> None:
     for seed in (SEED_MIN, SEED_MAX, API_SEED_MAX + MAX_N - 1):
         SamplingParams(seed=seed).validate()
-        make_generator(seed, torch.device("cpu"))  # what the bound stands for
     SamplingParams(
         temperature=MAX_TEMPERATURE,
         top_p=5e-324,

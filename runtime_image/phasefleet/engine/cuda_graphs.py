@@ -1,11 +1,14 @@
 """DecodeGraphs: decode-only steps through fixed-shape buffers, replayed as CUDA graphs.
 
-A decode step of B requests is padded up to the next captured batch size. Padding lanes read
-and write only the null block (slot 0, context length 1), and their logits are dropped. Block
-tables are as wide as max_model_len allows; the Triton kernel reads only the blocks inside each
-context, so the width costs nothing there (the torch path would gather all of it, which is why
-graphs are meant for the Triton backend). `capture()` needs CUDA; without it the same buffers
-run eagerly, which is how the CPU tests check the padding logic.
+A decode step of B requests is padded up to the next captured batch size. Its inputs (token
+ids, positions, slots, block-table rows, context lengths) arrive on the device with the step's
+one upload and are copied into the graphs' fixed buffers by device copies; padding lanes read
+and write only the null block (slot 0, the all-null row 0, context length 1), and their logits
+are dropped. Each graph gathers its lanes' rows of the persistent device block tables itself,
+as wide as max_model_len allows; the Triton kernel reads only the blocks inside each context, so
+the width costs nothing there (the torch path would gather all of it, which is why graphs are
+meant for the Triton backend). `capture()` needs CUDA; without it the same buffers run eagerly,
+which is how the CPU tests check the padding logic.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ class DecodeGraphs:
         self,
         model: CausalLM,
         kv_caches: KVCache,
+        block_tables: torch.Tensor,
         block_size: int,
-        max_model_len: int,
         max_batch: int,
         backend: str,
         sliding_window: int | None,
@@ -40,16 +43,16 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.block_tables = block_tables  # [rows, max_blocks] int32, the persistent tables
         self.block_size = block_size
         self.backend = backend
         self.sliding_window = sliding_window
         self.sizes = batch_sizes(max_batch)
-        width = -(-max_model_len // block_size)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [B_max]
         self.positions = torch.zeros(n, dtype=torch.long, device=device)  # [B_max]
         self.slots = torch.zeros(n, dtype=torch.long, device=device)  # [B_max]
-        self.tables = torch.zeros(n, width, dtype=torch.long, device=device)  # [B_max, width]
+        self.rows = torch.zeros(n, dtype=torch.long, device=device)  # [B_max], row 0: null
         self.context_lens = torch.ones(n, dtype=torch.long, device=device)  # [B_max]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # batch size -> its logits [b, vocab]
@@ -62,10 +65,11 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         ctx = self.context_lens[:b]
+        tables = self.block_tables.index_select(0, self.rows[:b])  # [b, max_blocks]
         meta = AttentionMetadata(
             slot_mapping=self.slots[:b],
             num_decode_tokens=b,
-            decode_block_tables=self.tables[:b],
+            decode_block_tables=tables,
             decode_context_lens=ctx,
             decode_groups=[]
             if self.backend == "triton"
@@ -73,8 +77,8 @@ class DecodeGraphs:
                 DecodeGroup(
                     0,
                     b,
-                    self.tables[:b],
-                    decode_mask(ctx, self.tables.shape[1] * self.block_size, self.sliding_window),
+                    tables.long(),
+                    decode_mask(ctx, tables.shape[1] * self.block_size, self.sliding_window),
                 )
             ],
             prefills=[],
@@ -100,25 +104,25 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(
         self,
-        token_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        block_tables: list[list[int]],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        context_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode step for len(token_ids) requests -> logits [n, vocab] float32."""
-        n = len(token_ids)
+        """One decode step for n requests ([n] int64 tensors on the device, from the step's
+        upload) -> logits [n, vocab]. Device copies only: nothing here waits for the device."""
+        n = input_ids.shape[0]
         b = self.sizes[bisect.bisect_left(self.sizes, n)]
-        pad = b - n
-        self.input_ids[:b].copy_(torch.tensor(token_ids + [0] * pad))
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
-        self.slots[:b].copy_(torch.tensor(slots + [0] * pad))
-        self.context_lens[:b].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad))
-        width = max(len(t) for t in block_tables)
-        rows = torch.zeros(b, width, dtype=torch.long)
-        for i, table in enumerate(block_tables):
-            rows[i, : len(table)] = torch.tensor(table)
-        self.tables[:b].zero_()
-        self.tables[:b, :width].copy_(rows)
+        for buffer, values, pad in (
+            (self.input_ids, input_ids, 0),
+            (self.positions, positions, 0),
+            (self.slots, slots, 0),
+            (self.rows, rows, 0),
+            (self.context_lens, context_lens, 1),
+        ):
+            buffer[:n].copy_(values)
+            buffer[n:b].fill_(pad)
         graph = self.graphs.get(b)
         if graph is None:
             return self._forward(b)[:n]

@@ -1,9 +1,9 @@
 """LLMEngine: the single-threaded engine loop (add requests, step, read outputs).
 
-Failure isolation: whatever goes wrong for one request alone (its generator, a distribution that
-is not finite, detokenizing, stop strings) finishes that request with finish_reason 'error' and
-frees its blocks; the other requests of the step go on exactly as they would have. Only a failure
-of the step as a whole (scheduling, the forward pass) raises from `step()`.
+Failure isolation: whatever goes wrong for one request alone (a distribution that is not finite,
+detokenizing, stop strings) finishes that request with finish_reason 'error' and frees its
+blocks; the other requests of the step go on exactly as they would have. Only a failure of the
+step as a whole (scheduling, the forward pass) raises from `step()`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from phasefleet.engine.kv_transfer import KVLayout, Lease, LeaseTable
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request
-from phasefleet.engine.sampler import SamplingRow, make_generator
+from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, separate_device: bool | None = None) -> None:
+        """`separate_device`: see ModelRunner (tests run the GPU path's host side on the CPU)."""
         config.validate()
         self.config = config
         folder = Path(config.model)
@@ -58,10 +59,17 @@ class LLMEngine:
         checkpoint_dtype = getattr(self.hf_config, "dtype", None)  # config.json's, may be absent
         self.dtype = resolve_dtype(config.dtype, checkpoint_dtype, self.device)
         self.runner = ModelRunner(
-            folder, self.hf_config, self.dtype, self.device, config.block_size, self.max_model_len
+            folder,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            config.block_size,
+            self.max_model_len,
+            config.max_num_seqs,
+            separate_device,
         )
         num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
-            config.max_num_seqs, self.max_model_len
+            config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens
         )
         self.runner.allocate_kv(num_blocks)
         if (
@@ -154,12 +162,11 @@ class LLMEngine:
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
-        gen = None if params.seed is None else make_generator(params.seed, self.device)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)
-        row = SamplingRow(params, gen)
+        row = SamplingRow(params)
         if len(request.output_token_ids) < params.min_tokens:
             row.banned = self._min_tokens_banned(params)
         self._rows[request_id] = row
@@ -247,6 +254,8 @@ class LLMEngine:
             self.busy_seconds_total += time.perf_counter() - started
 
     def _run_step(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for request_id in out.preempted:
+            self.runner.release(request_id)  # readmitted later with a new block table
         for req, first_block in out.imports:
             payload = self._imports.pop(req.request_id)
             table = self.kv.block_tables[req.request_id]
@@ -330,6 +339,7 @@ class LLMEngine:
         )
 
     def _forget(self, request_id: str) -> None:
+        self.runner.release(request_id)
         self._rows.pop(request_id, None)
         self._detok.pop(request_id, None)
         self._imports.pop(request_id, None)

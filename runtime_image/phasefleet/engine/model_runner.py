@@ -1,10 +1,13 @@
-"""ModelRunner: all device code. Owns the model and the KV pool, turns a SchedulerOutput into
-batched tensors, runs the forward pass and samples."""
+"""ModelRunner: all device code. Owns the model, the KV pool and the block tables on the device;
+sends a step's plan (`step_plan`) there in one copy, runs the forward pass and samples, with one
+wait on the device per step: the sampled token ids."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +21,22 @@ from phasefleet.engine.attention.metadata import (
     decode_mask,
     mask_to_bias,
 )
+from phasefleet.engine.block_table import BlockTables
 from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
-from phasefleet.engine.sampler import SamplingRow, sample
-from phasefleet.engine.scheduler import ScheduledRequest, SchedulerOutput
+from phasefleet.engine.sampler import DeviceSampling, SamplingBatch, SamplingRow, sample
+from phasefleet.engine.scheduler import SchedulerOutput
+from phasefleet.engine.staging import HostStaging
+from phasefleet.engine.step_plan import StepPlan, plan_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30  # KV pool cap on CPU when num_kv_blocks is not given
-GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool may take
-DECODE_PAD_SLACK = 1.25  # torch path: a decode group may gather this much more than it needs
+GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool and the reserve may take
+
+logger = logging.getLogger(__name__)
 
 
 def choose_decode_backend(device: torch.device, block_size: int) -> str:
@@ -80,7 +87,12 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         max_model_len: int,
+        max_num_seqs: int = 64,
+        separate_device: bool | None = None,
     ) -> None:
+        """`separate_device`: keep the block tables and the step's inputs in device memory of
+        their own, sent by copies as on a GPU (default: on CUDA only); tests set it on the CPU
+        to run the GPU path's host side."""
         self.device = device
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
@@ -91,6 +103,7 @@ class ModelRunner:
             )
         self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
         self.max_model_len = max_model_len
+        self.vocab_size = int(hf_config.vocab_size)
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
         self.head_dim = head_dim(hf_config)
@@ -102,6 +115,11 @@ class ModelRunner:
         self.decode_backend = choose_decode_backend(device, block_size)
         # SDPA's CPU kernel is slow for 16-bit one-token queries: decode groups run as matmuls.
         self.decode_as_matmuls = device.type == "cpu" and self.dtype != torch.float32
+        separate = device.type != "cpu" if separate_device is None else separate_device
+        self.tables = BlockTables(
+            max_num_seqs, -(-max_model_len // block_size), device, separate=separate
+        )
+        self.staging = HostStaging(device, copy=separate)
         self.graphs: DecodeGraphs | None = None
 
     def block_bytes(self) -> int:
@@ -109,14 +127,41 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def auto_num_blocks(self, max_num_seqs: int, max_model_len: int) -> int:
-        """Pool size when the config leaves it open: most of the free GPU memory, or on CPU
+    def auto_num_blocks(
+        self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int
+    ) -> int:
+        """Pool size when the config leaves it open. On a GPU: GPU_MEMORY_FRACTION of the memory
+        free after loading (the unfused weights `fuse()` replaced are given back first), less
+        an explicit reserve for a step's activations, logits and graphs; logged. On the CPU:
         enough for every sequence at full length, capped by CPU_KV_BUDGET_BYTES."""
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(2, int(free * GPU_MEMORY_FRACTION) // self.block_bytes())
-        wanted = max_num_seqs * -(-max_model_len // self.block_size) + 1
-        return max(2, min(wanted, CPU_KV_BUDGET_BYTES // self.block_bytes()))
+        if self.device.type != "cuda":
+            wanted = max_num_seqs * -(-max_model_len // self.block_size) + 1
+            return max(2, min(wanted, CPU_KV_BUDGET_BYTES // self.block_bytes()))
+        torch.cuda.empty_cache()  # the allocator still caches what fuse() freed
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserve = self.activation_reserve(max_num_seqs, max_num_batched_tokens)
+        budget = int(free * GPU_MEMORY_FRACTION) - reserve
+        blocks = max(2, budget // self.block_bytes())
+        logger.info(
+            "KV pool: %d blocks of %.0f KiB (%.2f GiB) = %.0f%% of the %.2f GiB free after "
+            "loading, less %.2f GiB reserved for activations, logits and graphs",
+            blocks, self.block_bytes() / 2**10, blocks * self.block_bytes() / 2**30,
+            100 * GPU_MEMORY_FRACTION, free / 2**30, reserve / 2**30,
+        )  # fmt: skip
+        return blocks
+
+    def activation_reserve(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Bytes a step may need besides weights and KV (an estimate, twice the sum): per token
+        of a full step the residual stream, q/k/v and the MLP's gate, up and activation; float32
+        logits, probabilities and sampling noise for every sequence; the decode graphs' own
+        activations at their largest batch."""
+        c = self.model.config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        qkv = (c.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_token = (4 * c.hidden_size + qkv + 3 * c.intermediate_size) * elem
+        logits = 4 * max_num_seqs * self.vocab_size * 4
+        graphs = min(max_num_seqs, 256) * per_token
+        return 2 * (max_num_batched_tokens * per_token + logits + graphs)
 
     def allocate_kv(self, num_blocks: int) -> None:
         # Zeros, not empty: masked-out slots are still multiplied by 0 and must not be NaN.
@@ -162,8 +207,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
+            self.tables.device_table,
             self.block_size,
-            self.max_model_len,
             max_batch,
             self.decode_backend,
             self.sliding_window,
@@ -172,146 +217,132 @@ class ModelRunner:
         if capture:
             self.graphs.capture()
 
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: its block-table row goes back."""
+        self.tables.release(request_id)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> dict[str, int]:
         """One forward pass over the scheduled tokens; returns request_id -> sampled token for
         the requests whose `sample` flag is set."""
-        if self.graphs is not None and self.graphs.fits(out):
-            return self._execute_graph(out, rows)
-        # One-token queries first, shortest context first (decode groups are runs of them).
-        batch = sorted((s for s in out.scheduled if s.num_tokens == 1), key=lambda s: s.start)
-        batch += [s for s in out.scheduled if s.num_tokens > 1]
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        last, sampled_rows, ids = [], [], []
-        offset = 0
-        for s in batch:
-            if s.request.params.prompt_logprobs is not None:
-                self._prompt_logprobs(s, hidden[offset : offset + s.num_tokens], rows)
-            offset += s.num_tokens
-            if s.sample:
-                last.append(offset - 1)
-                sampled_rows.append(rows[s.request.request_id])
-                ids.append(s.request.request_id)
-        if not ids:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
-        return dict(zip(ids, sample(logits, sampled_rows), strict=True))
-
-    def _prompt_logprobs(
-        self, s: ScheduledRequest, hidden: torch.Tensor, rows: dict[str, SamplingRow]
-    ) -> None:
-        """Appends the logprobs of the prompt tokens this chunk predicts (position p predicts
-        token p + 1) to the request's row; hidden: [num_tokens, hidden]. A chunk computed
-        again after a preemption adds nothing."""
-        row, req = rows[s.request.request_id], s.request
-        end = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
-        if end <= s.start or s.start != len(row.prompt_logprobs):
-            return
-        logits = self.model.compute_logits(hidden[: end - s.start])  # [end - start, V]
-        targets = req.token_ids(s.start + 1, end + 1)
-        counts = [row.params.prompt_logprobs or 0] * len(targets)
-        row.prompt_logprobs.extend(token_logprobs(logits, targets, counts))
-
-    def _execute_graph(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> dict[str, int]:
-        if self.graphs is None:
-            raise RuntimeError("decode graphs are not enabled")
-        bs = self.block_size
-        reqs = [s.request for s in out.scheduled]
-        positions = [s.start for s in out.scheduled]
-        logits = self.graphs.run(
-            token_ids=[r.token_ids(p, p + 1)[0] for r, p in zip(reqs, positions, strict=True)],
-            positions=positions,
-            slots=[s.block_ids[s.start // bs] * bs + s.start % bs for s in out.scheduled],
-            block_tables=[s.block_ids[: s.start // bs + 1] for s in out.scheduled],
+        graph = self.graphs is not None and self.graphs.fits(out)
+        group = self.decode_backend == "torch" and not graph
+        plan = plan_step(out.scheduled, self.tables, self.block_size, group)
+        sampled_rows = [rows[s.request.request_id] for s in plan.sampled]
+        sampling = SamplingBatch.from_rows(
+            sampled_rows, [s.start + s.num_tokens for s in plan.sampled], self.vocab_size
         )
-        tokens = sample(logits, [rows[r.request_id] for r in reqs])
-        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        step = self._upload(plan, sampling)
+        if graph and self.graphs is not None:
+            logits = self.graphs.run(
+                step.input_ids, step.positions, step.slots, step.decode_rows, step.decode_ctx
+            )
+        else:
+            meta = self._metadata(plan, step)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+            self._prompt_logprobs(plan, hidden, rows)
+            if not plan.sampled:
+                return {}
+            logits = self.model.compute_logits(hidden.index_select(0, step.sample_index))
+        tokens = sample(logits, sampled_rows, step.sampling)
+        return {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
 
-    def _prepare(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        tokens: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decodes = [s for s in batch if s.num_tokens == 1]
-        max_blocks = max((s.start // bs + 1 for s in decodes), default=1)
-        tables, ctx_lens = [], []
-        for s in decodes:
-            p = s.start
-            tokens.extend(s.request.token_ids(p, p + 1))
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            table = s.block_ids[: p // bs + 1]
-            tables.append(table + [0] * (max_blocks - len(table)))
-            ctx_lens.append(p + 1)
-        prefills = []
-        for s in batch[len(decodes) :]:
-            end = s.start + s.num_tokens
-            tokens.extend(s.request.token_ids(s.start, end))
-            chunk = torch.arange(s.start, end)
-            pos.extend(range(s.start, end))
-            nb = -(-end // bs)
-            block_table = torch.tensor(s.block_ids[:nb], dtype=torch.long)
-            slots.extend((block_table[chunk // bs] * bs + chunk % bs).tolist())
-            prefills.append(
-                PrefillSeq(
-                    start=len(tokens) - s.num_tokens,
-                    q_len=s.num_tokens,
-                    ctx_len=end,
-                    block_table=block_table.to(self.device),
+    def _upload(self, plan: StepPlan, sampling: SamplingBatch) -> StepTensors:
+        """The plan's arrays, the sampling settings and the block-table updates on the device,
+        in one copy; the updates applied to the device tables."""
+        inputs = [
+            plan.input_ids, plan.positions, plan.slots, plan.decode_rows, plan.decode_ctx,
+            plan.sample_index,
+        ]  # fmt: skip
+        settings = sampling.arrays()
+        updates = self.tables.pending_updates()
+        for array in [*inputs, *settings, *(updates or ())]:
+            self.staging.add(array)
+        t = self.staging.upload()  # in the order added
+        k = len(inputs) + len(settings)
+        if updates is not None:
+            self.tables.apply(t[k], t[k + 1])
+        input_ids, positions, slots, decode_rows, decode_ctx, sample_index = t[: len(inputs)]
+        return StepTensors(
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            decode_rows=decode_rows,
+            decode_ctx=decode_ctx,
+            sample_index=sample_index,
+            sampling=DeviceSampling.take(sampling, t[len(inputs) : k]),
+        )
+
+    def _metadata(self, plan: StepPlan, step: StepTensors) -> AttentionMetadata:
+        """Attention metadata for the eager path: device ops on the uploaded inputs only."""
+        table = self.tables.device_table
+        n_dec = plan.num_decodes
+        dec_tables = table.index_select(0, step.decode_rows) if n_dec else table[:0]
+        groups = []
+        for g in plan.groups:
+            ctx = step.decode_ctx[g.start : g.start + g.size]
+            mask = decode_mask(ctx, g.width * self.block_size, self.sliding_window)
+            groups.append(
+                DecodeGroup(
+                    start=g.start,
+                    size=g.size,
+                    block_tables=dec_tables[g.start : g.start + g.size, : g.width].long(),
+                    mask=mask,
+                    first_block=g.first_block,
+                    bias=mask_to_bias(mask) if self.decode_as_matmuls else None,
                 )
             )
-        dev = self.device
-        ctx = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
-        block_tables = torch.tensor(tables, dtype=torch.long).view(len(decodes), max_blocks)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=block_tables.to(dev),
-            decode_context_lens=ctx,
-            decode_groups=[]
-            if self.decode_backend == "triton"
-            else self._decode_groups(block_tables, ctx_lens),
+        prefills = [
+            PrefillSeq(
+                start=p.start,
+                q_len=p.q_len,
+                ctx_len=p.ctx_len,
+                block_table=table[p.row, : p.num_blocks].long(),
+            )
+            for p in plan.prefills
+        ]
+        return AttentionMetadata(
+            slot_mapping=step.slots,
+            num_decode_tokens=n_dec,
+            decode_block_tables=dec_tables,
+            decode_context_lens=step.decode_ctx,
+            decode_groups=groups,
             prefills=prefills,
             decode_backend=self.decode_backend,
             sliding_window=self.sliding_window,
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, torch.tensor(pos, dtype=torch.long, device=dev), meta
 
-    def _decode_groups(self, tables: torch.Tensor, ctx_lens: list[int]) -> list[DecodeGroup]:
-        """Split decodes (sorted by context length) into runs whose padded gather stays within
-        DECODE_PAD_SLACK of what they actually need; tables: [B_dec, max_blocks] on the CPU."""
-        bs = self.block_size
-        blocks = [-(-c // bs) for c in ctx_lens]
-        groups = []
-        i = 0
-        while i < len(blocks):
-            j, needed = i + 1, blocks[i]
-            while j < len(blocks) and (j - i + 1) * blocks[j] <= DECODE_PAD_SLACK * (
-                needed + blocks[j]
-            ):
-                needed += blocks[j]
-                j += 1
-            width = blocks[j - 1]
-            ctx = torch.tensor(ctx_lens[i:j], dtype=torch.long)
-            first = None
-            if j - i == 1:
-                row = tables[i, :width].tolist()
-                if row == list(range(row[0], row[0] + width)):
-                    first = row[0]
-            mask = decode_mask(ctx, width * bs, self.sliding_window).to(self.device)
-            groups.append(
-                DecodeGroup(
-                    start=i,
-                    size=j - i,
-                    block_tables=tables[i:j, :width].contiguous().to(self.device),
-                    mask=mask,
-                    first_block=first,
-                    bias=mask_to_bias(mask) if self.decode_as_matmuls else None,
-                )
-            )
-            i = j
-        return groups
+    def _prompt_logprobs(
+        self, plan: StepPlan, hidden: torch.Tensor, rows: dict[str, SamplingRow]
+    ) -> None:
+        """Appends the logprobs of the prompt tokens each chunk predicts (position p predicts
+        token p + 1) to the row of every request that asks for them; hidden: [T, hidden]. A
+        chunk computed again after a preemption adds nothing."""
+        offset = 0
+        for s in plan.batch:
+            start = offset
+            offset += s.num_tokens
+            req = s.request
+            if req.params.prompt_logprobs is None:
+                continue
+            row = rows[req.request_id]
+            end = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+            if end <= s.start or s.start != len(row.prompt_logprobs):
+                continue
+            logits = self.model.compute_logits(hidden[start : start + end - s.start])
+            targets = req.token_ids(s.start + 1, end + 1)
+            counts = [row.params.prompt_logprobs or 0] * len(targets)
+            row.prompt_logprobs.extend(token_logprobs(logits, targets, counts))
+
+
+@dataclass
+class StepTensors:
+    """A StepPlan's arrays on the device (see StepPlan for each)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_ctx: torch.Tensor
+    sample_index: torch.Tensor
+    sampling: DeviceSampling

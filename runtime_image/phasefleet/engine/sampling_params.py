@@ -15,7 +15,8 @@ MIN_TOP_K = -1
 """top_k of -1 or 0 disables top-k; a top_k above the vocabulary keeps every token."""
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
-"""A request's seed: what torch.Generator.manual_seed accepts (it maps negatives onto unsigned)."""
+"""A request's seed, taken as its unsigned 64-bit value (negatives wrap, as torch's manual_seed
+maps them); the sampler hashes it with the token's position."""
 API_SEED_MAX = 2**63 - 1
 """The API's `seed` is a signed 64-bit integer, as OpenAI's; choice i samples with seed + i, which
 stays within SEED_MAX for any number of choices up to MAX_N."""
@@ -41,7 +42,7 @@ class SamplingParams:
     top_k: int = -1
     """Keep only the k most likely tokens; -1 or 0 disables."""
     seed: int | None = None
-    """Seed of this request's own random generator, in [SEED_MIN, SEED_MAX]: same seed, same
+    """Seed of this request's draws, in [SEED_MIN, SEED_MAX]: same seed, same
     tokens."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (at most MAX_STOP_STRINGS, each 1..MAX_STOP_STRING_CHARS characters); the
