@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -108,9 +109,9 @@ def test_padded_decode_path_matches_transformers(
     calls: list[int] = []
     run = DecodeGraphs.run
 
-    def counting_run(self: DecodeGraphs, **kwargs: list[int]) -> object:
-        calls.append(len(kwargs["token_ids"]))
-        return run(self, **kwargs)  # type: ignore[arg-type]
+    def counting_run(self: DecodeGraphs, *inputs: torch.Tensor) -> object:
+        calls.append(len(inputs[0]))  # input_ids: one per request
+        return run(self, *inputs)
 
     monkeypatch.setattr(DecodeGraphs, "run", counting_run)
     prompts = random_prompts([3, 17, 30, 9, 25, 4, 12], seed=21)
