@@ -1,6 +1,6 @@
-"""The GPU fast paths, checked as far as a CPU allows: the Triton paged-decode kernel through
-Triton's interpreter and compiled to PTX/cubin for sm_90; the CUDA-graph decode path eagerly
-(captured as graphs with PHASEFLEET_TEST_DEVICE=cuda)."""
+"""The GPU fast paths, checked as far as a CPU allows: the split-K Triton paged-decode kernels
+through Triton's interpreter and compiled to PTX/cubin for sm_90, and their split plan; the
+CUDA-graph decode path eagerly (captured as graphs with PHASEFLEET_TEST_DEVICE=cuda)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,35 +38,67 @@ def test_triton_kernel_in_the_interpreter_matches_torch(tiny_model: ModelPath) -
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def test_triton_kernel_compiles_for_sm90() -> None:
+def _compile_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:
+    """The kernel's PTX and cubin for an H100, compiled without a GPU -> {"ptx": ..., ...}."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(kernel, signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
+
+
+STRIDES = ("stride_qb", "stride_qh", "stride_kn", "stride_kt", "stride_kh", "stride_tb")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "group", "head_dim"),
+    [("bf16", 4, 128), ("fp16", 3, 64), ("bf16", 8, 64), ("fp32", 1, 128)],
+    ids=["llama3-8b", "smollm2", "group8", "mha-fp32"],
+)
+def test_split_kernel_compiles_for_sm90(dtype: str, group: int, head_dim: int) -> None:
     signature = {
-        "Q": "*bf16",
-        "K": "*bf16",
-        "V": "*bf16",
-        "Out": "*bf16",
+        **{name: f"*{dtype}" for name in ("Q", "K", "V", "Out")},
+        **{name: "*fp32" for name in ("Acc", "Max", "Sum")},
         "tables": "*i64",
         "ctx_lens": "*i64",
-        "scale": "fp32",
-        "window": "i32",
-        **{
-            name: "i64"
-            for name in (
-                "stride_qb",
-                "stride_qh",
-                "stride_kn",
-                "stride_kt",
-                "stride_kh",
-                "stride_tb",
-                "stride_ob",
-                "stride_oh",
-            )
-        },
-        **{name: "constexpr" for name in ("GROUP", "BLOCK", "HEAD_DIM", "BLOCK_D")},
+        "qk_scale": "fp32",
+        **{name: "i32" for name in ("window", "splits", "min_tiles", *STRIDES)},
+        **{name: "i32" for name in ("stride_ob", "stride_oh")},
     }
-    constexprs = {"GROUP": 4, "BLOCK": 16, "HEAD_DIM": 128, "BLOCK_D": 128}
-    source = ASTSource(triton_decode._build_kernel(), signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert "ptx" in compiled.asm and compiled.asm["cubin"]
+    constexprs = {
+        "GROUP": group,
+        "GROUP_P": 16,
+        "BLOCK": 16,
+        "TILE": triton_decode.TILE,
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": head_dim,
+        "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+    }
+    asm = _compile_sm90(triton_decode.split_kernel, signature, constexprs)
+    assert asm["cubin"]
+    # 16-bit caches score and weight on the tensor cores; float32 stays exact (no tf32 mma)
+    assert ("mma.sync" in asm["ptx"]) == (dtype != "fp32")
+
+
+def test_combine_kernel_compiles_for_sm90() -> None:
+    signature = {
+        "Out": "*bf16",
+        **{name: "*fp32" for name in ("Acc", "Max", "Sum")},
+        "ctx_lens": "*i64",
+        **{name: "i32" for name in ("window", "splits", "min_tiles", "stride_ob", "stride_oh")},
+    }
+    constexprs = {"TILE": triton_decode.TILE, "HEAD_DIM": 128, "BLOCK_D": 128}
+    assert _compile_sm90(triton_decode.combine_kernel, signature, constexprs)["cubin"]
+
+
+def test_split_plan_fills_the_gpu_without_splitting_short_contexts() -> None:
+    plan = triton_decode.plan_splits  # (batch, kv_heads, max_tokens, num_sms)
+    assert plan(1, 8, 8192, 132) == 32  # 256 programs for 132 SMs; 256-token splits
+    assert plan(1, 8, 131072, 132) == 33  # 2 x 132 programs
+    assert plan(1, 8, 300, 132) == 2  # no split under 256 tokens
+    assert plan(1, 8, 256, 132) == plan(64, 8, 8192, 132) == 1  # short, or batch fills the GPU
+    assert plan(1, 1, 10**6, 132) == triton_decode.MAX_SPLITS
+    # a workspace for every batch up to 256: b x splits(b) rows at most, 256 here
+    workspace = triton_decode.DecodeWorkspace.for_batches(256, 32, 8, 128, 8192, "cpu")
+    assert workspace.acc.shape == (256, 32, 128) and workspace.max.shape == (256, 32)
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,6 @@
-"""Run in a subprocess by test_triton_decode.py, with TRITON_INTERPRET=1 set: checks the Triton
-paged-decode kernel on CPU through Triton's interpreter, alone and inside the engine.
+"""Run in a subprocess by test_fast_paths.py, with TRITON_INTERPRET=1 set: checks the split-K
+Triton paged-decode kernel on CPU through Triton's interpreter, against SDPA in float32 and
+inside the engine against transformers.
 
 usage: python triton_interpret_check.py MODEL_DIR [MODEL_DIR ...]   (prints "ok" at the end)
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -28,26 +30,48 @@ def _patched(tensor: Any, *scope: Any) -> None:  # triton 3.6 passes a patch sco
 
 interpreter._patch_lang_tensor = _patched
 
-from phasefleet.engine.attention.triton_decode import paged_decode  # noqa: E402
+# The interpreter keeps bfloat16 as its uint16 bits, and its tl.dot multiplies those bits
+# (triton-lang/triton#11584, unsupported upstream): widen bf16 operands to float32 first, as
+# the tensor cores do (exact products, float32 sums).
+_dot = interpreter.InterpreterBuilder.create_dot
+
+
+def _dot_widened(self: Any, a: Any, b: Any, *rest: Any) -> Any:
+    a, b = (self.cast_impl(x, tl.float32) if x.dtype == tl.bfloat16 else x for x in (a, b))
+    return _dot(self, a, b, *rest)
+
+
+interpreter.InterpreterBuilder.create_dot = _dot_widened
+
+from phasefleet.engine.attention import triton_decode  # noqa: E402
+from phasefleet.engine.attention.triton_decode import (  # noqa: E402
+    TILE,
+    DecodeWorkspace,
+    paged_decode,
+    plan_splits,
+)
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # max abs error
 
 
 def reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    tables: torch.Tensor,
-    ctx: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
+    """SDPA per request in float32 over the keys its table lists -> [B, H, D] float32."""
+    out = torch.empty(q.shape)
     for i in range(q.shape[0]):
-        n = int(ctx[i])
-        keys = k_cache[tables[i]].flatten(0, 1)[:n]
-        values = v_cache[tables[i]].flatten(0, 1)[:n]
+        n = int(context_lens[i])
+        keys = k_cache[block_tables[i]].flatten(0, 1)[:n].float()
+        values = v_cache[block_tables[i]].flatten(0, 1)[:n].float()
         lo = max(0, n - window) if window else 0
         out[i] = F.scaled_dot_product_attention(
-            q[i][None, :, None],
+            q[i].float()[None, :, None],
             keys[lo:].transpose(0, 1)[None],
             values[lo:].transpose(0, 1)[None],
             scale=scale,
@@ -56,20 +80,82 @@ def reference(
     return out
 
 
-def check_kernel() -> None:
-    gen = torch.Generator().manual_seed(0)
-    blocks, block_size, kv_heads, heads, head_dim = 24, 4, 2, 6, 12  # head_dim not a power of 2
-    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
-    tables = torch.tensor([[3, 7, 0, 0, 0], [9, 0, 0, 0, 0], [1, 2, 4, 5, 11], [6, 8, 10, 0, 0]])
-    ctx = torch.tensor([5, 1, 19, 12])
-    q = torch.randn(4, heads, head_dim, generator=gen)
-    for window in (None, 6):
-        got = paged_decode(q, k_cache, v_cache, tables, ctx, 0.3, window)
-        want = reference(q, k_cache, v_cache, tables, ctx, 0.3, window)
-        err = (got - want).abs().max().item()
-        if err > 1e-5:
-            sys.exit(f"kernel differs from the reference by {err} (window {window})")
+def make_batch(
+    contexts: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    table_dtype: torch.dtype = torch.long,
+) -> dict[str, Any]:
+    """One decode per context, its blocks scattered over the pool, tables one block wider than
+    the longest and padded with the null block 0, which holds NaN: reading it shows."""
+    gen = torch.Generator().manual_seed(len(contexts) * 1000 + heads * 10 + dim)
+    counts = [-(-c // block_size) for c in contexts]
+    ids = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
+    width = max(counts) + 1
+    tables = []
+    for n in counts:
+        tables.append(ids[:n] + [0] * (width - n))
+        ids = ids[n:]
+    pool = (sum(counts) + 1, block_size, kv_heads, dim)
+    k_cache, v_cache = (torch.randn(pool, generator=gen).to(dtype) for _ in range(2))
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    return {
+        "q": torch.randn(len(contexts), heads, dim, generator=gen).to(dtype),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": torch.tensor(tables, dtype=table_dtype),
+        "context_lens": torch.tensor(contexts),
+    }
+
+
+def expect_close(batch: dict[str, Any], window: int | None, label: str, **options: Any) -> None:
+    got = paged_decode(**batch, scale=0.3, sliding_window=window, **options)
+    want = reference(**batch, scale=0.3, window=window)
+    err = (got.float() - want).abs().max().item()
+    if not err <= TOLERANCE[got.dtype]:  # NaN fails too
+        sys.exit(f"{label}, window {window}, {options}: off the reference by {err}")
+
+
+def check_small_shapes() -> None:
+    """GROUP 1, 3, 8 with head_dim 12 (padded to 16), 64, 32, each in every cache dtype, and
+    sliding windows of 6 and 40 tokens, int32 block tables. Splits are one 32-token tile here,
+    so the 77-token context runs as 3 splits (the planned grid has 3) and the others as one."""
+    contexts = [5, 1, 77, 12]
+    dtypes = list(TOLERANCE)
+    for i, (heads, kv_heads, dim) in enumerate(((4, 4, 12), (9, 3, 64), (16, 2, 32))):
+        for dtype in dtypes:
+            batch = make_batch(contexts, heads, kv_heads, dim, 4, dtype, torch.int32)
+            label = f"{dtype} {heads}/{kv_heads} heads of {dim}"
+            expect_close(batch, None, label, min_split_tokens=32)
+            if dtype == dtypes[i]:
+                for window in (6, 40):
+                    expect_close(batch, window, label, min_split_tokens=32)
+    expect_close(batch, None, "one split", min_split_tokens=32, num_splits=1)
+
+
+def check_real_shape() -> None:
+    """Llama 3 8B's attention (32 heads over 8 KV heads of 128, bf16, 16-token blocks) with the
+    default plan: a mixed batch (the 300-token context runs as 2 splits, the rest as one) and a
+    lone long request, through a workspace sized as a runner would, reused across calls."""
+    if (plan_splits(5, 8, 20 * 16), plan_splits(1, 8, 20 * 16)) != (2, 2):
+        sys.exit("the plan for the 8B shape is not 2 splits: the check no longer splits")
+    workspace = DecodeWorkspace.for_batches(8, 32, 8, 128, 20 * 16, "cpu")
+    mixed = make_batch([1, 15, 16, 17, 300], 32, 8, 128, 16, torch.bfloat16)
+    for window in (None, 100):
+        expect_close(mixed, window, "8B shape, mixed batch", workspace=workspace)
+    expect_close(mixed, None, "8B shape, one split", num_splits=1)
+    lone = make_batch([300], 32, 8, 128, 16, torch.bfloat16)
+    expect_close(lone, None, "8B shape, batch 1", workspace=workspace)
+    try:
+        paged_decode(**lone, scale=0.3, workspace=DecodeWorkspace.allocate(1, 32, 128, "cpu"))
+    except ValueError as e:
+        if "DecodeWorkspace.for_batches" not in str(e):
+            sys.exit(f"a small workspace's error does not name the fix: {e}")
+    else:
+        sys.exit("a workspace too small for the plan was accepted")
 
 
 def check_engine(folder: str) -> None:
@@ -79,11 +165,17 @@ def check_engine(folder: str) -> None:
     from phasefleet.engine.llm_engine import LLMEngine
     from phasefleet.engine.sampling_params import SamplingParams
 
+    def split_early(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return paged_decode(*args, min_split_tokens=TILE, num_splits=2, **kwargs)
+
+    # one-tile splits, so that the 40-token prompt's decodes run as 2 splits; a grid of 2, not
+    # the plan's (tables as wide as max_model_len): the interpreter runs empty programs slowly
+    triton_decode.paged_decode = split_early
     os.environ["PHASEFLEET_ATTENTION"] = "triton"
     eng = LLMEngine(EngineConfig(model=folder, device="cpu", block_size=4, num_kv_blocks=64))
     if eng.runner.decode_backend != "triton":
         sys.exit("the engine did not pick the triton backend")
-    prompts = [[5 + i for i in range(n)] for n in (3, 14, 21)]
+    prompts = [[5 + i for i in range(n)] for n in (3, 14, 40)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, eng.generate(prompts, params), strict=True):
@@ -96,7 +188,8 @@ def check_engine(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    check_kernel()
+    check_small_shapes()
+    check_real_shape()
     for model in sys.argv[1:]:
         check_engine(model)
     print("ok")
