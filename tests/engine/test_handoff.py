@@ -141,10 +141,11 @@ def test_layout_round_trips_and_names_bad_fields() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_reads_and_writes_blocks_in_wire_order(
-    tiny_model: Callable[[str], Path], dtype: str
+    tiny_model: Callable[[str], Path], dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from transformers import AutoConfig
 
+    from phasefleet.engine import kv_export
     from phasefleet.engine.model_runner import ModelRunner
 
     folder = tiny_model("llama")
@@ -158,10 +159,20 @@ def test_runner_reads_and_writes_blocks_in_wire_order(
         keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.dtype))
         values.copy_(torch.randn(values.shape, generator=gen).to(values.dtype))
     layout = sender.kv_layout()
-    chunks = list(sender.read_kv([4, 1, 2]))
-    payload = b"".join(bytes(c) for c in chunks)
+    index = torch.tensor([4, 1, 2], device=sender.device)
+    wire = b"".join(  # layer-major: each layer's keys, then its values
+        bytes(c.index_select(0, index).cpu().view(torch.uint8).numpy())
+        for pair in sender.kv_caches
+        for c in pair
+    )
+    block = layout.payload_bytes(1) // (2 * layout.num_layers)  # one layer's keys, one block
+    # One chunk; whole layers per chunk; a layer's keys in pieces of one block: the same bytes.
+    for chunk_bytes, count in ((32 << 20, 1), (6 * block, 2), (block, 6 * layout.num_layers)):
+        monkeypatch.setattr(kv_export, "CHUNK_BYTES", chunk_bytes)
+        chunks = [bytes(c) for c in sender.read_kv([4, 1, 2])]  # each chunk's memory is reused
+        assert b"".join(chunks) == wire and len(chunks) == count, chunk_bytes
+    payload = wire
     assert len(payload) == layout.payload_bytes(3)
-    assert len(chunks) == 2 * layout.num_layers
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     receiver.write_kv([3, 0], data, first_block=1)  # the sender's blocks 1 and 2
     for (sk, sv), (rk, rv) in zip(sender.kv_caches, receiver.kv_caches, strict=True):

@@ -23,6 +23,7 @@ from phasefleet.engine.attention.metadata import (
 )
 from phasefleet.engine.block_table import BlockTables
 from phasefleet.engine.cuda_graphs import DecodeGraphs
+from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.models.llama import KVCache, head_dim
@@ -112,6 +113,7 @@ class ModelRunner:
             window if hf_config.model_type == "mistral" and window else None
         )
         self.kv_caches: KVCache = []
+        self.exporter: KVExporter | None = None  # reads leased blocks for a pull
         self.decode_backend = choose_decode_backend(device, block_size)
         # SDPA's CPU kernel is slow for 16-bit one-token queries: decode groups run as matmuls.
         self.decode_as_matmuls = device.type == "cpu" and self.dtype != torch.float32
@@ -173,20 +175,19 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
+        self.exporter = KVExporter(self.kv_caches)
 
     def kv_layout(self) -> KVLayout:
         dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype)
 
-    @torch.inference_mode()
     def read_kv(self, block_ids: list[int]) -> Iterator[memoryview]:
-        """The blocks' KV as raw bytes, layer-major (kv_transfer's wire order), one layer's keys
-        or values per chunk. The caller keeps the blocks from being reused meanwhile."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for keys, values in self.kv_caches:
-            for cache in (keys, values):
-                chunk = cache.index_select(0, index).cpu()  # [n, block_size, kv_heads, head_dim]
-                yield chunk.view(torch.uint8).numpy().data.cast("B")
+        """The blocks' KV as raw bytes in kv_transfer's wire order, in bounded chunks gathered on
+        a stream of their own (kv_export.py); each chunk's memory is reused by the next. The
+        caller keeps the blocks from being reused meanwhile."""
+        if self.exporter is None:
+            raise RuntimeError("the KV pool is not allocated")
+        return self.exporter.read(block_ids)
 
     @torch.inference_mode()
     def write_kv(self, block_ids: list[int], payload: torch.Tensor, first_block: int = 0) -> None:
