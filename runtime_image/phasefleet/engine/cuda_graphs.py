@@ -17,8 +17,9 @@ import bisect
 
 import torch
 
+from phasefleet.engine.attention import triton_decode
 from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup, decode_mask
-from phasefleet.engine.models.llama import CausalLM, KVCache
+from phasefleet.engine.models.llama import CausalLM, KVCache, head_dim
 from phasefleet.engine.scheduler import SchedulerOutput
 
 
@@ -54,6 +55,18 @@ class DecodeGraphs:
         self.slots = torch.zeros(n, dtype=torch.long, device=device)  # [B_max]
         self.rows = torch.zeros(n, dtype=torch.long, device=device)  # [B_max], row 0: null
         self.context_lens = torch.ones(n, dtype=torch.long, device=device)  # [B_max]
+        # The split kernel's scratch for every captured batch size (triton only)
+        self.workspace: triton_decode.DecodeWorkspace | None = None
+        if backend == "triton":
+            c = model.config
+            self.workspace = triton_decode.DecodeWorkspace.for_batches(
+                n,
+                c.num_attention_heads,
+                c.num_key_value_heads or c.num_attention_heads,
+                head_dim(c),
+                block_tables.shape[1] * block_size,
+                device,
+            )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # batch size -> its logits [b, vocab]
 
@@ -84,6 +97,7 @@ class DecodeGraphs:
             prefills=[],
             decode_backend=self.backend,
             sliding_window=self.sliding_window,
+            decode_workspace=self.workspace,
         )
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
         return self.model.compute_logits(hidden)

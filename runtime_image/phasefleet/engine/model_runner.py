@@ -278,7 +278,9 @@ class ModelRunner:
         """Attention metadata for the eager path: device ops on the uploaded inputs only."""
         table = self.tables.device_table
         n_dec = plan.num_decodes
-        dec_tables = table.index_select(0, step.decode_rows) if n_dec else table[:0]
+        # As wide as the step's longest decode needs (the Triton kernel plans its splits on it)
+        width = -(-int(plan.decode_ctx.max()) // self.block_size) if n_dec else 0
+        dec_tables = table[:, :width].index_select(0, step.decode_rows)
         groups = []
         for g in plan.groups:
             ctx = step.decode_ctx[g.start : g.start + g.size]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from phasefleet.engine.attention.triton_decode import DecodeWorkspace
+
 
 @dataclass
 class PrefillSeq:
@@ -37,6 +39,8 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]  # the multi-token queries, in batch order after the decodes
     decode_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (paged kernel)
     sliding_window: int | None = None  # tokens a query may look back (Mistral); None: all
+    # triton: the split kernel's scratch, preallocated (a captured graph); None: per call
+    decode_workspace: DecodeWorkspace | None = None
 
 
 def mask_to_bias(mask: torch.Tensor) -> torch.Tensor:

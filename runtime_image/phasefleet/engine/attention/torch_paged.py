@@ -69,6 +69,7 @@ def paged_attention(
                 meta.decode_context_lens,
                 scale,
                 meta.sliding_window,
+                workspace=meta.decode_workspace,
             )
         )
     elif n_dec:
