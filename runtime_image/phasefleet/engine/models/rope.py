@@ -27,7 +27,15 @@ def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Te
             f"rope_scaling type {kind!r} is not supported; "
             f"supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    if kind == "default":  # plain RoPE; transformers 5 dropped it from ROPE_INIT_FUNCTIONS
+        dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        base = config.rope_theta
+        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        attention_scaling = 1.0
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
