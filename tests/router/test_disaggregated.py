@@ -89,6 +89,24 @@ def test_chat_through_the_router_equals_an_aggregated_worker(fleet: Fleet) -> No
     assert answers[0] == answers[1]
 
 
+def test_a_seeded_sample_through_the_hand_off_equals_one_worker(fleet: Fleet) -> None:
+    """The first token is drawn on the prefill worker, the rest on the decode worker: a seeded
+    draw depends on the seed, the token's position and the logits only."""
+
+    def sampled(client: openai.OpenAI, seed: int) -> list[str]:
+        kw = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": seed}
+        return [
+            client.completions.create(prompt=p, **kw).choices[0].text  # type: ignore[call-overload]
+            for p in PROMPTS[:3]
+        ]
+
+    remote = fleet.decode.counter("phasefleet_prefills_total", where="remote")
+    through_router = sampled(fleet.router.client(), 11)
+    assert fleet.decode.counter("phasefleet_prefills_total", where="remote") >= remote + 3
+    assert through_router == sampled(fleet.reference.client(), 11)
+    assert sampled(fleet.router.client(), 12) != through_router  # another seed, other tokens
+
+
 def test_two_hundred_concurrent_streams_are_each_their_own(fleet: Fleet) -> None:
     expected = {
         p: complete(fleet.reference.client(), p, stream=False, max_tokens=8) for p in PROMPTS
