@@ -97,6 +97,11 @@ class ModelRunner:
         self.device = device
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
+        if device.type == "cuda":
+            # SDPA's backends, pinned: torch 2.9 tries cuDNN first on sm90, whose bundled 9.10
+            # has a reported bug with sequence lengths not divisible by 128 and builds a plan
+            # per new shape. Flash (16-bit) first, then mem-efficient, then math (float32).
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if getattr(hf_config, "use_sliding_window", False):
             # Qwen2 slides only on some layers; not implemented, and its checkpoints leave it off.
             raise ValueError(
