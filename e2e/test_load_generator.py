@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,19 +95,38 @@ def remote_prefills(worker: Worker) -> float:
     )
 
 
+def quiet_router_count(router: Router) -> float:
+    """The router's count of answered requests once it stops changing (nothing in flight)."""
+    last = router.metrics().get(ROUTER_COUNT, 0.0)
+    while True:
+        time.sleep(1.0)
+        now = router.metrics().get(ROUTER_COUNT, 0.0)
+        if now == last:
+            return now
+        last = now
+
+
 def test_guidellm_at_a_constant_rate_gets_every_answer_in_full(
     fleet: Fleet, tiny_model: Path, tmp_path: Path
 ) -> None:
-    before, pulled = fleet.router.metrics(), remote_prefills(fleet.decode)
-    report = run_guidellm(fleet.router, tiny_model, tmp_path / "guidellm.json")
-    benchmark = report["benchmarks"][0]
+    for attempt in range(2):
+        before, pulled = quiet_router_count(fleet.router), remote_prefills(fleet.decode)
+        report = run_guidellm(fleet.router, tiny_model, tmp_path / f"guidellm-{attempt}.json")
+        benchmark = report["benchmarks"][0]
+        state = benchmark["scheduler_state"]
+        # guidellm 0.8.1 on a starved CPU sometimes ends its run with a request still in flight
+        # that it then counts nowhere (created 24, processed 23, processing 1, errored 0): its
+        # own accounting, not an answer of ours. Only that case runs it once more.
+        if state["processing_requests"] == 0:
+            break
     totals = benchmark["metrics"]["request_totals"]
     assert totals == {"successful": REQUESTS, "errored": 0, "incomplete": 0, "total": REQUESTS}
+    assert (state["created_requests"], state["cancelled_requests"]) == (REQUESTS, 0)
     requests = benchmark["requests"]["successful"]
     assert [r["output_tokens"] for r in requests] == [OUTPUT] * REQUESTS
     assert all(r["time_to_first_token_ms"] > 0 for r in requests)
 
     after = fleet.router.metrics()
-    assert after[ROUTER_COUNT] - before.get(ROUTER_COUNT, 0.0) == REQUESTS  # none lost, none extra
+    assert after[ROUTER_COUNT] - before == REQUESTS  # none lost, none extra
     # every prompt was prefilled on the prefill worker, its KV pulled by the decode worker
     assert remote_prefills(fleet.decode) - pulled == REQUESTS
