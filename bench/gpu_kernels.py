@@ -13,6 +13,7 @@ from unittest import mock
 import torch
 from gpu_models import real_heads
 from gpu_report import CheckContext, Status
+from gpu_roofline import seconds_per_call
 
 from phasefleet.engine.attention.metadata import (
     AttentionMetadata,
@@ -87,18 +88,6 @@ def _attend(t: dict[str, Any], backend: str, window: int | None) -> torch.Tensor
     return paged_attention(q, t["k"], t["v"], t["k_cache"], t["v_cache"], meta, q.shape[-1] ** -0.5)
 
 
-def _cuda_ms(fn: Any, reps: int) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) / reps
-
-
 def triton_kernel(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
     cuda = ctx.device == "cuda"
     heads, kv_heads, dim = (HEADS, KV_HEADS, HEAD_DIM) if not ctx.quick else (8, 2, 16)
@@ -128,7 +117,7 @@ def triton_kernel(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]
         row = {"batch": b, "context": c}
         for backend in ("triton", "torch"):
             call = lambda t=big, name=backend: _attend(t, name, None)  # noqa: E731
-            row[f"{backend}_us"] = 1000 * _cuda_ms(call, 10)
+            row[f"{backend}_us"] = 1e6 * seconds_per_call(call, 10, cuda=True)
         timings.append(row)
     data["timings"] = timings  # one layer's decode attention, KV write included
     status = Status.OK if worst <= BF16_TOLERANCE else Status.FAILED
@@ -164,11 +153,11 @@ def cuda_graphs(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
     replays: list[int] = []
     run = graphs.run
 
-    def counted(**kw: Any) -> torch.Tensor:
-        replays.append(len(kw["token_ids"]))
-        return run(**kw)
+    def counted(*inputs: torch.Tensor) -> torch.Tensor:
+        replays.append(len(inputs[0]))  # input_ids: one per request
+        return run(*inputs)
 
-    graphs.run = counted  # type: ignore[method-assign,assignment]
+    graphs.run = counted
     gen = torch.Generator().manual_seed(3)
     lengths = [5, 30, 77, 200, 513] if not ctx.quick else [3, 9, 17, 5, 12]
     prompts = [torch.randint(5, 500, (n,), generator=gen).tolist() for n in lengths]

@@ -30,7 +30,7 @@ TIMED_STEPS = 20
 GIB = 2**30
 
 
-def _seconds(fn: Callable[[], object], reps: int, cuda: bool) -> float:
+def seconds_per_call(fn: Callable[[], object], reps: int, cuda: bool) -> float:
     """Seconds per call: CUDA events around `reps` calls after one warm-up; on the CPU the best
     of `reps` single calls."""
     fn()
@@ -55,14 +55,14 @@ def _copy_bytes_per_s(n: int, device: str, reps: int) -> float:
     """Bytes read plus written per second by a device-to-device copy of n bytes."""
     src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    return 2 * n / _seconds(lambda: dst.copy_(src), reps, device == "cuda")
+    return 2 * n / seconds_per_call(lambda: dst.copy_(src), reps, device == "cuda")
 
 
 def _matmul_flops_per_s(m: int, device: str, reps: int) -> float:
     """FLOP/s of an [m, m] x [m, m] bf16 matmul."""
     a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
     b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
-    return 2 * m**3 / _seconds(lambda: a @ b, reps, device == "cuda")
+    return 2 * m**3 / seconds_per_call(lambda: a @ b, reps, device == "cuda")
 
 
 def device_peaks(device: str, quick: bool) -> dict[str, float]:
@@ -119,7 +119,9 @@ def decode_batch(
     graphs = eng.runner.graphs
     if graphs is not None and b in graphs.graphs:
         graph = graphs.graphs[b]
-        row["device_ms"] = 1000 * _seconds(graph.replay, 10, cuda)  # same inputs, same slots
+        row["device_ms"] = 1000 * seconds_per_call(
+            graph.replay, 10, cuda
+        )  # same inputs, same slots
         eng.runner.graphs = None
         eager = []
         for _ in range(5):
