@@ -66,6 +66,11 @@ class WorkerFlag:
     REMOTE_PREFILL_MIN_TOKENS = "--remote-prefill-min-tokens"
 
 
+# A prompt with fewer uncached tokens than this is prefilled by the decode worker itself (a
+# transfer would cost more than it saves): the worker flag's and the CRD field's one default.
+DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512
+
+
 class RouterFlag:
     """`phasefleet router` flags the operator sets."""
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from phasefleet.api.base import ApiModel, FreeForm, Quantity, Rule
-from phasefleet.api.contract import INTERNAL_TOKEN_ENV
+from phasefleet.api.contract import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, INTERNAL_TOKEN_ENV
 
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_IMAGE = "ghcr.io/phasefleet/phasefleet:0.1.0"
@@ -138,7 +138,7 @@ class RuntimeSpec(ApiModel):
         default_factory=list, max_length=64, description="Appended to `phasefleet worker`."
     )
     remote_prefill_min_tokens: int = Field(
-        default=512,
+        default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
         ge=0,
         le=1048576,
         description=(

@@ -11,12 +11,17 @@ import logging
 import os
 from pathlib import Path
 
-from phasefleet.api.contract import INTERNAL_TOKEN_ENV, WORKER_PORT, EngineRole, WorkerFlag
+from phasefleet.api.contract import (
+    DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+    INTERNAL_TOKEN_ENV,
+    WORKER_PORT,
+    EngineRole,
+    WorkerFlag,
+)
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 
-DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512  # below this, a transfer costs more than it saves
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
 DEFAULT_DRAIN_TIMEOUT = 25.0  # seconds; under Kubernetes' default 30 s grace period
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # request bodies larger than this get 413

@@ -11,7 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from phasefleet.api.contract import INTERNAL_TOKEN_HEADER, PREFILL_URL_HEADER
+from phasefleet.api.contract import (
+    DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+    INTERNAL_TOKEN_HEADER,
+    PREFILL_URL_HEADER,
+)
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
 from phasefleet.server.handoff import HandoffClient, RemotePrefill
@@ -39,7 +43,7 @@ class WorkerState:
     internal_token: str | None = None  # the service's token for /internal/*; None: refused
     handoff: HandoffClient | None = None  # decode side: talks to prefill workers
     # Decode side: a prompt with fewer uncached tokens than this is prefilled here, not remotely.
-    remote_prefill_min_tokens: int = 256
+    remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix seconds
     # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
