@@ -9,6 +9,13 @@ With --autoscale, a loop sizes each pool between its --min and --max on the SLO,
 operator's policy (phasefleet.local.autoscaler; flags in phasefleet.local.scaling_flags): new
 workers join the router once healthy, removed ones drain. Each decision is logged.
 
+A worker or the router that crashes (a SIGKILL from the OOM killer, an error) is restarted as
+Kubernetes restarts a container: a crashed worker leaves the router at once, comes back after a
+back-off (1 s, 2 s, 4 s ... 30 s) and rejoins once healthy, while the router serves on the others.
+Five crashes of one worker (or the router) within ten minutes stop the fleet with a message that
+names it, its exit and the end of its log (phasefleet.local.restarts has the rule). A worker's
+first load is not retried: one that fails at start stops the fleet.
+
 Ctrl-C (or SIGTERM) stops the autoscaler, then drains the router and every worker (starting and
 draining ones too), then exits; no process is left behind.
 """
@@ -27,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from phasefleet.local import scaling_flags
+from phasefleet.local.restarts import DEFAULT_FIRST_BACKOFF_S, DEFAULT_MAX_CRASHES, RestartConfig
 
 if TYPE_CHECKING:
     from phasefleet.local.autoscaler import Autoscaler
@@ -35,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("phasefleet.serve")
 
 WINDOW_INTERVALS = 4  # --autoscale: rates and latency quantiles cover this many intervals
+CHECK_INTERVAL_S = 0.5  # seconds between looks for crashed processes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +78,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=25.0, help="seconds in-flight requests get on stop"
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    restarts = parser.add_argument_group("restarts (as Kubernetes' CrashLoopBackOff)")
+    restarts.add_argument(
+        "--restart-backoff",
+        type=float,
+        metavar="SECONDS",
+        default=DEFAULT_FIRST_BACKOFF_S,
+        help="seconds before a crashed worker's or router's first restart; doubles with each"
+        f" crash in a row, up to {RestartConfig.max_backoff_s:g} (default %(default)g)",
+    )
+    restarts.add_argument(
+        "--max-crashes",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_CRASHES,
+        help=f"crashes of one worker (or the router) within {RestartConfig.crash_window_s:g}s"
+        " that stop the fleet (default %(default)d)",
+    )
     scaling_flags.add_arguments(parser)
 
 
@@ -96,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     from phasefleet.local.fleet import Fleet, FleetConfig, check_port, free_port
+    from phasefleet.local.supervisor import Supervisor
     from phasefleet.server.model_source import served_name
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="phasefleet-serve-"))
@@ -103,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         pools, bounds = scaling_flags.pool_sizes(
             args, ["worker"] if args.aggregated else ["prefill", "decode"]
         )
+        restarts = RestartConfig(first_backoff_s=args.restart_backoff, max_crashes=args.max_crashes)
+        restarts.validate()
         if args.port:  # before any model loads: the router binds only once all workers are up
             check_port(args.host, args.port)
         worker_args = shlex.split(args.worker_args)
@@ -134,16 +163,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"phasefleet serve: {exc}", file=sys.stderr)
         fleet.stop()
         return 1
+    supervisor = Supervisor(fleet, restarts)
     autoscaler = _start_autoscaler(args, fleet, bounds) if args.autoscale else None
     print(_banner(fleet), flush=True)
     code = 0
-    while not stop.wait(1.0):
-        dead = fleet.dead_children()
-        if dead:
-            for child in dead:
-                print(
-                    f"phasefleet serve: {child.name} exited:\n{child.log_tail()}", file=sys.stderr
-                )
+    while not stop.wait(CHECK_INTERVAL_S):
+        gave_up = supervisor.check()
+        if gave_up is not None:
+            print(f"phasefleet serve: {gave_up}", file=sys.stderr, flush=True)
             code = 1
             break
         if autoscaler is not None and autoscaler.failed():

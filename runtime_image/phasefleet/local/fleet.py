@@ -8,6 +8,13 @@ removed from it before they are told to drain.
 Every worker is in one of three lists: `starting` (loading, not in the file), `workers` (in the
 file, serving) and `leaving` (out of the file, draining). One lock guards the lists and the file,
 so the autoscaler's threads and Ctrl-C may change them at the same time; `stop` reaches all three.
+
+Once a `phasefleet.local.supervisor.Supervisor` watches the fleet (`supervised`), a worker or
+router whose process exits unasked is swapped, under that lock, for a replacement of the same
+name that is listed as starting before it has a process (`replace_crashed`), and started by the
+supervisor after its back-off (`launch`). A worker's first load is not restarted: a load that
+failed once (a bad flag, no room on the device) fails again, so it fails `start` (serve stops)
+or, for the autoscaler's new worker, `admit` (the next decision asks again).
 """
 
 from __future__ import annotations
@@ -103,6 +110,7 @@ class Fleet:
         self._serial = 0
         self._lock = threading.RLock()
         self._stopping = False
+        self.supervised = False  # set by the Supervisor: it restarts workers that die loading
 
     @property
     def url(self) -> str:
@@ -111,9 +119,12 @@ class Fleet:
     def _env(self) -> dict[str, str]:
         return {INTERNAL_TOKEN_ENV: self.token}
 
-    def _new_worker(self, pool: str) -> Child:
-        name = f"{pool}-{self._serial}"
-        self._serial += 1
+    def _new_worker(self, pool: str, name: str | None = None, restarts: int = 0) -> Child:
+        """A worker not started yet: a new name, or a restart of `name` (on a new port: the
+        router must not take the restarted worker, its caches empty, for the one it knew)."""
+        if name is None:
+            name = f"{pool}-{self._serial}"
+            self._serial += 1
         port = free_port()
         role = EngineRole.BOTH if pool == "worker" else EngineRole(pool)
         argv = [
@@ -126,7 +137,8 @@ class Fleet:
             WorkerFlag.DRAIN_TIMEOUT, str(self.config.drain_timeout),
             *self.config.worker_args,
         ]  # fmt: skip
-        return Child(name, argv, port, self.config.run_dir / f"{name}.log", self._env())
+        log = self.config.run_dir / f"{name}.log"
+        return Child(name, argv, port, log, self._env(), restarts=restarts)
 
     def _write_members(self) -> None:
         """Call with the lock held (or before any thread starts)."""
@@ -171,8 +183,9 @@ class Fleet:
 
     def admit(self, child: Child) -> bool:
         """Waits until a started worker is healthy, then adds it to the router's list. False if it
-        was cancelled or the fleet stopped meanwhile; RuntimeError (and the worker is stopped) if
-        it exited or timed out."""
+        was cancelled or the fleet stopped meanwhile. If it exited or timed out: RuntimeError
+        (and the worker is stopped) on its first load; False on a supervised restart's load
+        (it is killed if it hangs, and `replace_crashed` swaps it)."""
         try:
             child.wait_healthy(self.config.startup_timeout)
         except RuntimeError:
@@ -180,6 +193,15 @@ class Fleet:
                 pool = self._starting_pool(child)
                 if pool is None or self._stopping:
                     return False  # cancelled or stopped: it exited because it was told to
+                if self.supervised and child.restarts:
+                    if child.running():
+                        logger.warning(
+                            "%s not ready after %.0fs: killing it, to be restarted",
+                            child.name,
+                            self.config.startup_timeout,
+                        )
+                        child.kill()
+                    return False  # left listed as starting for `replace_crashed`
                 self.starting[pool].remove(child)
             child.terminate()
             child.wait(5.0)
@@ -191,9 +213,10 @@ class Fleet:
             self.starting[pool].remove(child)
             self.workers[pool].append(child)
             self._write_members()
-            if child.started_at is not None:
-                self.load_seconds.append(time.monotonic() - child.started_at)
-        logger.info("%s joined (%s)", child.name, child.url)
+            if child.started_at is not None and child.ready_at is not None:
+                self.load_seconds.append(child.ready_at - child.started_at)
+        restarted = f"; restart {child.restarts}" if child.restarts else ""
+        logger.info("%s joined (%s%s)", child.name, child.url, restarted)
         return True
 
     def _starting_pool(self, child: Child) -> str | None:
@@ -255,13 +278,42 @@ class Fleet:
         with self._lock:
             return self.members(), self.starting_workers()
 
-    def dead_children(self) -> list[Child]:
-        """Serving workers and the router that exited (not ones starting or leaving)."""
+    def replace_crashed(self) -> list[tuple[Child, Child]]:
+        """(crashed, replacement) for each serving worker, restarted worker still loading, and
+        the router whose process exited unasked (not one cancelled or draining: those are off
+        these lists; nor a first load: `admit` reports it). A crashed worker leaves the router's
+        file at once; its replacement (same name, not started) is listed as starting in the same
+        step, so the pool never looks a worker short."""
+        swaps: list[tuple[Child, Child]] = []
         with self._lock:
-            everyone = [w for ws in self.workers.values() for w in ws]
-        if self.router is not None:
-            everyone.append(self.router)
-        return [c for c in everyone if c.popen is not None and not c.running()]
+            if self._stopping:
+                return swaps
+            for pool in self.workers:
+                for listing in (self.workers[pool], self.starting[pool]):
+                    crashed = [c for c in listing if c.crashed() and c.has_served()]
+                    for child in crashed:
+                        replacement = self._new_worker(pool, child.name, child.restarts + 1)
+                        listing.remove(child)
+                        self.starting[pool].append(replacement)
+                        swaps.append((child, replacement))
+            if swaps:
+                self._write_members()
+            if self.router is not None and self.router.crashed():
+                old = self.router
+                self.router = Child(
+                    old.name, old.argv, old.port, old.log_path, old.env, restarts=old.restarts + 1
+                )  # the same port: it is the fleet's endpoint
+                swaps.append((old, self.router))
+        return swaps
+
+    def launch(self, child: Child) -> bool:
+        """Starts a replacement from `replace_crashed`; False if the fleet is stopping or the
+        worker was cancelled while it waited (the autoscaler shrank its pool)."""
+        with self._lock:
+            if self._stopping or (child is not self.router and self._starting_pool(child) is None):
+                return False
+            child.start()
+            return True
 
     def stop(self) -> None:
         """Drains the router (its open streams finish), then every worker, starting and leaving
