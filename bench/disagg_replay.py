@@ -25,15 +25,7 @@ from statistics import median
 
 import httpx
 from itl_plot import plot_itl
-from kv_bandwidth import (
-    HandoffTotals,
-    Pull,
-    handoff_totals,
-    lease_kv,
-    pull_kv,
-    pull_kv_raw,
-    socket_seconds,
-)
+from kv_bandwidth import HandoffTotals, Pull, handoff_totals, socket_seconds, stream_kv
 from latency_stats import Summary, Targets, summarize
 from router_overhead import Overhead, measure_overhead
 from stream_client import RequestTiming, stream_completion
@@ -56,7 +48,7 @@ class SideResults:
     handoffs: HandoffTotals | None = None  # disaggregated: the replay's pulls
     worker_pulls: HandoffTotals | None = None  # --pull-tokens prompts through the router
     # (httpx pull, bare-socket pull, socket seconds for the same bytes)
-    pulls: list[tuple[Pull, Pull, float]] = field(default_factory=list)
+    pulls: list[tuple[Pull, float]] = field(default_factory=list)  # (stream, socket seconds)
 
 
 @dataclass(frozen=True)
@@ -210,32 +202,29 @@ def run_setup(
 
         timings = asyncio.run(drive())
         if "prefill" in setup.pools:
-            with httpx.Client() as sync:
-                prompt = [10 + (i * 104729) % (vocab - 10) for i in range(args.pull_tokens)]
-                prefill = fleet.workers["prefill"][0].url
-                for i in range(args.pulls):
-                    prompt[0] = 10 + 2 * i  # no prefix-cache hit on the prefill worker
-                    pull = pull_kv(sync, lease_kv(sync, prefill, fleet.token, prompt), fleet.token)
-                    sock = min(socket_seconds(pull.nbytes) for _ in range(3))
-                    prompt[0] = 11 + 2 * i
-                    url = lease_kv(sync, prefill, fleet.token, prompt)
-                    extra.pulls.append((pull, pull_kv_raw(sync, url, fleet.token), sock))
+            prompt = [10 + (i * 104729) % (vocab - 10) for i in range(args.pull_tokens)]
+            prefill = fleet.workers["prefill"][0].url
+            for i in range(args.pulls):
+                prompt[0] = 10 + 2 * i  # no prefix-cache hit on the prefill worker
+                pull = stream_kv(prefill, fleet.token, prompt)
+                sock = min(socket_seconds(pull.nbytes) for _ in range(3))
+                extra.pulls.append((pull, sock))
 
-                async def worker_pulls() -> HandoffTotals:
-                    """Long prompts through the router: the decode worker's own pulls."""
-                    decode = fleet.workers["decode"][0].url
-                    async with httpx.AsyncClient(timeout=600) as client:
-                        before = await handoff_totals(client, decode)
-                        for i in range(args.pulls):
-                            prompt[0] = 1000 + i
-                            t = await stream_completion(
-                                client, fleet.url, MODEL_NAME, prompt, 2, time.perf_counter()
-                            )
-                            if not t.ok:
-                                raise RuntimeError(f"long-prompt request failed: {t.error}")
-                        return (await handoff_totals(client, decode)) - before
+            async def worker_pulls() -> HandoffTotals:
+                """Long prompts through the router: the decode worker's own pulls."""
+                decode = fleet.workers["decode"][0].url
+                async with httpx.AsyncClient(timeout=600) as client:
+                    before = await handoff_totals(client, decode)
+                    for i in range(args.pulls):
+                        prompt[0] = 1000 + i
+                        t = await stream_completion(
+                            client, fleet.url, MODEL_NAME, prompt, 2, time.perf_counter()
+                        )
+                        if not t.ok:
+                            raise RuntimeError(f"long-prompt request failed: {t.error}")
+                    return (await handoff_totals(client, decode)) - before
 
-                extra.worker_pulls = asyncio.run(worker_pulls())
+            extra.worker_pulls = asyncio.run(worker_pulls())
     finally:
         fleet.stop()
     return timings, extra
@@ -334,13 +323,12 @@ def main() -> None:
     print("\nhand-off bandwidth:")
     for extra in extras.values():
         if extra.pulls:
-            ratios = sorted(p.gbps / (p.nbytes / sock / 1e9) for p, _, sock in extra.pulls)
+            ratios = sorted(p.gbps / (p.nbytes / sock / 1e9) for p, sock in extra.pulls)
             print(
-                f"  median of {len(ratios)}: httpx pull "
-                f"{median(p.gbps for p, _, _ in extra.pulls):.2f} GB/s, bare-socket GET "
-                f"{median(r.gbps for _, r, _ in extra.pulls):.2f} GB/s, socket "
-                f"{median(p.nbytes / sock / 1e9 for p, _, sock in extra.pulls):.2f} GB/s, "
-                f"httpx pull / socket {median(ratios):.2f}"
+                f"  median of {len(ratios)}: KV stream (prefill included) "
+                f"{median(p.gbps for p, _ in extra.pulls):.2f} GB/s, socket "
+                f"{median(p.nbytes / sock / 1e9 for p, sock in extra.pulls):.2f} GB/s, "
+                f"stream / socket {median(ratios):.2f}"
             )
     for extra in extras.values():
         h = extra.handoffs
@@ -358,14 +346,13 @@ def main() -> None:
                 f"{w.pulls} pulls, {w.nbytes / w.pulls / 1e6:.1f} MB each, "
                 f"{w.nbytes / w.seconds / 1e9:.2f} GB/s; failures {w.failures}"
             )
-        for pull, raw, sock in extra.pulls:
+        for pull, sock in extra.pulls:
             socket_gbps = pull.nbytes / sock / 1e9
             print(
-                f"  {args.pull_tokens} tokens, {pull.nbytes / 1e6:.1f} MB: httpx pull "
-                f"{pull.gbps:.2f} GB/s ({pull.seconds * 1000:.0f} ms), bare-socket GET "
-                f"{raw.gbps:.2f} GB/s ({raw.seconds * 1000:.0f} ms); one loopback TCP socket "
-                f"{socket_gbps:.2f} GB/s ({sock * 1000:.0f} ms); httpx pull / socket "
-                f"{pull.gbps / socket_gbps:.2f}"
+                f"  {args.pull_tokens} tokens, {pull.nbytes / 1e6:.1f} MB: KV stream "
+                f"{pull.gbps:.2f} GB/s ({pull.seconds * 1000:.0f} ms, prefill included); one "
+                f"loopback TCP socket {socket_gbps:.2f} GB/s ({sock * 1000:.0f} ms); stream / "
+                f"socket {pull.gbps / socket_gbps:.2f}"
             )
     if runs:
         plot_itl(

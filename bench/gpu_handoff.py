@@ -23,7 +23,7 @@ import httpx
 import torch
 from gpu_models import kv_layout_8b
 from gpu_report import CheckContext, Status
-from kv_bandwidth import handoff_totals, lease_kv, pull_kv_raw, socket_seconds
+from kv_bandwidth import handoff_totals, socket_seconds, stream_kv
 from stream_client import stream_completion
 
 from phasefleet.local.fleet import Fleet, FleetConfig, free_port
@@ -128,21 +128,18 @@ def handoff(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
     try:
         prompt = [10 + (i * 104729) % 490 for i in range(tokens)]
         rows = []
-        with httpx.Client() as client:
-            prefill_url = fleet.workers["prefill"][0].url
-            for i in range(pulls):
-                prompt[0] = 10 + i  # no prefix-cache hit on the prefill worker
-                pull = pull_kv_raw(
-                    client, lease_kv(client, prefill_url, fleet.token, prompt), fleet.token
-                )
-                sock = min(socket_seconds(pull.nbytes) for _ in range(2))
-                rows.append(
-                    {
-                        "bytes": pull.nbytes,
-                        "pull_gbps": pull.gbps,
-                        "socket_gbps": pull.nbytes / sock / 1e9,
-                    }
-                )
+        prefill_url = fleet.workers["prefill"][0].url
+        for i in range(pulls):
+            prompt[0] = 10 + i  # no prefix-cache hit on the prefill worker
+            pull = stream_kv(prefill_url, fleet.token, prompt)
+            sock = min(socket_seconds(pull.nbytes) for _ in range(2))
+            rows.append(
+                {
+                    "bytes": pull.nbytes,
+                    "pull_gbps": pull.gbps,
+                    "socket_gbps": pull.nbytes / sock / 1e9,
+                }
+            )
         data["pulls"] = rows
         prompts = [[100 + i] + prompt[1:] for i in range(pulls)]
         decode = fleet.workers["decode"][0].url

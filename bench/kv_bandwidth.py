@@ -1,5 +1,6 @@
-"""Hand-off bandwidth: KV pulls from a prefill worker, and a plain loopback TCP socket moving
-the same bytes, for comparison."""
+"""Hand-off bandwidth: a prompt's KV streamed from a prefill worker (prefill included, as the
+decode worker receives it), and a plain loopback TCP socket moving the same bytes, for
+comparison."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER, Metric
+from phasefleet.server.kv_stream import stream_prefill
+from phasefleet.server.kv_wire import PREFILL_PATH, PrefillRequest
 
 RECV_CHUNK = 1 << 20  # bytes per recv_into
 
@@ -20,81 +22,38 @@ RECV_CHUNK = 1 << 20  # bytes per recv_into
 @dataclass(frozen=True)
 class Pull:
     nbytes: int
-    seconds: float  # GET sent to the last byte received
+    seconds: float  # the prefill request sent to the stream's last byte
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9
 
 
-def lease_kv(client: httpx.Client, prefill_url: str, token: str, prompt: list[int]) -> str:
-    """Prefills `prompt` on the prefill worker; the URL of its leased KV."""
-    answer = client.post(
-        f"{prefill_url}/internal/prefill",
-        headers={INTERNAL_TOKEN_HEADER: token},
-        json={
-            "request_id": f"bench-{uuid.uuid4().hex[:8]}",
-            "prompt_token_ids": prompt,
-            "max_tokens": 2,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-        timeout=300,
+def stream_kv(prefill_url: str, token: str, prompt: list[int]) -> Pull:
+    """Prefills `prompt` on the prefill worker and receives its KV as the decode worker does
+    (the streamed hand-off: server/kv_stream.py); the bytes of KV and the seconds it took. The
+    prefill worker lets the blocks go when the stream ends."""
+    body = PrefillRequest(
+        request_id=f"bench-{uuid.uuid4().hex[:8]}",
+        prompt_token_ids=prompt,
+        max_tokens=2,
+        temperature=0,
+        ignore_eos=True,
     )
-    answer.raise_for_status()
-    return f"{prefill_url}/internal/kv/{answer.json()['kv']['request_id']}"
-
-
-def pull_kv(client: httpx.Client, url: str, token: str) -> Pull:
-    """Times one GET of leased KV with httpx into a preallocated buffer (as the decode worker
-    does), then releases the lease."""
-    headers = {INTERNAL_TOKEN_HEADER: token}
     started = time.perf_counter()
-    with client.stream("GET", url, headers=headers, timeout=60) as response:
-        response.raise_for_status()
-        buffer = bytearray(int(response.headers["content-length"]))
-        received = 0
-        for chunk in response.iter_raw(RECV_CHUNK):
-            buffer[received : received + len(chunk)] = chunk
-            received += len(chunk)
+    result = stream_prefill(
+        f"{prefill_url}{PREFILL_PATH}",
+        {INTERNAL_TOKEN_HEADER: token},
+        body.model_dump_json().encode(),
+        lambda *_: None,
+        10.0,
+        300.0,
+        60.0,
+    )
     seconds = time.perf_counter() - started
-    client.delete(url, headers=headers, timeout=10)
-    return Pull(received, seconds)
-
-
-def pull_kv_raw(client: httpx.Client, url: str, token: str) -> Pull:
-    """The same GET over a bare socket (HTTP/1.1 written by hand, body read with recv_into):
-    what the server side alone can send, without the client's HTTP library."""
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port)) as conn:
-        started = time.perf_counter()
-        conn.sendall(
-            f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-            f"{INTERNAL_TOKEN_HEADER}: {token}\r\nConnection: close\r\n\r\n".encode()
-        )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            more = conn.recv(4096)
-            if not more:
-                raise RuntimeError(f"no answer from {url}")
-            head += more
-        head, body_start = head.split(b"\r\n\r\n", 1)
-        fields = dict(
-            line.split(": ", 1) for line in head.decode("latin-1").lower().split("\r\n")[1:]
-        )
-        nbytes = int(fields["content-length"])
-        buffer = bytearray(nbytes)
-        view = memoryview(buffer)
-        view[: len(body_start)] = body_start
-        received = len(body_start)
-        while received < nbytes:
-            n = conn.recv_into(view[received:], min(RECV_CHUNK, nbytes - received))
-            if n == 0:
-                raise RuntimeError(f"{url}: closed after {received} of {nbytes} bytes")
-            received += n
-        seconds = time.perf_counter() - started
-    client.delete(url, headers={INTERNAL_TOKEN_HEADER: token}, timeout=10)
-    return Pull(received, seconds)
+    if result.failure is not None or result.end is None:
+        raise RuntimeError(f"the KV stream from {prefill_url} broke: {result.failure}")
+    return Pull(sum(len(c.payload) for c in result.chunks), seconds)
 
 
 def socket_seconds(nbytes: int) -> float:

@@ -48,7 +48,7 @@ def test_parse_sums_labels_and_keeps_buckets_by_bound() -> None:
     worker.stats = replace(worker.stats, num_running=3, prompt_tokens_total=40)
     worker.metrics.time_to_first_token.observe(0.03)
     worker.metrics.kv_transfer_failures["pull_failed"].inc(2)
-    worker.metrics.kv_transfer_failures["lease_expired"].inc(1)
+    worker.metrics.kv_transfer_failures["pull_timeout"].inc(1)
     samples = parse_exposition(worker.render().decode())
     assert samples[("phasefleet_num_requests_running", "")] == 3
     assert samples[("phasefleet_prompt_tokens_total", "")] == 40

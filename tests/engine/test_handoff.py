@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phasefleet.engine.kv_transfer import KVLayout, LeaseTable
+from phasefleet.engine.kv_transfer import KVChunk, KVLayout, LeaseTable
 from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampling_params import SamplingParams
@@ -200,14 +200,16 @@ def _prefill(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) ->
     return _run(engine)[rid]
 
 
-def _pull(engine: LLMEngine, rid: str) -> torch.Tensor:
+def _pull(engine: LLMEngine, rid: str, first: int = 0, end: int | None = None) -> list[KVChunk]:
+    """The leased prompt's blocks first .. end - 1 (default: all) as one chunk."""
     lease = engine.pin_kv(rid)
     assert lease is not None
+    blocks = lease.block_ids[first:end]
     try:
-        payload = b"".join(bytes(chunk) for chunk in engine.read_kv(lease))
+        payload = b"".join(bytes(chunk) for chunk in engine.runner.read_kv(blocks))
     finally:
         engine.unpin_kv(lease)
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return [KVChunk(first, len(blocks), torch.frombuffer(bytearray(payload), dtype=torch.uint8))]
 
 
 @pytest.mark.parametrize("length", [7, 8, 13])  # inside, at and across block boundaries
@@ -294,8 +296,76 @@ def test_prefill_that_ends_for_good_leases_nothing(tiny_model: Callable[[str], P
 def test_imported_kv_of_the_wrong_size_is_refused(tiny_model: Callable[[str], Path]) -> None:
     decode = _engine(tiny_model("llama"))
     params = SamplingParams(max_tokens=4, temperature=0)
-    with pytest.raises(ValueError, match="imported_kv must hold"):
-        decode.add_request(
-            "r", [5, 6, 7], params, first_token_id=9, imported_kv=torch.zeros(3, dtype=torch.uint8)
-        )
+    short = [KVChunk(0, 1, torch.zeros(3, dtype=torch.uint8))]
+    with pytest.raises(ValueError, match="the chunk at block 0 .expected 0. holds 3 bytes"):
+        decode.add_request("r", [5, 6, 7], params, first_token_id=9, imported_kv=short)
+    block = decode.kv_layout.block_bytes()
+    gap = [KVChunk(0, 1, torch.zeros(block, dtype=torch.uint8))] * 2  # block 0 twice
+    with pytest.raises(ValueError, match="at block 0 .expected 1."):
+        decode.add_request("r", list(range(5, 13)), params, first_token_id=9, imported_kv=gap)
+    too_long = [KVChunk(0, 2, torch.zeros(2 * block, dtype=torch.uint8))]
+    with pytest.raises(ValueError, match="covers 2 blocks, more than the 3-token prompt's 1"):
+        decode.add_request("r", [5, 6, 7], params, first_token_id=9, imported_kv=too_long)
     assert not decode.has_unfinished_requests()
+
+
+def test_a_partial_import_recomputes_only_the_tail(
+    tiny_model: Callable[[str], Path], hf_greedy: Callable[[str, list[int], int], list[int]]
+) -> None:
+    """A stream cut after two of the prompt's four blocks: those load, the rest is prefilled."""
+    (prompt,) = random_prompts([14], seed=12)
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    first = _prefill(prefill, "r", prompt, max_tokens=8)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "r", prompt, params, first_token_id=first.output_token_ids[0],
+        imported_kv=_pull(prefill, "r", 0, 2),
+    )  # fmt: skip
+    out = _run(decode)["r"]
+    assert out.output_token_ids == hf_greedy("llama", prompt, 8)
+    assert decode.stats().prompt_tokens_total == 14 - 8  # the two blocks of 4 were not computed
+
+
+def test_an_import_past_the_decode_sides_prefix_hits_loads_only_its_blocks(
+    tiny_model: Callable[[str], Path], hf_greedy: Callable[[str, list[int], int], list[int]]
+) -> None:
+    (prompt,) = random_prompts([14], seed=13)
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    decode.add_request("warm", prompt[:9], SamplingParams(max_tokens=1, temperature=0))
+    _run(decode)  # blocks 0 and 1 (tokens 0-7) are now cached here
+    computed = decode.stats().prompt_tokens_total
+    first = _prefill(prefill, "r", prompt, max_tokens=6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "r", prompt, params, first_token_id=first.output_token_ids[0],
+        imported_kv=_pull(prefill, "r", 2),  # blocks 2 and 3 only: skip_blocks = 2
+    )  # fmt: skip
+    out = _run(decode)["r"]
+    assert out.output_token_ids == hf_greedy("llama", prompt, 6)
+    assert decode.stats().prompt_tokens_total == computed  # nothing of this prompt computed
+    # Without those hits the import has a gap before it: dropped, the prompt recomputed.
+    cold = _engine(tiny_model("llama"))
+    cold.add_request(
+        "r", prompt, params, first_token_id=first.output_token_ids[0],
+        imported_kv=_pull(prefill, "r", 2),
+    )  # fmt: skip
+    assert _run(cold)["r"].output_token_ids == out.output_token_ids
+    assert cold.stats().prompt_tokens_total == 14
+
+
+def test_a_chunked_prefill_only_request_names_its_blocks_as_each_chunk_completes(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    prefill = _engine(tiny_model("llama"), max_num_batched_tokens=6)
+    (prompt,) = random_prompts([15], seed=14)  # 4 blocks of 4, the last one partial
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    seen: list[tuple[list[int], list[int] | None]] = []
+    while prefill.has_unfinished_requests():
+        seen += [(o.new_token_ids, o.kv_blocks) for o in prefill.step()]
+    lease = prefill.pin_kv("r")
+    assert lease is not None
+    blocks = lease.block_ids
+    # chunks of 6 tokens: after 6 one full block, after 12 three, then the first token
+    assert seen == [([], blocks[:1]), ([], blocks[:3]), (seen[-1][0], blocks)]
+    assert len(seen[-1][0]) == 1 and len(blocks) == 4

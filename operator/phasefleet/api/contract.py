@@ -103,7 +103,7 @@ class Metric:
     NUM_PREEMPTIONS_TOTAL = "phasefleet_num_preemptions_total"
     PREFIX_CACHE_QUERIES_TOTAL = "phasefleet_prefix_cache_queries_total"
     PREFIX_CACHE_HITS_TOTAL = "phasefleet_prefix_cache_hits_total"
-    KV_TRANSFER_SECONDS = "phasefleet_kv_transfer_seconds"  # one pull, on the decode worker
+    KV_TRANSFER_SECONDS = "phasefleet_kv_transfer_seconds"  # one hand-off's stream, decode side
     KV_TRANSFER_BYTES_TOTAL = "phasefleet_kv_transfer_bytes_total"
     KV_TRANSFER_FAILURES_TOTAL = "phasefleet_kv_transfer_failures_total"  # label `reason`
     KV_LEASES = "phasefleet_kv_leases"  # prefill worker: prompts whose KV awaits a pull

@@ -11,7 +11,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -60,6 +63,21 @@ class KVLayout:
             if mine != theirs:
                 return f"{name} differs (here {mine}, sender {theirs})"
         return None
+
+
+@dataclass
+class KVChunk:
+    """Consecutive blocks of a prompt's KV as they arrived: blocks first_block ..
+    first_block + num_blocks - 1, payload layer-major within the chunk (for each layer the keys
+    of its blocks, then their values; uint8, in the receiving engine's layout)."""
+
+    first_block: int
+    num_blocks: int
+    payload: torch.Tensor  # uint8, num_blocks x KVLayout.block_bytes()
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + self.num_blocks
 
 
 @dataclass

@@ -15,14 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
-from phasefleet.engine.kv_transfer import KVLayout, Lease, LeaseTable
+from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request
@@ -90,7 +89,7 @@ class LLMEngine:
         self.leases = LeaseTable(config.kv_lease_seconds)
         self.num_kv_lease_expiries_total = 0
         self.busy_seconds_total = 0.0  # wall time in steps that had work
-        self._imports: dict[str, torch.Tensor] = {}  # request_id -> pulled KV, until admitted
+        self._imports: dict[str, list[KVChunk]] = {}  # request_id -> its KV, until admitted
         self._rows: dict[str, SamplingRow] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[RequestOutput] = []
@@ -113,12 +112,13 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         first_token_id: int | None = None,
-        imported_kv: torch.Tensor | None = None,
+        imported_kv: list[KVChunk] | None = None,
     ) -> None:
         """Queues a request. Hand-off forms: `prefill_only` (prefill role) finishes with
         'handoff' after the first token and keeps the prompt's KV under a lease;
         `first_token_id` (decode role) continues a request another worker prefilled, from
-        `imported_kv` (its prompt's KV in wire layout, uint8) or, without it, recomputing."""
+        `imported_kv` (consecutive chunks of its prompt's blocks, in this engine's layout: the
+        prompt's tail past them, if any, is recomputed here) or, without it, recomputing."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -144,13 +144,13 @@ class LLMEngine:
                 raise ValueError("a request continued from its first token needs max_tokens >= 2")
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
-        if imported_kv is not None:
-            expected = self.kv_layout.payload_bytes(cdiv(n, self.config.block_size))
-            if first_token_id is None or imported_kv.numel() != expected:
-                raise ValueError(
-                    f"imported_kv must hold {expected} bytes for a {n}-token prompt and come "
-                    f"with first_token_id, got {imported_kv.numel()} bytes"
-                )
+        imported_tokens = 0
+        if imported_kv:
+            if first_token_id is None:
+                raise ValueError("imported_kv must come with first_token_id")
+            imported_tokens = self._check_import(imported_kv, n)
+        else:
+            imported_kv = None
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -158,7 +158,8 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             output_token_ids=[] if first_token_id is None else [first_token_id],
             prefill_only=prefill_only,
-            num_imported_tokens=0 if imported_kv is None else n,
+            num_imported_tokens=imported_tokens,
+            import_first_block=imported_kv[0].first_block if imported_kv else 0,
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
@@ -173,6 +174,41 @@ class LLMEngine:
         self._detok[request_id] = detok
         if imported_kv is not None:
             self._imports[request_id] = imported_kv
+
+    def _check_import(self, chunks: list[KVChunk], num_prompt_tokens: int) -> int:
+        """The prompt tokens `chunks` make available (from token 0, the blocks before the first
+        chunk being prefix-cache hits); ValueError naming what is wrong with them."""
+        bs, end = self.config.block_size, chunks[0].first_block
+        for chunk in chunks:
+            expected = self.kv_layout.payload_bytes(chunk.num_blocks)
+            if chunk.first_block != end or chunk.payload.numel() != expected:
+                raise ValueError(
+                    f"imported_kv chunks must be consecutive, each of num_blocks x "
+                    f"{self.kv_layout.block_bytes()} bytes; the chunk at block "
+                    f"{chunk.first_block} (expected {end}) holds {chunk.payload.numel()} bytes"
+                    f" for {chunk.num_blocks} blocks"
+                )
+            end = chunk.end_block
+        if end > cdiv(num_prompt_tokens, bs):
+            raise ValueError(
+                f"imported_kv covers {end} blocks, more than the {num_prompt_tokens}-token "
+                f"prompt's {cdiv(num_prompt_tokens, bs)}"
+            )
+        return min(num_prompt_tokens, end * bs)
+
+    def _load_imports(self, out: SchedulerOutput) -> None:
+        """Writes each admitted request's imported chunks into its blocks, past its prefix-cache
+        hits; drops the imports the scheduler could not use."""
+        for req, first_block in out.imports:
+            chunks = self._imports.pop(req.request_id)
+            table = self.kv.block_tables[req.request_id]
+            last = cdiv(req.num_imported_tokens, self.config.block_size)
+            for chunk in chunks:
+                start, end = max(first_block, chunk.first_block), min(last, chunk.end_block)
+                if start < end:
+                    self.runner.write_kv(table[start:end], chunk.payload, start - chunk.first_block)
+        for request_id in out.admitted:
+            self._imports.pop(request_id, None)  # a gap before it, or all prefix-cache hits
 
     def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
         """The tokens that would end a request early: masked until it has min_tokens."""
@@ -256,23 +292,34 @@ class LLMEngine:
     def _run_step(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for request_id in out.preempted:
             self.runner.release(request_id)  # readmitted later with a new block table
-        for req, first_block in out.imports:
-            payload = self._imports.pop(req.request_id)
-            table = self.kv.block_tables[req.request_id]
-            last = cdiv(req.num_imported_tokens, self.config.block_size)
-            self.runner.write_kv(table[first_block:last], payload, first_block)
+        self._load_imports(out)
         sampled = self.runner.execute(out, self._rows)
         for s in out.scheduled:
             row = self._rows.get(s.request.request_id)
             if s.sample and row is not None and row.error is not None:
                 outputs.append(self._fail(s.request, row.error))
-        for req in self.scheduler.update_from_output(out, sampled):
+        changed = self.scheduler.update_from_output(out, sampled)
+        outputs += self._prefill_progress(out)
+        for req in changed:
             try:
                 outputs.append(self._advance(req))
             except Exception as exc:  # a fault of this request alone (detokenizer, stop strings)
                 logger.exception("request %s failed", req.request_id)
                 outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
         return outputs
+
+    def _prefill_progress(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """For each prefill-only request that computed a chunk but sampled nothing this step,
+        an output without tokens naming its blocks whose KV is now complete."""
+        progress = []
+        for s in out.scheduled:
+            req = s.request
+            if req.prefill_only and not s.sample and not req.is_finished:
+                output = self._output(req, [], "")
+                full = req.num_computed_tokens // self.config.block_size
+                output.kv_blocks = self.kv.block_tables[req.request_id][:full]
+                progress.append(output)
+        return progress
 
     def _advance(self, req: Request) -> RequestOutput:
         """Detokenize the request's new token, apply stop strings; its output for this step."""
@@ -295,21 +342,23 @@ class LLMEngine:
         if len(req.output_token_ids) >= row.params.min_tokens:
             row.banned = []
         if req.is_finished:
-            self._settle_held_kv(req)
+            output.kv_blocks = self._settle_held_kv(req)
             self._forget(req.request_id)
         return output
 
-    def _settle_held_kv(self, req: Request) -> None:
-        """A finished prefill-only request: lease its prompt's blocks for the hand-off, or free
-        them when it ended for good (eos, stop string, length)."""
+    def _settle_held_kv(self, req: Request) -> list[int] | None:
+        """A finished prefill-only request: lease its prompt's blocks for the hand-off (and
+        return them), or free them when it ended for good (eos, stop string, length)."""
         held = self.kv.held.get(req.request_id)
         if held is None:
-            return
+            return None
         if req.finish_reason == "handoff":
             n = req.num_prompt_tokens
-            self.leases.add(req.request_id, held[: cdiv(n, self.config.block_size)], n)
-        else:
-            self.kv.release(req.request_id)
+            return self.leases.add(
+                req.request_id, held[: cdiv(n, self.config.block_size)], n
+            ).block_ids
+        self.kv.release(req.request_id)
+        return None
 
     def _fail(self, req: Request, error: str) -> RequestOutput:
         """Finish one request with finish_reason 'error' (freeing its blocks); its last output."""

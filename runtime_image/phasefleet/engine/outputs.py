@@ -41,6 +41,11 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     """Prompt tokens 1.. (the first has none), in the request's first output, when it asked
     (SamplingParams.prompt_logprobs)."""
+    kv_blocks: list[int] | None = None
+    """A prefill-only request: the ids of its prompt's blocks whose KV is complete, in order, as
+    of this step (full blocks while it runs, then every block once finished with 'handoff'), so
+    the hand-off can send each chunk's KV as soon as it is computed. Its steps that sample no
+    token give an output too, with no new tokens."""
 
 
 @dataclass

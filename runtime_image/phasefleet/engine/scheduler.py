@@ -126,6 +126,8 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.admit(req, hit)
             req.status = RequestStatus.RUNNING
+            if len(hit.block_ids) < req.import_first_block:
+                req.num_imported_tokens = 0  # a gap before the imported blocks: recompute
             req.num_computed_tokens = max(hit.num_tokens, req.num_imported_tokens)
             if req.num_imported_tokens > hit.num_tokens:
                 out.imports.append((req, len(hit.block_ids)))

@@ -45,8 +45,6 @@ def build_app(state: WorkerState) -> FastAPI:
         finally:
             await asyncio.to_thread(state.engine.stop)
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            if state.handoff is not None:
-                await state.handoff.client.aclose()
 
     app = FastAPI(title="PhaseFleet worker", lifespan=lifespan)
     app.state.worker = state

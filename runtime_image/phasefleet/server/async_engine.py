@@ -27,14 +27,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
-    from phasefleet.engine.kv_transfer import KVLayout
+    from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease
     from phasefleet.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
     from phasefleet.engine.sampling_params import SamplingParams
 
@@ -80,7 +78,7 @@ class EngineOptions:
 
     prefill_only: bool = False  # prefill role: stop after the first token, lease the KV
     first_token_id: int | None = None  # decode role: continue from this first token
-    imported_kv: torch.Tensor | None = None  # decode role: the pulled prompt KV (wire layout)
+    imported_kv: list[KVChunk] | None = None  # decode role: the prompt's KV that arrived
 
 
 @dataclass
@@ -213,9 +211,28 @@ class AsyncEngine:
             return "engine_stalled"
         return None
 
-    def kv_source(self) -> LLMEngine | None:
-        """The engine, for a pull to pin and read leased KV (thread-safe calls only)."""
-        return self._engine if self.ready else None
+    # -- the hand-off: narrow calls that are safe from any thread while the engine steps --
+
+    def cached_prefix_tokens(self, prompt: list[int]) -> int:
+        """Leading prompt tokens the prefix cache holds now: an estimate (it may change before
+        the request is admitted); 0 before the engine is ready."""
+        engine = self._engine
+        return engine.cached_prefix_tokens(prompt) if engine is not None and self.ready else 0
+
+    def read_kv(self, block_ids: list[int]) -> Iterator[memoryview]:
+        """Blocks' KV in wire order, in chunks whose memory the next reuses. Only blocks nothing
+        writes meanwhile: the full blocks of a running prefill-only request, or a pinned lease."""
+        if self._engine is None:
+            raise EngineNotReadyError("the engine is not ready")
+        return self._engine.runner.read_kv(block_ids)
+
+    def pin_kv(self, request_id: str) -> Lease | None:
+        """A finished prefill's lease, kept from expiring until `unpin_kv`; None if gone."""
+        return self._engine.pin_kv(request_id) if self._engine is not None else None
+
+    def unpin_kv(self, lease: Lease) -> None:
+        if self._engine is not None:
+            self._engine.unpin_kv(lease)
 
     async def release_kv(self, request_id: str) -> bool:
         """Ends a lease on the engine thread; False when there was none to end."""

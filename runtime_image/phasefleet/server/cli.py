@@ -228,7 +228,6 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
 
 
 def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    import httpx
     import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
@@ -265,7 +264,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         metrics=WorkerMetrics(served_name, args.role, engine.stats),
         max_request_bytes=args.max_request_bytes,
         internal_token=token,
-        handoff=None if token is None else HandoffClient(httpx.AsyncClient(), token),
+        handoff=None if token is None else HandoffClient(token),
         remote_prefill_min_tokens=args.remote_prefill_min_tokens,
     )
     uv_config = uvicorn.Config(

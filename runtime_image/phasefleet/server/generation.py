@@ -32,7 +32,7 @@ from phasefleet.server.errors import (
     request_failed,
     unavailable,
 )
-from phasefleet.server.handoff import HandoffFailed, PrefillResult, RemotePrefill, wants_remote
+from phasefleet.server.handoff import First, HandoffFailed, Received, RemotePrefill, wants_remote
 from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
 
@@ -196,59 +196,58 @@ class Generation:
         return stream
 
     async def _prefill_remotely(self, remote: RemotePrefill) -> bool:
-        """Asks the prefill worker for the first token; False when it could not answer (the
-        prompt is then prefilled here). On 'handoff', the pull and the decode start at once."""
+        """Asks the prefill worker for the prompt; False when no first token came (the prompt
+        is then prefilled here). The KV keeps arriving after the first token; the decode is
+        queued here once it has (or the stream broke: then only what is missing is computed)."""
         prompt, params = self.prompts[0], self.params[0]
+        layout = self.engine.kv_layout
+        skip = 0 if layout is None else remote.cached_tokens // layout.block_size
         try:
-            result = await remote.client.prefill(
-                remote.prefill_url, self.request_id, prompt, params
+            first, arriving = await remote.client.prefill(
+                remote.prefill_url, self.request_id, prompt, params, skip
             )
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()
             return False
         self.metrics.prefills["remote"].inc()
-        token = result.first_token_id
-        text, stopped = await remote.first_token_text(token, params.stop)
-        final = stopped or result.finish_reason != "handoff"
+        text, stopped = await remote.first_token_text(first.token_id, params.stop)
+        final = stopped or first.finish_reason != "handoff"
         output = RequestOutput(
             request_id=f"{self.request_id}-0",
-            new_token_ids=[token],
-            output_token_ids=[token],
+            new_token_ids=[first.token_id],
+            output_token_ids=[first.token_id],
             text=text,
             finished=final,
-            finish_reason=("stop" if stopped else result.finish_reason) if final else None,
-            num_prompt_tokens=result.num_prompt_tokens,
-            num_cached_tokens=result.num_cached_tokens,
+            finish_reason=("stop" if stopped else first.finish_reason) if final else None,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
             first_scheduled_time=None,
-            logprobs=None if result.first_logprob is None else [result.first_logprob],
+            logprobs=None if first.logprob is None else [first.logprob],
         )
         self._first = Event(0, output, time.monotonic())
-        if final:
-            if result.kv_request_id is not None:  # a stop string ended it: free the lease
-                await remote.client.release(remote.prefill_url, result.kv_request_id)
+        if final:  # the stream ends on its own; nothing of it is needed
             return True
-        self._rest = asyncio.create_task(self._pull_then_decode(remote, result))
+        self._rest = asyncio.create_task(self._receive_then_decode(first, arriving))
         return True
 
-    async def _pull_then_decode(
-        self, remote: RemotePrefill, result: PrefillResult
+    async def _receive_then_decode(
+        self, first: First, arriving: asyncio.Future[Received]
     ) -> RequestStream:
+        received = await arriving
+        chunks = received.chunks
         layout = self.engine.kv_layout
-        kv = None
-        try:
-            if layout is None:
-                raise HandoffFailed("layout_mismatch", "this worker's engine is not ready")
-            kv, seconds = await remote.client.pull(
-                remote.prefill_url, result, layout, layout.block_size
-            )
-            self.metrics.kv_transfer_seconds.observe(seconds)
-            self.metrics.kv_transfer_bytes.inc(kv.numel())
-        except HandoffFailed as exc:  # recompute the prompt here instead
-            self.metrics.kv_transfer_failures[exc.reason].inc()
-        finally:
-            if result.kv_request_id is not None:
-                await remote.client.release(remote.prefill_url, result.kv_request_id)
-        options = [EngineOptions(first_token_id=result.first_token_id, imported_kv=kv)]
+        why = "layout_mismatch" if layout is None else None
+        if layout is not None and chunks:
+            mismatch = layout.mismatch(first.layout)
+            why = None if mismatch is None else "layout_mismatch"
+        if why is not None:
+            chunks = []  # recompute the prompt here instead
+            self.metrics.kv_transfer_failures[why].inc()
+        elif received.failure is not None:  # what arrived loads; the rest is recomputed here
+            self.metrics.kv_transfer_failures[received.failure].inc()
+        self.metrics.kv_transfer_seconds.observe(received.seconds)
+        self.metrics.kv_transfer_bytes.inc(received.nbytes)
+        options = [EngineOptions(first_token_id=first.token_id, imported_kv=chunks)]
         return await self._submit(options, reserved=True)
 
     async def events(self) -> AsyncIterator[Event]:

@@ -1,46 +1,50 @@
-"""The worker's /internal/* endpoints: the prefill side of the KV hand-off.
+"""The worker's /internal/* endpoint: the prefill side of the KV hand-off.
 
-    POST   /internal/prefill          prompt token ids + sampling -> first token + KV reference
-    GET    /internal/kv/{request_id}  the leased KV, raw bytes in wire layout, streamed
-    DELETE /internal/kv/{request_id}  end the lease (the decode worker has its copy)
+    POST /internal/prefill   a PrefillRequest -> a stream of frames (server/kv_wire.py): the
+                             layout, each chunk's KV as soon as a step computed it, the first
+                             token the moment it is sampled, the last chunk's KV, the end
 
-Every call needs the service's internal token in the X-PhaseFleet-Internal-Token header; a
-worker started without a token refuses them all. Without it: 401, and nothing changes.
+The prompt is prefilled as a prefill-only request; its KV is read out of the pool between
+steps (blocks whose KV is complete are never written again while the request or its lease
+holds them) and sent while the next chunk is computed. When the stream ends, or the decode
+worker goes away, the blocks are let go. Every call needs the service's internal token in the
+X-PhaseFleet-Internal-Token header; a worker started without a token refuses it: 401, and
+nothing changes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import StreamingResponse
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
-from phasefleet.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
-from phasefleet.server.async_engine import EngineOptions
+from phasefleet.engine.kv_cache_manager import cdiv
+from phasefleet.engine.kv_transfer import KVLayout
+from phasefleet.engine.outputs import RequestOutput
+from phasefleet.server.async_engine import AsyncEngine, EngineOptions
 from phasefleet.server.errors import APIError
 from phasefleet.server.generation import Generation, checked
+from phasefleet.server.kv_wire import (
+    MEDIA_TYPE,
+    EndFrame,
+    ErrorFrame,
+    FirstFrame,
+    KVFrame,
+    LayoutWire,
+    PrefillRequest,
+    StartFrame,
+    encode_header,
+)
 
+logger = logging.getLogger("phasefleet.handoff")
 
-class PrefillRequest(BaseModel):
-    """One prompt to prefill; the sampling fields choose the first token."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    request_id: str = Field(min_length=1, max_length=200)
-    prompt_token_ids: list[int] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+FRAME_BYTES = 16 << 20  # KV bytes per frame at most (one block more when a block is larger)
 
 
 def check_token(request: Request) -> None:
@@ -60,23 +64,11 @@ def internal_routes() -> APIRouter:
     routes = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
 
     @routes.post("/prefill")
-    async def prefill(body: PrefillRequest, request: Request) -> JSONResponse:
+    async def prefill(body: PrefillRequest, request: Request) -> StreamingResponse:
         state = request.app.state.worker
         state.check_accepting()
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
-        params = checked(
-            SamplingParams(
-                max_tokens=body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                seed=body.seed,
-                stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos,
-                min_tokens=body.min_tokens,
-                logprobs=body.logprobs,
-            )
-        )
+        params = checked(body.sampling())
         gen = Generation(
             state.engine,
             state.metrics,
@@ -87,64 +79,80 @@ def internal_routes() -> APIRouter:
             request_id=f"prefill-{body.request_id}",
             options=[EngineOptions(prefill_only=True)],
         )
-        await gen.start()
-        last = None
-        async for event in gen.events():
-            last = event.output
-        if last is None or not last.output_token_ids:
-            raise APIError(500, "the prefill produced no token", type="server_error")
-        kv = None
-        if last.finish_reason == "handoff":
-            kv = {
-                "request_id": last.request_id,
-                "num_tokens": last.num_prompt_tokens,
-                "layout": state.engine.kv_layout.to_wire(),
-            }
-        first = None
-        if last.logprobs:
-            first = {"logprob": last.logprobs[0].logprob, "top": last.logprobs[0].top}
-        return JSONResponse(
-            {
-                "first_token_id": last.output_token_ids[0],
-                "first_logprob": first,
-                "finish_reason": last.finish_reason,
-                "num_prompt_tokens": last.num_prompt_tokens,
-                "num_cached_tokens": last.num_cached_tokens,
-                "kv": kv,
-            }
-        )
-
-    @routes.get("/kv/{request_id}")
-    async def pull(request_id: str, request: Request) -> Response:
-        state = request.app.state.worker
-        source = state.engine.kv_source()
-        lease = None if source is None else source.pin_kv(request_id)
-        if source is None or lease is None:
-            raise APIError(
-                404,
-                f"no KV is leased for {request_id!r} (unknown, released or expired)",
-                code="lease_not_found",
-            )
-        size = state.engine.kv_layout.payload_bytes(len(lease.block_ids))
-
-        def chunks() -> Iterator[memoryview]:  # Starlette iterates it in a thread pool
-            try:
-                yield from source.read_kv(lease)  # a memoryview: no extra copy
-            finally:
-                source.unpin_kv(lease)
-
-        headers = {"content-length": str(size), "x-kv-num-tokens": str(lease.num_tokens)}
-        return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
-
-    @routes.delete("/kv/{request_id}")
-    async def release(request_id: str, request: Request) -> Response:
-        state = request.app.state.worker
-        if not await state.engine.release_kv(request_id):
-            raise APIError(
-                404,
-                f"no KV is leased for {request_id!r} (unknown, released or expired)",
-                code="lease_not_found",
-            )
-        return Response(status_code=204)
+        await gen.start()  # a refusal here is an HTTP error, before any frame
+        layout = state.engine.kv_layout
+        frames = _frames(state.engine, gen, layout, len(ids), body.skip_blocks)
+        return StreamingResponse(frames, media_type=MEDIA_TYPE)
 
     return routes
+
+
+async def _frames(
+    engine: AsyncEngine, gen: Generation, layout: KVLayout, num_tokens: int, skip: int
+) -> AsyncIterator[bytes | memoryview]:
+    """The stream: start, KV as it is computed, the first token, the rest of the KV, end."""
+    num_blocks = cdiv(num_tokens, layout.block_size)
+    sent = min(skip, num_blocks)
+    per_frame = max(1, FRAME_BYTES // layout.block_bytes())
+    yield encode_header(
+        StartFrame(
+            layout=LayoutWire.of(layout),
+            num_prompt_tokens=num_tokens,
+            num_blocks=num_blocks,
+            skip_blocks=sent,
+        )
+    )
+    last: RequestOutput | None = None
+    try:
+        async for event in gen.events():
+            last = event.output
+            if last.new_token_ids:
+                yield encode_header(_first(last))
+            blocks = last.kv_blocks or []
+            for start in range(sent, len(blocks), per_frame):
+                part = blocks[start : start + per_frame]
+                nbytes = len(part) * layout.block_bytes()
+                yield encode_header(KVFrame(first_block=start, num_blocks=len(part), nbytes=nbytes))
+                yield memoryview(await _read(engine, last, part, nbytes))
+            sent = max(sent, len(blocks))
+        yield encode_header(EndFrame(num_blocks=sent - min(skip, num_blocks)))
+    except Exception as exc:  # anything after the start frame: say so in the stream
+        logger.warning("hand-off stream of %s failed: %s", gen.request_id, exc)
+        yield encode_header(ErrorFrame(reason="pull_failed", detail=" ".join(str(exc).split())))
+    finally:
+        if last is not None and last.finish_reason == "handoff":
+            await engine.release_kv(last.request_id)  # nothing else reads this lease
+
+
+def _first(out: RequestOutput) -> FirstFrame:
+    logprob = out.logprobs[0] if out.logprobs else None
+    return FirstFrame(
+        first_token_id=out.new_token_ids[0],
+        logprob=None if logprob is None else logprob.logprob,
+        top=[] if logprob is None else list(logprob.top),
+        finish_reason=out.finish_reason or "handoff",
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+async def _read(
+    engine: AsyncEngine, out: RequestOutput, block_ids: list[int], nbytes: int
+) -> bytearray:
+    """The blocks' KV in wire order, read off the event loop. A finished request's blocks are
+    its lease's: pinned meanwhile, so it cannot expire under the read."""
+    lease = engine.pin_kv(out.request_id) if out.finished else None
+    if out.finished and lease is None:
+        raise RuntimeError(f"the lease of {out.request_id} expired before its KV was sent")
+
+    def read() -> bytearray:
+        payload, offset = bytearray(nbytes), 0
+        for chunk in engine.read_kv(block_ids):  # each chunk's memory is reused by the next
+            payload[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+        return payload
+
+    try:
+        return await asyncio.to_thread(read)
+    finally:
+        if lease is not None:
+            engine.unpin_kv(lease)

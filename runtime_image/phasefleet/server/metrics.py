@@ -81,8 +81,8 @@ KV_TRANSFER_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 HANDOFF_FAILURE_REASONS = (
-    "prefill_unreachable", "prefill_refused", "layout_mismatch", "lease_expired", "pull_failed",
-    "pull_short", "pull_timeout",
+    "prefill_unreachable", "prefill_refused", "layout_mismatch", "pull_failed", "pull_timeout",
+    "pull_order",
 )  # fmt: skip
 
 
@@ -137,10 +137,10 @@ class WorkerMetrics:
             M.REQUEST_QUEUE_TIME, "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
         )
         self.kv_transfer_seconds = histogram(
-            M.KV_TRANSFER_SECONDS, "One hand-off's pull time.", KV_TRANSFER_BUCKETS
+            M.KV_TRANSFER_SECONDS, "One hand-off's stream, request to its end.", KV_TRANSFER_BUCKETS
         )
         self.kv_transfer_bytes = Counter(
-            M.KV_TRANSFER_BYTES_TOTAL, "Bytes of KV pulled.", LABELS, registry=self.registry
+            M.KV_TRANSFER_BYTES_TOTAL, "Bytes of KV received.", LABELS, registry=self.registry
         ).labels(*labels)
         failures = Counter(
             M.KV_TRANSFER_FAILURES_TOTAL,

@@ -66,11 +66,10 @@ class WorkerState:
         given = headers.get(INTERNAL_TOKEN_HEADER, "")
         if not hmac.compare_digest(given.encode(), self.internal_token.encode()):
             return None
-        source = self.engine.kv_source()
-        cached = 0 if source is None else source.cached_prefix_tokens(prompts[0])
+        cached = self.engine.cached_prefix_tokens(prompts[0])
         if len(prompts[0]) - cached < self.remote_prefill_min_tokens:
             return None
-        return RemotePrefill(self.handoff, url, self.first_token_text)
+        return RemotePrefill(self.handoff, url, self.first_token_text, cached)
 
     async def first_token_text(self, token: int, stop: list[str]) -> tuple[str, bool]:
         """The text a first token adds and whether a stop string ends the request there."""

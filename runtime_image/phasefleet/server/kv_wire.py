@@ -1,0 +1,168 @@
+"""The KV hand-off on the wire: every message both sides exchange, defined once.
+
+The decode worker asks for a prefill with one `POST /internal/prefill` whose body is a
+`PrefillRequest`. The prefill worker answers with a stream of frames while it computes the
+prompt, so the KV of each chunk travels while the next chunk is computed:
+
+    frame   := u32 little-endian length of the header | header (JSON) | payload (header.nbytes)
+    stream  := StartFrame KVFrame* FirstFrame KVFrame* EndFrame      (or ErrorFrame, anywhere)
+
+- `StartFrame`: the sender's KV layout and the prompt's size, before any KV.
+- `KVFrame`: `num_blocks` consecutive blocks of the prompt from `first_block` on, as soon as a
+  step has computed them; payload layer-major within the frame: for each layer the keys of the
+  frame's blocks, then their values, each [num_blocks, block_size, kv_heads, head_dim] in the
+  layout's dtype. The prompt's blocks below `PrefillRequest.skip_blocks` (the decode worker's
+  prefix-cache hits) are never sent, and blocks come in order, each once.
+- `FirstFrame`: the first token (and its logprob), sent the moment it is sampled; KV frames of
+  the last chunk may follow it.
+- `EndFrame`: every block has been sent; the prefill worker has let its blocks go.
+
+The HTTP body is sent with chunked transfer encoding; frame boundaries are independent of the
+HTTP chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from phasefleet.engine.kv_transfer import KVLayout
+from phasefleet.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+PREFILL_PATH = "/internal/prefill"
+MEDIA_TYPE = "application/x-phasefleet-kv-stream"
+HEADER_LENGTH = struct.Struct("<I")
+MAX_HEADER_BYTES = 1 << 20
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrefillRequest(_Wire):
+    """One prompt to prefill; the sampling fields choose the first token."""
+
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    skip_blocks: int = Field(default=0, ge=0)  # leading blocks the decode worker holds already
+
+    @classmethod
+    def of(
+        cls, request_id: str, prompt: list[int], params: SamplingParams, skip_blocks: int = 0
+    ) -> PrefillRequest:
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            logprobs=params.logprobs,
+            skip_blocks=skip_blocks,
+        )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
+        )
+
+
+class LayoutWire(_Wire):
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"]
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutWire:
+        return cls.model_validate(layout.to_wire())
+
+    def layout(self) -> KVLayout:
+        return KVLayout(**self.model_dump())
+
+
+class StartFrame(_Wire):
+    kind: Literal["start"] = "start"
+    nbytes: Literal[0] = 0
+    layout: LayoutWire
+    num_prompt_tokens: int = Field(ge=1)
+    num_blocks: int = Field(ge=1)  # blocks covering the prompt, the last maybe partial
+    skip_blocks: int = Field(ge=0)  # the first block that will be sent
+
+
+class KVFrame(_Wire):
+    kind: Literal["kv"] = "kv"
+    first_block: int = Field(ge=0)
+    num_blocks: int = Field(ge=1)
+    nbytes: int = Field(ge=1)  # num_blocks x the layout's block bytes
+
+
+class FirstFrame(_Wire):
+    kind: Literal["first"] = "first"
+    nbytes: Literal[0] = 0
+    first_token_id: int = Field(ge=0)
+    logprob: float | None = None  # when the request asked for logprobs
+    top: list[tuple[int, float]] = Field(default_factory=list)  # the top logprobs, best first
+    finish_reason: str  # 'handoff' (KV follows) or a final reason (stop, length)
+    num_cached_tokens: int = Field(ge=0)  # prompt tokens the prefill worker had cached
+
+
+class EndFrame(_Wire):
+    kind: Literal["end"] = "end"
+    nbytes: Literal[0] = 0
+    num_blocks: int = Field(ge=0)  # blocks sent, from skip_blocks on
+
+
+class ErrorFrame(_Wire):
+    kind: Literal["error"] = "error"
+    nbytes: Literal[0] = 0
+    reason: str  # a kv_transfer_failures label
+    detail: str
+
+
+Frame = Annotated[
+    StartFrame | KVFrame | FirstFrame | EndFrame | ErrorFrame, Field(discriminator="kind")
+]
+_FRAME: TypeAdapter[Any] = TypeAdapter(Frame)
+
+
+def encode_header(frame: _Wire) -> bytes:
+    """A frame's length-prefixed header; its payload (frame.nbytes bytes) follows it."""
+    header = frame.model_dump_json().encode()
+    return HEADER_LENGTH.pack(len(header)) + header
+
+
+def decode_header(data: bytes) -> StartFrame | KVFrame | FirstFrame | EndFrame | ErrorFrame:
+    """The frame a header's JSON bytes describe; ValueError when malformed."""
+    try:
+        frame: StartFrame | KVFrame | FirstFrame | EndFrame | ErrorFrame = _FRAME.validate_python(
+            json.loads(data)
+        )
+        return frame
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"a malformed frame header: {exc}") from None
