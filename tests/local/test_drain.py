@@ -30,7 +30,7 @@ def fleet(tiny_model: Path, tmp_path: Path) -> Iterator[Fleet]:
         run_dir=tmp_path,
         worker_args=["--num-kv-blocks", "1024", "--remote-prefill-min-tokens", "0"],
         router_args=["--refresh-interval", "0.5"],
-        drain_timeout=60.0,
+        drain_timeout=120.0,  # six 1500-token streams; a loaded CI machine once took over 60 s
     )
     fleet = Fleet(config)
     try:
