@@ -1,13 +1,14 @@
 """Reading leased KV blocks out of the pool for a pull, in kv_transfer's wire order (layer-major:
 each layer's keys, then its values, each [blocks, block_size, kv_heads, head_dim]).
 
-A pull is cut into chunks of at most CHUNK_BYTES: whole layers when they are small (several
-layers gathered into one device buffer, then one copy), a layer's keys or values in pieces of
-blocks when one alone is larger. On CUDA each chunk is gathered and copied into a pinned host
-buffer on a stream of the exporter's own, so a pull waits for its own copies, never for the step
-the engine has in flight (leased blocks are not written until released, and the step that wrote
-them finished before the lease was made). On the CPU the gather writes straight into the host
-buffer. Each yielded chunk's memory is reused by the next: consume it (send, copy) first.
+A read is cut into chunks of at most `chunk_bytes` (CHUNK_BYTES by default): whole layers when
+they are small (several layers gathered into one device buffer, then one copy), a layer's keys
+or values in pieces of blocks when one alone is larger. On CUDA each chunk is gathered and
+copied into a pinned host buffer on a stream of the exporter's own, so a pull waits for its own
+copies, never for the step the engine has in flight (leased blocks are not written until
+released, and the step that wrote them finished before the lease was made). On the CPU the
+gather writes straight into the host buffer. Each yielded chunk's memory is reused by the next:
+consume it (send, copy) first.
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ class KVExporter:
         return self._stream
 
     @torch.inference_mode()
-    def read(self, block_ids: list[int]) -> Iterator[memoryview]:
-        """The blocks' KV as raw bytes, in wire order, chunk by chunk."""
+    def read(self, block_ids: list[int], chunk_bytes: int | None = None) -> Iterator[memoryview]:
+        """The blocks' KV as raw bytes, in wire order, in chunks of at most chunk_bytes
+        (default CHUNK_BYTES; one block more when a block is larger)."""
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
         keys0 = self.kv_caches[0][0]
         device, n = keys0.device, len(block_ids)
         block_bytes = keys0[0].numel() * keys0.element_size()  # one block of one layer's keys
         stream = self._side_stream(device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             index = torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
-            layers = max(1, CHUNK_BYTES // (2 * n * block_bytes))  # whole layers per chunk
-            blocks = min(n, max(1, CHUNK_BYTES // block_bytes))  # blocks per piece otherwise
-            if 2 * n * block_bytes <= CHUNK_BYTES:
+            layers = max(1, chunk_bytes // (2 * n * block_bytes))  # whole layers per chunk
+            blocks = min(n, max(1, chunk_bytes // block_bytes))  # blocks per piece otherwise
+            if 2 * n * block_bytes <= chunk_bytes:
                 shape = (min(layers, len(self.kv_caches)), 2, n, *keys0.shape[1:])
                 yield from self._layer_groups(index, layers, shape, stream)
             else:

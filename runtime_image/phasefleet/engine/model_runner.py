@@ -186,13 +186,13 @@ class ModelRunner:
         dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype)
 
-    def read_kv(self, block_ids: list[int]) -> Iterator[memoryview]:
+    def read_kv(self, block_ids: list[int], chunk_bytes: int | None = None) -> Iterator[memoryview]:
         """The blocks' KV as raw bytes in kv_transfer's wire order, in bounded chunks gathered on
         a stream of their own (kv_export.py); each chunk's memory is reused by the next. The
         caller keeps the blocks from being reused meanwhile."""
         if self.exporter is None:
             raise RuntimeError("the KV pool is not allocated")
-        return self.exporter.read(block_ids)
+        return self.exporter.read(block_ids, chunk_bytes)
 
     @torch.inference_mode()
     def write_kv(self, block_ids: list[int], payload: torch.Tensor, first_block: int = 0) -> None:

@@ -219,12 +219,13 @@ class AsyncEngine:
         engine = self._engine
         return engine.cached_prefix_tokens(prompt) if engine is not None and self.ready else 0
 
-    def read_kv(self, block_ids: list[int]) -> Iterator[memoryview]:
-        """Blocks' KV in wire order, in chunks whose memory the next reuses. Only blocks nothing
-        writes meanwhile: the full blocks of a running prefill-only request, or a pinned lease."""
+    def read_kv(self, block_ids: list[int], chunk_bytes: int) -> Iterator[memoryview]:
+        """Blocks' KV in wire order, in chunks of about chunk_bytes whose memory the next
+        reuses. Only blocks nothing writes meanwhile: the full blocks of a running prefill-only
+        request, or a pinned lease."""
         if self._engine is None:
             raise EngineNotReadyError("the engine is not ready")
-        return self._engine.runner.read_kv(block_ids)
+        return self._engine.runner.read_kv(block_ids, chunk_bytes)
 
     def pin_kv(self, request_id: str) -> Lease | None:
         """A finished prefill's lease, kept from expiring until `unpin_kv`; None if gone."""

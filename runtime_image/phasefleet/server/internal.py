@@ -45,6 +45,7 @@ from phasefleet.server.kv_wire import (
 logger = logging.getLogger("phasefleet.handoff")
 
 FRAME_BYTES = 16 << 20  # KV bytes per frame at most (one block more when a block is larger)
+SEND_BYTES = 4 << 20  # a frame's payload is read and sent in pieces of about this much
 
 
 def check_token(request: Request) -> None:
@@ -113,7 +114,8 @@ async def _frames(
                 part = blocks[start : start + per_frame]
                 nbytes = len(part) * layout.block_bytes()
                 yield encode_header(KVFrame(first_block=start, num_blocks=len(part), nbytes=nbytes))
-                yield memoryview(await _read(engine, last, part, nbytes))
+                async for piece in _read(engine, last, part):
+                    yield piece
             sent = max(sent, len(blocks))
         yield encode_header(EndFrame(num_blocks=sent - min(skip, num_blocks)))
     except Exception as exc:  # anything after the start frame: say so in the stream
@@ -136,23 +138,19 @@ def _first(out: RequestOutput) -> FirstFrame:
 
 
 async def _read(
-    engine: AsyncEngine, out: RequestOutput, block_ids: list[int], nbytes: int
-) -> bytearray:
-    """The blocks' KV in wire order, read off the event loop. A finished request's blocks are
-    its lease's: pinned meanwhile, so it cannot expire under the read."""
+    engine: AsyncEngine, out: RequestOutput, block_ids: list[int]
+) -> AsyncIterator[memoryview]:
+    """The blocks' KV in wire order, in pieces of SEND_BYTES read off the event loop, each
+    sent before the next is read into the same memory (the transport has sent or copied it by
+    then). A finished request's blocks are its lease's: pinned meanwhile, so it cannot expire
+    under the read."""
     lease = engine.pin_kv(out.request_id) if out.finished else None
     if out.finished and lease is None:
         raise RuntimeError(f"the lease of {out.request_id} expired before its KV was sent")
-
-    def read() -> bytearray:
-        payload, offset = bytearray(nbytes), 0
-        for chunk in engine.read_kv(block_ids):  # each chunk's memory is reused by the next
-            payload[offset : offset + len(chunk)] = chunk
-            offset += len(chunk)
-        return payload
-
+    pieces = engine.read_kv(block_ids, SEND_BYTES)
     try:
-        return await asyncio.to_thread(read)
+        while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+            yield piece
     finally:
         if lease is not None:
             engine.unpin_kv(lease)
