@@ -369,3 +369,23 @@ def test_a_chunked_prefill_only_request_names_its_blocks_as_each_chunk_completes
     # chunks of 6 tokens: after 6 one full block, after 12 three, then the first token
     assert seen == [([], blocks[:1]), ([], blocks[:3]), (seen[-1][0], blocks)]
     assert len(seen[-1][0]) == 1 and len(blocks) == 4
+
+
+def test_aborting_a_leased_prefill_frees_its_blocks_unless_a_pull_reads_them(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """The prefill's reader went away after the request finished: the abort its stream sends
+    ends the lease at once (a pinned lease is left for its reader to release)."""
+    prefill = _engine(tiny_model("llama"))
+    (prompt,) = random_prompts([9], seed=9)
+    _prefill(prefill, "r", prompt, max_tokens=4)
+    lease = prefill.pin_kv("r")
+    assert lease is not None
+    prefill.abort_request("r")
+    assert prefill.stats().num_kv_leases == 1  # being read
+    prefill.unpin_kv(lease)
+    prefill.abort_request("r")
+    stats = prefill.stats()
+    assert (stats.num_kv_leases, stats.num_kv_lease_expiries_total) == (0, 0)
+    assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
+    assert prefill.step() == []  # no output for an abort of a finished request

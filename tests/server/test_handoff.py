@@ -180,16 +180,25 @@ def test_a_stream_cut_halfway_is_recomputed(workers: tuple[Worker, Worker, Worke
 def test_a_decode_worker_that_goes_away_leaves_no_blocks_behind(
     workers: tuple[Worker, Worker, Worker],
 ) -> None:
+    """Once after the start of the stream, once after the first token (the prompt's KV is
+    leased by then): no block is left behind, and no lease had to expire to free it."""
     prefill, _, _ = workers
     headers = {INTERNAL_TOKEN_HEADER: TOKEN}
     body = {"request_id": "abandoned", "prompt_token_ids": list(range(5, 45)), "max_tokens": 8}
-    with httpx.stream(
-        "POST", prefill.base_url + "/internal/prefill", json=body, headers=headers, timeout=60
-    ) as answer:
-        assert answer.status_code == 200
-        next(answer.iter_raw(8))  # the start of the stream, then away
-    prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0, 15)
-    prefill.wait_until(lambda: prefill.counter("phasefleet_kv_cache_usage_perc") == 0, 15)
+    expiries = prefill.counter("phasefleet_kv_lease_expiries_total")
+    for leave_after in (b"", b'"first_token_id"'):
+        with httpx.stream(
+            "POST", prefill.base_url + "/internal/prefill", json=body, headers=headers, timeout=60
+        ) as answer:
+            assert answer.status_code == 200
+            seen = b""
+            for chunk in answer.iter_raw(8):
+                seen += chunk
+                if leave_after in seen:
+                    break
+        prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0, 15)
+        prefill.wait_until(lambda: prefill.counter("phasefleet_kv_cache_usage_perc") == 0, 15)
+    assert prefill.counter("phasefleet_kv_lease_expiries_total") == expiries
 
 
 def test_a_bad_prefill_request_is_a_400_naming_the_field(

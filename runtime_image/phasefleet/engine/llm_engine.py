@@ -266,13 +266,16 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its final output (finish_reason 'abort') comes
-        from the next step(). An unknown or finished id is a no-op."""
+        from the next step(). A finished prefill's lease no pull is reading ends too (whoever
+        would have read it left); any other unknown or finished id is a no-op."""
         req = self.scheduler.finish_request(request_id, "abort")
         if req is not None:
             detok = self._detok.get(request_id)
             text = detok.text(final=True) if detok is not None else ""
             self._aborted.append(self._output(req, [], text))
             self._forget(request_id)
+        elif self.leases.pop(request_id) is not None:
+            self.kv.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)

@@ -376,8 +376,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Abort):
                 for request_id in command.request_ids:
-                    if self._tracked.pop(request_id, None) is not None:
-                        engine.abort_request(request_id)
+                    self._tracked.pop(request_id, None)
+                    engine.abort_request(request_id)  # finished already: ends its lease, if any
                 continue
             if isinstance(command, _Release):
                 released = engine.release_kv(command.request_id)

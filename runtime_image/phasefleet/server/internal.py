@@ -18,10 +18,9 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
 from phasefleet.engine.kv_cache_manager import cdiv
@@ -41,6 +40,7 @@ from phasefleet.server.kv_wire import (
     StartFrame,
     encode_header,
 )
+from phasefleet.server.responses import GenerationStream
 
 logger = logging.getLogger("phasefleet.handoff")
 
@@ -65,7 +65,7 @@ def internal_routes() -> APIRouter:
     routes = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
 
     @routes.post("/prefill")
-    async def prefill(body: PrefillRequest, request: Request) -> StreamingResponse:
+    async def prefill(body: PrefillRequest, request: Request) -> GenerationStream:
         state = request.app.state.worker
         state.check_accepting()
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
@@ -83,14 +83,14 @@ def internal_routes() -> APIRouter:
         await gen.start()  # a refusal here is an HTTP error, before any frame
         layout = state.engine.kv_layout
         frames = _frames(state.engine, gen, layout, len(ids), body.skip_blocks)
-        return StreamingResponse(frames, media_type=MEDIA_TYPE)
+        return GenerationStream(gen, frames, media_type=MEDIA_TYPE)
 
     return routes
 
 
 async def _frames(
     engine: AsyncEngine, gen: Generation, layout: KVLayout, num_tokens: int, skip: int
-) -> AsyncIterator[bytes | memoryview]:
+) -> AsyncGenerator[bytes | memoryview, None]:
     """The stream: start, KV as it is computed, the first token, the rest of the KV, end."""
     num_blocks = cdiv(num_tokens, layout.block_size)
     sent = min(skip, num_blocks)
@@ -121,7 +121,8 @@ async def _frames(
     except Exception as exc:  # anything after the start frame: say so in the stream
         logger.warning("hand-off stream of %s failed: %s", gen.request_id, exc)
         yield encode_header(ErrorFrame(reason="pull_failed", detail=" ".join(str(exc).split())))
-    finally:
+    finally:  # the stream ended, or its reader left (the lease is ended by the abort then)
+        gen.close()
         if last is not None and last.finish_reason == "handoff":
             await engine.release_kv(last.request_id)  # nothing else reads this lease
 

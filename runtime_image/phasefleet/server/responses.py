@@ -1,16 +1,16 @@
 """How a Generation reaches the client: Server-Sent Events, or one body once it finishes.
 
 Either way a client that goes away aborts its engine requests, which frees their KV blocks:
-a streaming response is cancelled by Starlette when the client disconnects (the generator's
-`finally` closes the Generation); a non-streaming one races collection against the disconnect.
+a streaming response is cancelled by Starlette when the client disconnects (and then closes
+its body generator and the Generation); a non-streaming one races collection against the disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -27,27 +27,36 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 
 
-class _GenerationStream(StreamingResponse):
-    """Closes its Generation however the response ends, even if the client left before the
-    first chunk (then the body generator never starts, and its `finally` would never run)."""
+class GenerationStream(StreamingResponse):
+    """Closes its body generator and its Generation however the response ends: Starlette
+    cancels the send when the client leaves, and a generator left suspended at a `yield` (or
+    never started) would run its `finally` only when garbage collected."""
 
-    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def __init__(
+        self,
+        gen: Generation,
+        content: AsyncGenerator[Any, None],
+        media_type: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
         self.gen = gen
+        self.content = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.gen.close()
+            try:
+                await self.content.aclose()
+            finally:
+                self.gen.close()
 
 
 def sse_response(gen: Generation, chunks: AsyncIterator[str]) -> StreamingResponse:
     """`data: <chunk>` events, then `data: [DONE]`; an error after the 200 goes in-band."""
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncGenerator[str, None]:
         try:
             async for chunk in chunks:
                 yield f"data: {chunk}\n\n"
@@ -56,7 +65,9 @@ def sse_response(gen: Generation, chunks: AsyncIterator[str]) -> StreamingRespon
             yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    return _GenerationStream(gen, events())
+    return GenerationStream(
+        gen, events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 async def _final_outputs(gen: Generation) -> list[RequestOutput]:
