@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phasefleet.engine.kv_convert import convert_chunks
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, LeaseTable
 from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
@@ -126,17 +127,13 @@ def test_lease_pop_ends_a_live_lease_once() -> None:
     assert table.pop("a") is None
 
 
-def test_layout_round_trips_and_names_bad_fields() -> None:
+def test_layout_sizes_and_what_cannot_be_converted() -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
-    assert KVLayout.from_wire(layout.to_wire()) == layout
     assert layout.block_bytes() == 2 * 2 * 4 * 2 * 8 * 2
-    with pytest.raises(ValueError, match=r"kv.layout.head_dim"):
-        KVLayout.from_wire({**layout.to_wire(), "head_dim": 0})
-    with pytest.raises(ValueError, match=r"kv.layout.dtype"):
-        KVLayout.from_wire({**layout.to_wire(), "dtype": "int8"})
-    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16")
-    assert layout.mismatch(other) == "block_size differs (here 4, sender 16)"
-    assert layout.mismatch(layout) is None
+    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+    assert layout.unconvertible(other) is None  # block size and dtype convert
+    deeper = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+    assert layout.unconvertible(deeper) == "num_layers differs (here 2, sender 3)"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -389,3 +386,24 @@ def test_aborting_a_leased_prefill_frees_its_blocks_unless_a_pull_reads_them(
     assert (stats.num_kv_leases, stats.num_kv_lease_expiries_total) == (0, 0)
     assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
     assert prefill.step() == []  # no output for an abort of a finished request
+
+
+def test_kv_from_a_prefill_engine_of_another_block_size_is_converted_and_matches(
+    tiny_model: Callable[[str], Path],
+    hf_greedy: Callable[[str, list[int], int], list[int]],
+) -> None:
+    """Prefill in blocks of 4, decode in blocks of 8: nothing is recomputed, greedy output
+    equals transformers'."""
+    (prompt,) = random_prompts([13], seed=11)
+    prefill = _engine(tiny_model("llama"))
+    decode = LLMEngine(engine_config(tiny_model("llama"), num_kv_blocks=32, block_size=8))
+    first = _prefill(prefill, "r", prompt, max_tokens=8)
+    chunks = convert_chunks(_pull(prefill, "r"), prefill.kv_layout, decode.kv_layout, 13)
+    assert [(c.first_block, c.num_blocks) for c in chunks] == [(0, 2)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "r", prompt, params, first_token_id=first.output_token_ids[0], imported_kv=chunks
+    )
+    out = _run(decode)["r"]
+    assert decode.stats().prompt_tokens_total == 0
+    assert out.output_token_ids == hf_greedy("llama", prompt, 8)

@@ -134,6 +134,24 @@ def test_unreachable_prefill_worker_means_a_local_prefill(
     assert after == before + 1
 
 
+def test_a_decode_pool_of_another_block_size_converts_the_kv(
+    workers: tuple[Worker, Worker, Worker], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pools rolled separately: the prefill worker's blocks of 16 load into blocks of 32; the
+    decode worker recomputes nothing and answers as a single worker does."""
+    prefill, _, reference = workers
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+    with run_worker(
+        tiny_model, "--role", "decode", "--remote-prefill-min-tokens", "0", "--block-size", "32"
+    ) as decode:
+        client = handoff_client(decode, prefill.base_url)
+        for prompt in PROMPTS:
+            assert complete(client, prompt) == complete(reference.client(), prompt)
+        assert decode.counter("phasefleet_prefills_total", where="remote") == len(PROMPTS)
+        assert decode.counter("phasefleet_kv_transfer_failures_total") == 0
+        assert decode.counter("phasefleet_prompt_tokens_total") == 0
+
+
 class CutKV(http.server.BaseHTTPRequestHandler):
     """A proxy to the prefill worker that forwards the first half of every KV stream (past its
     first token), then hangs up."""

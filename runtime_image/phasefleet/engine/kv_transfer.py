@@ -2,7 +2,8 @@
 
 The payload of one request is its KV blocks, layer-major: for each layer, the keys of every
 block, then the values of every block; each tensor [num_blocks, block_size, num_kv_heads,
-head_dim] in the layout's dtype, raw bytes, no framing. Pure Python: the runner does the copies.
+head_dim] in the layout's dtype (per head shard, when the heads are split), raw bytes, no
+framing. Pure Python: the runner does the copies.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -21,13 +22,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one worker's KV blocks; two workers can hand off only if theirs match."""
+    """The shape of one worker's KV blocks on the wire. KV converts between two layouts of the
+    same model shape (layers, KV heads, head dim): block size, dtype and head shards may differ
+    (engine/kv_convert.py)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int  # tokens per block
     dtype: str  # float32 | bfloat16 | float16
+    # the KV heads in this many equal groups, one per tensor-parallel rank of the worker: each
+    # layer's keys (then values) are sent group after group, [blocks, block_size, kv_heads /
+    # head_shards, head_dim] each; 1 is one group, the plain layout
+    head_shards: int = 1
 
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, keys and values."""
@@ -37,29 +44,10 @@ class KVLayout:
     def payload_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.block_bytes()
 
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any) -> KVLayout:
-        """Parses the `layout` of a KV reference; ValueError naming the field when malformed."""
-        if not isinstance(data, dict):
-            raise ValueError(f"kv.layout must be an object, got {type(data).__name__}")
-        values: dict[str, Any] = {}
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = data.get(name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"kv.layout.{name} must be a positive integer, got {value!r}")
-            values[name] = value
-        dtype = data.get("dtype")
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"kv.layout.dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-        return cls(dtype=dtype, **values)
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """Why KV in `other`'s layout cannot be loaded into this one; None when it can."""
-        for name, mine in asdict(self).items():
-            theirs = getattr(other, name)
+    def unconvertible(self, other: KVLayout) -> str | None:
+        """Why KV in `other`'s layout cannot be converted to this one; None when it can."""
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs (here {mine}, sender {theirs})"
         return None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from phasefleet.engine.kv_convert import convert_chunks
 from phasefleet.engine.outputs import RequestOutput, TokenLogprob
 from phasefleet.server.async_engine import (
     AsyncEngine,
@@ -200,11 +201,9 @@ class Generation:
         is then prefilled here). The KV keeps arriving after the first token; the decode is
         queued here once it has (or the stream broke: then only what is missing is computed)."""
         prompt, params = self.prompts[0], self.params[0]
-        layout = self.engine.kv_layout
-        skip = 0 if layout is None else remote.cached_tokens // layout.block_size
         try:
             first, arriving = await remote.client.prefill(
-                remote.prefill_url, self.request_id, prompt, params, skip
+                remote.prefill_url, self.request_id, prompt, params, remote.cached_tokens
             )
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()
@@ -227,24 +226,32 @@ class Generation:
         self._first = Event(0, output, time.monotonic())
         if final:  # the stream ends on its own; nothing of it is needed
             return True
-        self._rest = asyncio.create_task(self._receive_then_decode(first, arriving))
+        self._rest = asyncio.create_task(
+            self._receive_then_decode(first, arriving, remote.cached_tokens)
+        )
         return True
 
     async def _receive_then_decode(
-        self, first: First, arriving: asyncio.Future[Received]
+        self, first: First, arriving: asyncio.Future[Received], cached_tokens: int
     ) -> RequestStream:
         received = await arriving
         chunks = received.chunks
         layout = self.engine.kv_layout
-        why = "layout_mismatch" if layout is None else None
-        if layout is not None and chunks:
-            mismatch = layout.mismatch(first.layout)
-            why = None if mismatch is None else "layout_mismatch"
-        if why is not None:
+        if layout is None or (chunks and layout.unconvertible(first.layout)):
             chunks = []  # recompute the prompt here instead
-            self.metrics.kv_transfer_failures[why].inc()
-        elif received.failure is not None:  # what arrived loads; the rest is recomputed here
-            self.metrics.kv_transfer_failures[received.failure].inc()
+            self.metrics.kv_transfer_failures["layout_mismatch"].inc()
+        else:
+            if received.failure is not None:  # what arrived loads; the rest is recomputed here
+                self.metrics.kv_transfer_failures[received.failure].inc()
+            if chunks and layout != first.layout:  # another block size, dtype or head split
+                chunks = await asyncio.to_thread(
+                    convert_chunks,
+                    chunks,
+                    first.layout,
+                    layout,
+                    len(self.prompts[0]),
+                    cached_tokens,
+                )
         self.metrics.kv_transfer_seconds.observe(received.seconds)
         self.metrics.kv_transfer_bytes.inc(received.nbytes)
         options = [EngineOptions(first_token_id=first.token_id, imported_kv=chunks)]

@@ -93,7 +93,7 @@ class HandoffClient:
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        skip_blocks: int,
+        skip_tokens: int,
     ) -> tuple[First, asyncio.Future[Received]]:
         """The first token (raises HandoffFailed when none comes), and the KV still arriving."""
         loop = asyncio.get_running_loop()
@@ -102,7 +102,7 @@ class HandoffClient:
         def on_first(start: StartFrame, frame: FirstFrame) -> None:  # the reading thread
             loop.call_soon_threadsafe(_settle, first, First.of(start, frame))
 
-        body = PrefillRequest.of(request_id, prompt, params, skip_blocks).model_dump_json()
+        body = PrefillRequest.of(request_id, prompt, params, skip_tokens).model_dump_json()
         started = time.monotonic()
         reading = asyncio.ensure_future(
             asyncio.to_thread(

@@ -82,7 +82,8 @@ def internal_routes() -> APIRouter:
         )
         await gen.start()  # a refusal here is an HTTP error, before any frame
         layout = state.engine.kv_layout
-        frames = _frames(state.engine, gen, layout, len(ids), body.skip_blocks)
+        skip = body.skip_tokens // layout.block_size
+        frames = _frames(state.engine, gen, layout, len(ids), skip)
         return GenerationStream(gen, frames, media_type=MEDIA_TYPE)
 
     return routes

@@ -7,12 +7,14 @@ prompt, so the KV of each chunk travels while the next chunk is computed:
     frame   := u32 little-endian length of the header | header (JSON) | payload (header.nbytes)
     stream  := StartFrame KVFrame* FirstFrame KVFrame* EndFrame      (or ErrorFrame, anywhere)
 
-- `StartFrame`: the sender's KV layout and the prompt's size, before any KV.
+- `StartFrame`: the sender's KV layout and the prompt's size, before any KV. The receiver
+  converts another layout of the same model shape (engine/kv_convert.py).
 - `KVFrame`: `num_blocks` consecutive blocks of the prompt from `first_block` on, as soon as a
   step has computed them; payload layer-major within the frame: for each layer the keys of the
   frame's blocks, then their values, each [num_blocks, block_size, kv_heads, head_dim] in the
-  layout's dtype. The prompt's blocks below `PrefillRequest.skip_blocks` (the decode worker's
-  prefix-cache hits) are never sent, and blocks come in order, each once.
+  layout's dtype (with head_shards > 1: one such tensor per shard of the heads, in order). The
+  sender's blocks wholly below `PrefillRequest.skip_tokens` (the decode worker's prefix-cache
+  hits) are never sent, and blocks come in order, each once.
 - `FirstFrame`: the first token (and its logprob), sent the moment it is sampled; KV frames of
   the last chunk may follow it.
 - `EndFrame`: every block has been sent; the prefill worker has let its blocks go.
@@ -25,9 +27,10 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
@@ -56,11 +59,13 @@ class PrefillRequest(_Wire):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    skip_blocks: int = Field(default=0, ge=0)  # leading blocks the decode worker holds already
+    # prompt tokens the decode worker's prefix cache holds: the sender skips its whole blocks
+    # below this (in its own block size)
+    skip_tokens: int = Field(default=0, ge=0)
 
     @classmethod
     def of(
-        cls, request_id: str, prompt: list[int], params: SamplingParams, skip_blocks: int = 0
+        cls, request_id: str, prompt: list[int], params: SamplingParams, skip_tokens: int = 0
     ) -> PrefillRequest:
         return cls(
             request_id=request_id,
@@ -74,7 +79,7 @@ class PrefillRequest(_Wire):
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
-            skip_blocks=skip_blocks,
+            skip_tokens=skip_tokens,
         )
 
     def sampling(self) -> SamplingParams:
@@ -97,10 +102,19 @@ class LayoutWire(_Wire):
     head_dim: int = Field(ge=1)
     block_size: int = Field(ge=1)
     dtype: Literal["float32", "bfloat16", "float16"]
+    head_shards: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _shards_split_the_heads(self) -> LayoutWire:
+        if self.num_kv_heads % self.head_shards:
+            raise ValueError(
+                f"head_shards {self.head_shards} must divide num_kv_heads {self.num_kv_heads}"
+            )
+        return self
 
     @classmethod
     def of(cls, layout: KVLayout) -> LayoutWire:
-        return cls.model_validate(layout.to_wire())
+        return cls.model_validate(asdict(layout))
 
     def layout(self) -> KVLayout:
         return KVLayout(**self.model_dump())
