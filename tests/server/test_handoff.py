@@ -152,6 +152,36 @@ def test_a_decode_pool_of_another_block_size_converts_the_kv(
         assert decode.counter("phasefleet_prompt_tokens_total") == 0
 
 
+def test_a_prefill_worker_killed_mid_stream_means_a_local_prefill(
+    workers: tuple[Worker, Worker, Worker], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL (as the OOM killer sends it) while the prefill worker streams a long prompt in
+    chunks of 16 tokens, after some of its KV went out: the decode worker answers in full."""
+    _, decode, reference = workers
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+    prompt = [5 + (i * 7) % 500 for i in range(900)]  # 57 of the 64 blocks of the others
+    with run_worker(tiny_model, "--role", "prefill", "--max-num-batched-tokens", "16") as doomed:
+        before = decode.counter("phasefleet_kv_transfer_failures_total")
+        client = handoff_client(decode, doomed.base_url)
+        answer: list[str] = []
+        asking = threading.Thread(
+            target=lambda: answer.append(
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                .choices[0]
+                .text
+            )
+        )
+        asking.start()
+        doomed.wait_until(lambda: doomed.metric("phasefleet_kv_cache_usage_perc") > 0)
+        doomed.proc.kill()
+        asking.join(120)
+    expected = reference.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0
+    )
+    assert answer == [expected.choices[0].text]
+    assert decode.counter("phasefleet_kv_transfer_failures_total") == before + 1
+
+
 class CutKV(http.server.BaseHTTPRequestHandler):
     """A proxy to the prefill worker that forwards the first half of every KV stream (past its
     first token), then hangs up."""
