@@ -25,8 +25,11 @@ class Curves:
     kv_capacity_tokens: int  # KV cache of one replica, tokens
     max_num_seqs: int  # requests in one decode batch
     startup_s: float  # process start (or pod scheduled) to serving
-    handoff_bytes_per_s: float  # KV pull bandwidth between a prefill and a decode replica
+    handoff_bytes_per_s: float  # KV hand-off bandwidth between a prefill and a decode replica
     kv_bytes_per_token: int
+    chunk_tokens: int = 2048  # the prefill's chunk (the engine's max_num_batched_tokens)
+    streamed: bool = True  # each chunk's KV is sent as it is computed (False: pulled after)
+    first_token_waits_for_kv: bool = False  # the client gets token 1 once the KV has landed
 
     def prefill_s(self, tokens: float) -> float:
         a, b, c = self.prefill
@@ -37,7 +40,19 @@ class Curves:
         return d0 + d1 * batch + d2 * kv_tokens
 
     def handoff_s(self, prompt_tokens: float) -> float:
-        return prompt_tokens * self.kv_bytes_per_token / self.handoff_bytes_per_s
+        """Seconds from the first token until the prompt's KV is on the decode replica.
+        Pulled: the whole prompt's KV, sent after the prefill. Streamed: chunk k's KV is sent
+        when chunk k is computed (chunk k finishes at prefill_s of the prompt so far), behind
+        the chunks before it on the link; what remains after the last chunk is the tail."""
+        per_token = self.kv_bytes_per_token / self.handoff_bytes_per_s
+        if not self.streamed:
+            return prompt_tokens * per_token
+        done = sent = 0.0
+        while done < prompt_tokens:
+            chunk = min(self.chunk_tokens, prompt_tokens - done)
+            done += chunk
+            sent = max(sent, self.prefill_s(done)) + chunk * per_token
+        return max(0.0, sent - self.prefill_s(prompt_tokens))
 
 
 # 8B Llama-shaped (Llama 3 8B: 32 layers, hidden 4096, 32 heads / 8 KV heads of 128, MLP 14336,

@@ -6,7 +6,10 @@ What is exact and what is approximated:
   `curves.prefill_s(n)`; the router sends a prompt on arrival to the serving replica that is
   free soonest. Start and finish times are exact (no time step). The first token leaves the
   prefill replica, so TTFT = prefill finish - arrival.
-- Hand-off: the KV pull takes `curves.handoff_s(n)`; then the request waits in one FIFO queue
+- Hand-off: the KV still in flight after the first token takes `curves.handoff_s(n)` (streamed
+  chunk by chunk during the prefill: the last chunk's, or the backlog of a slow link); then the
+  request waits in one FIFO queue (with `curves.first_token_waits_for_kv` the first token is
+  held until the KV has landed: the tail counts against TTFT instead of TPOT)
   for any decode replica with a free batch slot and room for its prompt's KV now (the least
   filled one). As the batch grows past the KV cache, the newest requests are preempted (as
   our engine does) and queue again first, after a recompute delay.
@@ -134,7 +137,10 @@ class Fleet:
             self.finish[i] = r.free_at
             self.done += 1
         else:
-            heapq.heappush(self.handoffs, (r.free_at + self.curves.handoff_s(n), i))
+            landed = r.free_at + self.curves.handoff_s(n)
+            if self.curves.first_token_waits_for_kv:
+                self.first_token[i] = landed
+            heapq.heappush(self.handoffs, (landed, i))
 
     def decode_tick(self, t: float) -> None:
         dt, c = self.dt, self.curves

@@ -231,3 +231,27 @@ def test_the_held_oracle_keeps_each_size_through_the_scale_down_window() -> None
     assert list(out["prefill"]) == [1, 5, 5, 5, 5, 5, 1, 2]
     assert list(out["decode"]) == [3, 3, 3]
     assert list(held(sizes, window_s=60.0, interval_s=60.0)["prefill"]) == list(sizes["prefill"])
+
+
+def test_a_streamed_hand_off_leaves_the_last_chunk_or_the_links_backlog() -> None:
+    """Prefill at 1 ms per token, chunks of 100 tokens. A fast link (0.5 ms per token) carries
+    each chunk while the next is computed: the last chunk's 50 ms remain after the first token.
+    A slow link (2 ms per token) falls behind: the backlog remains. Pulled: all of it."""
+    from dataclasses import replace
+
+    fast = replace(make_curves(), kv_bytes_per_token=500_000_000, chunk_tokens=100)
+    assert fast.handoff_s(300) == pytest.approx(0.05)
+    assert fast.handoff_s(80) == pytest.approx(0.04)  # one chunk: nothing overlaps
+    slow = replace(fast, kv_bytes_per_token=2_000_000_000)
+    # chunk k is computed by 0.1 k s; the link sends 0.2 s per chunk from 0.1 s: done at 0.7 s
+    assert slow.handoff_s(300) == pytest.approx(0.4)
+    assert replace(fast, streamed=False).handoff_s(300) == pytest.approx(0.15)
+    trace = make_trace([0.0], prompt=300, output=2)
+    one = {"prefill": 1, "decode": 1}
+    fleet = simulate(trace, fast, static(one), fixed(one))
+    # first token at 0.3 s; the decode starts 0.05 s later and takes one step
+    assert fleet.finish[0] - fleet.first_token[0] == pytest.approx(0.05 + STEP_S, abs=0.02)
+    held_fleet = simulate(
+        trace, replace(fast, first_token_waits_for_kv=True), static(one), fixed(one)
+    )
+    assert held_fleet.first_token[0] == pytest.approx(0.35)  # token 1 held until the KV landed
