@@ -46,6 +46,7 @@ def stream_kv(prefill_url: str, token: str, prompt: list[int]) -> Pull:
         {INTERNAL_TOKEN_HEADER: token},
         body.model_dump_json().encode(),
         lambda *_: None,
+        lambda _: None,
         10.0,
         300.0,
         60.0,

@@ -407,3 +407,54 @@ def test_kv_from_a_prefill_engine_of_another_block_size_is_converted_and_matches
     out = _run(decode)["r"]
     assert decode.stats().prompt_tokens_total == 0
     assert out.output_token_ids == hf_greedy("llama", prompt, 8)
+
+
+def test_kv_streamed_in_after_admission_is_written_as_it_comes_and_matches(
+    tiny_model: Callable[[str], Path],
+    hf_greedy: Callable[[str, list[int], int], list[int]],
+) -> None:
+    """Admitted with the first chunk, the rest arriving over later steps: nothing is computed
+    until the import ends, then nothing is recomputed and greedy output equals transformers'."""
+    (prompt,) = random_prompts([13], seed=12)  # blocks 0-3 of 4 tokens
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    first = _prefill(prefill, "r", prompt, max_tokens=8)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "r",
+        prompt,
+        params,
+        first_token_id=first.output_token_ids[0],
+        imported_kv=_pull(prefill, "r", 0, 1),
+        importing_from=0,
+    )
+    assert decode.step() == [] and decode.step() == []  # admitted, waiting for its KV
+    assert decode.kv.pool.num_free_blocks < decode.kv.pool.num_usable_blocks
+    with pytest.raises(ValueError, match="expected 1"):
+        decode.import_kv("r", _pull(prefill, "r", 2, 3)[0])  # out of order: refused
+    for block in (1, 2, 3):
+        (chunk,) = _pull(prefill, "r", block, block + 1)
+        decode.import_kv("r", chunk)
+        assert decode.step() == []
+    decode.end_import("r")
+    out = _run(decode)["r"]
+    assert decode.stats().prompt_tokens_total == 0
+    assert out.output_token_ids == hf_greedy("llama", prompt, 8)
+
+
+def test_an_import_that_ends_early_recomputes_only_the_rest(
+    tiny_model: Callable[[str], Path],
+    hf_greedy: Callable[[str, list[int], int], list[int]],
+) -> None:
+    (prompt,) = random_prompts([13], seed=13)
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    first = _prefill(prefill, "r", prompt, max_tokens=6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    decode.add_request(
+        "r", prompt, params, first_token_id=first.output_token_ids[0], importing_from=0
+    )
+    decode.import_kv("r", _pull(prefill, "r", 0, 2)[0])  # before admission: kept
+    decode.end_import("r")  # the stream broke after 8 tokens
+    out = _run(decode)["r"]
+    assert decode.stats().prompt_tokens_total == 13 - 8
+    assert out.output_token_ids == hf_greedy("llama", prompt, 6)
+    decode.import_kv("r", _pull(prefill, "r", 2, 3)[0])  # a late chunk: ignored

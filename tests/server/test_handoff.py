@@ -74,10 +74,12 @@ def test_remote_prefill_output_equals_a_single_worker(
     prefill, decode, reference = workers
     remote_before = decode.counter("phasefleet_prefills_total", where="remote")
     bytes_before = decode.counter("phasefleet_kv_transfer_bytes_total")
+    computed_before = decode.counter("phasefleet_prompt_tokens_total")
     client = handoff_client(decode, prefill.base_url)
     for prompt in PROMPTS:
         assert complete(client, prompt, stream) == complete(reference.client(), prompt, stream)
     assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 3
+    assert decode.counter("phasefleet_prompt_tokens_total") == computed_before  # all imported
     assert decode.counter("phasefleet_kv_transfer_bytes_total") > bytes_before
     assert decode.counter("phasefleet_kv_transfer_failures_total") == 0
     prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0)  # all released

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from phasefleet.server.kv_stream import (
+    StreamChunk,
     StreamedPrefill,
     StreamError,
     StreamReason,
@@ -121,14 +122,17 @@ def send(*parts: bytes) -> Handler:
 
 def pull(responder: Responder, **kwargs: float) -> tuple[StreamedPrefill, list[FirstFrame]]:
     firsts: list[FirstFrame] = []
+    handed: list[StreamChunk] = []
     timeouts = {"connect_timeout": 5.0, "first_timeout": 10.0, "stall_timeout": 10.0} | kwargs
     result = stream_prefill(
         responder.url,
         {"X-PhaseFleet-Internal-Token": "t"},
         b'{"request_id": "r-0"}',
         lambda _start, first: firsts.append(first),
+        handed.append,
         **timeouts,
     )
+    assert handed == result.chunks  # each whole chunk handed on as it came, in order
     return result, firsts
 
 
@@ -188,7 +192,9 @@ def test_the_first_token_is_handed_over_while_kv_still_arrives(responder: Respon
         conn.sendall(chunked(kv(2, B) + kv(3, C) + end(6)))
 
     responder.handlers.append(respond)
-    result = stream_prefill(responder.url, {}, b"{}", lambda *_: handed_over.set(), 5, 10, 10)
+    result = stream_prefill(
+        responder.url, {}, b"{}", lambda *_: handed_over.set(), lambda _: None, 5, 10, 10
+    )
     assert waited == [True]
     assert result.failure is None and [c.first_block for c in result.chunks] == [0, 2, 3]
 
@@ -254,7 +260,7 @@ def test_nobody_listening_is_unreachable() -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
     with pytest.raises(StreamError) as caught:
-        stream_prefill(f"http://127.0.0.1:{port}/", {}, b"{}", print, 5, 5, 5)
+        stream_prefill(f"http://127.0.0.1:{port}/", {}, b"{}", print, print, 5, 5, 5)
     assert caught.value.reason == StreamReason.PREFILL_UNREACHABLE
 
 

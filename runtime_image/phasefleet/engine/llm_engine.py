@@ -21,10 +21,11 @@ from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
+from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
-from phasefleet.engine.request import Request
+from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
@@ -89,7 +90,8 @@ class LLMEngine:
         self.leases = LeaseTable(config.kv_lease_seconds)
         self.num_kv_lease_expiries_total = 0
         self.busy_seconds_total = 0.0  # wall time in steps that had work
-        self._imports: dict[str, list[KVChunk]] = {}  # request_id -> its KV, until admitted
+        self.last_step_idle = False  # the last step computed nothing (importers wait for KV)
+        self.imports = KVImports(self.runner, self.kv, self.kv_layout)
         self._rows: dict[str, SamplingRow] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[RequestOutput] = []
@@ -113,12 +115,15 @@ class LLMEngine:
         prefill_only: bool = False,
         first_token_id: int | None = None,
         imported_kv: list[KVChunk] | None = None,
+        importing_from: int | None = None,
     ) -> None:
         """Queues a request. Hand-off forms: `prefill_only` (prefill role) finishes with
         'handoff' after the first token and keeps the prompt's KV under a lease;
         `first_token_id` (decode role) continues a request another worker prefilled, from
         `imported_kv` (consecutive chunks of its prompt's blocks, in this engine's layout: the
-        prompt's tail past them, if any, is recomputed here) or, without it, recomputing."""
+        prompt's tail past them, if any, is recomputed here) or, without it, recomputing.
+        `importing_from` (a block): more chunks follow from `import_kv`, the first at that
+        block, until `end_import`; the request is computed only then."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -144,13 +149,13 @@ class LLMEngine:
                 raise ValueError("a request continued from its first token needs max_tokens >= 2")
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
-        imported_tokens = 0
-        if imported_kv:
-            if first_token_id is None:
-                raise ValueError("imported_kv must come with first_token_id")
-            imported_tokens = self._check_import(imported_kv, n)
-        else:
-            imported_kv = None
+        imported_kv = imported_kv or []
+        if (imported_kv or importing_from is not None) and first_token_id is None:
+            raise ValueError("imported_kv must come with first_token_id")
+        first_block = imported_kv[0].first_block if imported_kv else importing_from or 0
+        if importing_from is not None and first_block != importing_from:
+            raise ValueError(f"imported_kv must start at block {importing_from}")
+        imported_tokens = self.imports.check(imported_kv, first_block, n)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -159,7 +164,8 @@ class LLMEngine:
             output_token_ids=[] if first_token_id is None else [first_token_id],
             prefill_only=prefill_only,
             num_imported_tokens=imported_tokens,
-            import_first_block=imported_kv[0].first_block if imported_kv else 0,
+            import_first_block=first_block,
+            importing=importing_from is not None,
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
@@ -172,43 +178,36 @@ class LLMEngine:
             row.banned = self._min_tokens_banned(params)
         self._rows[request_id] = row
         self._detok[request_id] = detok
-        if imported_kv is not None:
-            self._imports[request_id] = imported_kv
+        if imported_kv or importing_from is not None:
+            self.imports.add(request_id, imported_kv)
 
-    def _check_import(self, chunks: list[KVChunk], num_prompt_tokens: int) -> int:
-        """The prompt tokens `chunks` make available (from token 0, the blocks before the first
-        chunk being prefix-cache hits); ValueError naming what is wrong with them."""
-        bs, end = self.config.block_size, chunks[0].first_block
-        for chunk in chunks:
-            expected = self.kv_layout.payload_bytes(chunk.num_blocks)
-            if chunk.first_block != end or chunk.payload.numel() != expected:
-                raise ValueError(
-                    f"imported_kv chunks must be consecutive, each of num_blocks x "
-                    f"{self.kv_layout.block_bytes()} bytes; the chunk at block "
-                    f"{chunk.first_block} (expected {end}) holds {chunk.payload.numel()} bytes"
-                    f" for {chunk.num_blocks} blocks"
-                )
-            end = chunk.end_block
-        if end > cdiv(num_prompt_tokens, bs):
-            raise ValueError(
-                f"imported_kv covers {end} blocks, more than the {num_prompt_tokens}-token "
-                f"prompt's {cdiv(num_prompt_tokens, bs)}"
-            )
-        return min(num_prompt_tokens, end * bs)
+    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+        """The next chunk of an importing request's KV (written into its blocks now if it is
+        admitted). Ignored once the import was dropped or the request is gone; ValueError if
+        it is not the next chunk (nothing of it is used)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and req.importing:
+            self.imports.arrive(req, chunk)
+
+    def end_import(self, request_id: str) -> None:
+        """No more KV comes: the request goes on from the last token whose KV arrived."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.end_import(req)
+            if req.status is RequestStatus.RUNNING:  # else what came loads at admission
+                self.imports.dropped(request_id)
 
     def _load_imports(self, out: SchedulerOutput) -> None:
-        """Writes each admitted request's imported chunks into its blocks, past its prefix-cache
+        """Writes the KV that arrived into each admitted importer's blocks, past its prefix-cache
         hits; drops the imports the scheduler could not use."""
-        for req, first_block in out.imports:
-            chunks = self._imports.pop(req.request_id)
-            table = self.kv.block_tables[req.request_id]
-            last = cdiv(req.num_imported_tokens, self.config.block_size)
-            for chunk in chunks:
-                start, end = max(first_block, chunk.first_block), min(last, chunk.end_block)
-                if start < end:
-                    self.runner.write_kv(table[start:end], chunk.payload, start - chunk.first_block)
-        for request_id in out.admitted:
-            self._imports.pop(request_id, None)  # a gap before it, or all prefix-cache hits
+        for req, num_hit_blocks in out.imports:
+            self.imports.admitted(req, num_hit_blocks)
+            if not req.importing:
+                self.imports.dropped(req.request_id)
+        loaded = {req.request_id for req, _ in out.imports}
+        for request_id in [*out.admitted, *out.preempted]:
+            if request_id not in loaded:
+                self.imports.dropped(request_id)  # a gap before it, hits, or its blocks gone
 
     def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
         """The tokens that would end a request early: masked until it has min_tokens."""
@@ -285,6 +284,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         self.expire_leases()
         out = self.scheduler.schedule()
+        self.last_step_idle = not out.scheduled
         if out.is_empty:
             return outputs
         try:
@@ -296,6 +296,8 @@ class LLMEngine:
         for request_id in out.preempted:
             self.runner.release(request_id)  # readmitted later with a new block table
         self._load_imports(out)
+        if not out.scheduled:  # only admissions of importers, or preemptions
+            return outputs
         sampled = self.runner.execute(out, self._rows)
         for s in out.scheduled:
             row = self._rows.get(s.request.request_id)
@@ -394,7 +396,7 @@ class LLMEngine:
         self.runner.release(request_id)
         self._rows.pop(request_id, None)
         self._detok.pop(request_id, None)
-        self._imports.pop(request_id, None)
+        self.imports.dropped(request_id)
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.kv.pool

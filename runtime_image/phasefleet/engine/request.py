@@ -34,11 +34,13 @@ class Request:
     prefill_only: bool = False
     """Prefill role: finish with 'handoff' after the first token, its KV blocks held."""
     num_imported_tokens: int = 0
-    """Leading prompt tokens whose KV came from another worker (with the first token)."""
+    """Decode role: leading prompt tokens whose KV came from another worker (so far)."""
     import_first_block: int = 0
     """The first block that KV covers; the blocks before it must be prefix-cache hits here,
     else the import is dropped and the prompt recomputed from the last hit."""
-    """Decode role: prompt tokens whose KV came with the request (loaded at admission)."""
+    importing: bool = False
+    """More of that KV is on its way: admitted (blocks reserved) but computed only once the
+    import ends (engine/kv_import.py)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -40,7 +40,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.scheduled or self.admitted or self.preempted)
 
 
 class Scheduler:
@@ -93,8 +93,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], 0)
 
-        decodes = [r for r in self.running if not _prefilling(r)]
-        prefills = [r for r in self.running if _prefilling(r)]
+        ready = [r for r in self.running if not r.importing]
+        decodes = [r for r in ready if not _prefilling(r)]
+        prefills = [r for r in ready if _prefilling(r)]
         for req in decodes:
             if budget == 0:
                 break
@@ -127,18 +128,21 @@ class Scheduler:
             self.kv.admit(req, hit)
             req.status = RequestStatus.RUNNING
             if len(hit.block_ids) < req.import_first_block:
-                req.num_imported_tokens = 0  # a gap before the imported blocks: recompute
+                self._drop_import(req)  # a gap before the imported blocks: recompute
             req.num_computed_tokens = max(hit.num_tokens, req.num_imported_tokens)
-            if req.num_imported_tokens > hit.num_tokens:
+            if req.importing or req.num_imported_tokens > hit.num_tokens:
                 out.imports.append((req, len(hit.block_ids)))
             self.prefix_cache_queries_total += req.num_tokens
             self.prefix_cache_hits_total += hit.num_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
                 req.num_cached_tokens = hit.num_tokens
-                self.prompt_tokens_total += req.num_prompt_tokens - req.num_imported_tokens
+                if not req.importing:  # else counted when the import ends
+                    self.prompt_tokens_total += req.num_prompt_tokens - req.num_imported_tokens
             self.running.append(req)
             out.admitted.append(req.request_id)
+            if req.importing:
+                continue  # its blocks are reserved; computed once the import ends
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             self._add(out, req, n)
             budget -= n
@@ -168,12 +172,30 @@ class Scheduler:
         )
         out.num_batched_tokens += n
 
+    def end_import(self, req: Request) -> None:
+        """No more KV comes for an importing request: it goes on from the last token whose
+        KV arrived (the rest of the prompt is recomputed)."""
+        if not req.importing:
+            return
+        req.importing = False
+        if req.first_scheduled_time is not None:
+            self.prompt_tokens_total += req.num_prompt_tokens - req.num_imported_tokens
+        if req.status is RequestStatus.RUNNING:
+            req.num_computed_tokens = max(req.num_computed_tokens, req.num_imported_tokens)
+
+    def _drop_import(self, req: Request) -> None:
+        """The imported KV will not be used: the request recomputes its prompt, now."""
+        if req.importing and req.first_scheduled_time is not None:
+            self.prompt_tokens_total += req.num_prompt_tokens
+        req.importing = False
+        req.num_imported_tokens = 0
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.num_imported_tokens = 0  # the imported KV went with the blocks: recompute it
+        self._drop_import(req)  # the imported KV went with the blocks: recompute it
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)

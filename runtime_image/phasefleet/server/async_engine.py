@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 DEFAULT_STALL_TIMEOUT = 120.0  # seconds one round of engine work may take before it is stalled
+IDLE_WAIT_SECONDS = 0.05  # a step computed nothing: the longest wait before stepping again
 LEASE_CHECK_SECONDS = 1.0  # while idle with KV leased, how often expired leases are freed
 
 
@@ -79,6 +80,7 @@ class EngineOptions:
     prefill_only: bool = False  # prefill role: stop after the first token, lease the KV
     first_token_id: int | None = None  # decode role: continue from this first token
     imported_kv: list[KVChunk] | None = None  # decode role: the prompt's KV that arrived
+    importing_from: int | None = None  # decode role: more KV follows (import_kv), from block
 
 
 @dataclass
@@ -98,6 +100,12 @@ class _Release:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Import:
+    request_id: str
+    chunk: KVChunk | None  # None: the import ended
 
 
 class RequestStream:
@@ -148,7 +156,7 @@ class _Tracked:
 class _Shared:
     stats: EngineStats | None = None
     pending_adds: int = 0  # engine requests submitted but not yet added by the engine thread
-    commands: list[_Add | _Abort | _Release] = field(default_factory=list)
+    commands: list[_Add | _Abort | _Release | _Import] = field(default_factory=list)
 
 
 class AsyncEngine:
@@ -242,6 +250,13 @@ class AsyncEngine:
             self._shared.commands.append(_Release(request_id, done))
             self._cond.notify()
         return await done
+
+    def import_kv(self, request_id: str, chunk: KVChunk | None) -> None:
+        """The next chunk of an importing request's KV, written into its blocks on the engine
+        thread; None: no more comes, the request goes on (from any thread)."""
+        with self._cond:
+            self._shared.commands.append(_Import(request_id, chunk))
+            self._cond.notify()
 
     def check_room(self, num_requests: int) -> None:
         """Raises QueueFullError or EngineNotReadyError as `submit` would, queueing nothing."""
@@ -370,10 +385,17 @@ class AsyncEngine:
                 self._shared.stats = engine.stats()
             if events:
                 self.loop.call_soon_threadsafe(self._deliver, events)
+            if engine.last_step_idle:  # only requests waiting for their KV: wait for it
+                with self._cond:
+                    if not (self._stop or self._shared.commands):
+                        self._cond.wait(IDLE_WAIT_SECONDS)
 
-    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort | _Release]) -> None:
+    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort | _Release | _Import]) -> None:
         added = 0
         for command in commands:
+            if isinstance(command, _Import):
+                self._import(engine, command)
+                continue
             if isinstance(command, _Abort):
                 for request_id in command.request_ids:
                     self._tracked.pop(request_id, None)
@@ -400,6 +422,7 @@ class AsyncEngine:
                         prefill_only=options.prefill_only,
                         first_token_id=options.first_token_id,
                         imported_kv=options.imported_kv,
+                        importing_from=options.importing_from,
                     )
                 except ValueError as exc:
                     error = exc
@@ -417,6 +440,16 @@ class AsyncEngine:
         with self._cond:
             self._shared.pending_adds -= added
             self._shared.stats = engine.stats()
+
+    def _import(self, engine: LLMEngine, command: _Import) -> None:
+        if command.chunk is None:
+            engine.end_import(command.request_id)
+            return
+        try:
+            engine.import_kv(command.request_id, command.chunk)
+        except ValueError as exc:  # not the next chunk: what came before it is used
+            logger.warning("KV for %s refused: %s", command.request_id, exc)
+            engine.end_import(command.request_id)
 
     def _fail_all(self, engine: LLMEngine, exc: Exception) -> None:
         events: list[tuple[RequestStream, Any]] = []

@@ -33,7 +33,14 @@ from phasefleet.server.errors import (
     request_failed,
     unavailable,
 )
-from phasefleet.server.handoff import First, HandoffFailed, Received, RemotePrefill, wants_remote
+from phasefleet.server.handoff import (
+    Arrivals,
+    First,
+    HandoffFailed,
+    Received,
+    RemotePrefill,
+    wants_remote,
+)
 from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
 
@@ -202,7 +209,7 @@ class Generation:
         queued here once it has (or the stream broke: then only what is missing is computed)."""
         prompt, params = self.prompts[0], self.params[0]
         try:
-            first, arriving = await remote.client.prefill(
+            first, arrivals = await remote.client.prefill(
                 remote.prefill_url, self.request_id, prompt, params, remote.cached_tokens
             )
         except HandoffFailed as exc:
@@ -227,35 +234,54 @@ class Generation:
         if final:  # the stream ends on its own; nothing of it is needed
             return True
         self._rest = asyncio.create_task(
-            self._receive_then_decode(first, arriving, remote.cached_tokens)
+            self._receive_then_decode(first, arrivals, remote.cached_tokens)
         )
         return True
 
     async def _receive_then_decode(
-        self, first: First, arriving: asyncio.Future[Received], cached_tokens: int
+        self, first: First, arrivals: Arrivals, cached_tokens: int
     ) -> RequestStream:
-        received = await arriving
-        chunks = received.chunks
+        """KV in this engine's layout goes into the engine as it arrives (the request admitted
+        with its blocks now, computed once the stream ends); another layout is converted once
+        all of it is here."""
         layout = self.engine.kv_layout
+        if layout is not None and layout == first.layout:
+            return await self._import_while_arriving(first, arrivals)
+        received = await arrivals.done
+        chunks = received.chunks
         if layout is None or (chunks and layout.unconvertible(first.layout)):
             chunks = []  # recompute the prompt here instead
             self.metrics.kv_transfer_failures["layout_mismatch"].inc()
-        else:
-            if received.failure is not None:  # what arrived loads; the rest is recomputed here
-                self.metrics.kv_transfer_failures[received.failure].inc()
-            if chunks and layout != first.layout:  # another block size, dtype or head split
-                chunks = await asyncio.to_thread(
-                    convert_chunks,
-                    chunks,
-                    first.layout,
-                    layout,
-                    len(self.prompts[0]),
-                    cached_tokens,
-                )
-        self.metrics.kv_transfer_seconds.observe(received.seconds)
-        self.metrics.kv_transfer_bytes.inc(received.nbytes)
+        elif chunks:  # another block size, dtype or head split
+            chunks = await asyncio.to_thread(
+                convert_chunks, chunks, first.layout, layout, len(self.prompts[0]), cached_tokens
+            )
+        self._count(received)
         options = [EngineOptions(first_token_id=first.token_id, imported_kv=chunks)]
         return await self._submit(options, reserved=True)
+
+    async def _import_while_arriving(self, first: First, arrivals: Arrivals) -> RequestStream:
+        request_id = f"{self.request_id}-0"
+        arrived = arrivals.follow(lambda chunk: self.engine.import_kv(request_id, chunk))
+        options = [
+            EngineOptions(
+                first_token_id=first.token_id,
+                imported_kv=arrived,
+                importing_from=first.first_block,
+            )
+        ]
+        try:
+            stream = await self._submit(options, reserved=True)
+            self._count(await arrivals.done)
+        finally:
+            self.engine.import_kv(request_id, None)  # the request goes on from what came
+        return stream
+
+    def _count(self, received: Received) -> None:
+        if received.failure is not None:  # what arrived loads; the rest is recomputed here
+            self.metrics.kv_transfer_failures[received.failure].inc()
+        self.metrics.kv_transfer_seconds.observe(received.seconds)
+        self.metrics.kv_transfer_bytes.inc(received.nbytes)
 
     async def events(self) -> AsyncIterator[Event]:
         if self._first is not None:

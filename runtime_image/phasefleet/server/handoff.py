@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout
 from phasefleet.engine.outputs import TokenLogprob
-from phasefleet.server.kv_stream import StreamedPrefill, StreamError, stream_prefill
+from phasefleet.server.kv_stream import StreamChunk, StreamedPrefill, StreamError, stream_prefill
 from phasefleet.server.kv_wire import PREFILL_PATH, FirstFrame, PrefillRequest, StartFrame
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class First:
     num_cached_tokens: int
     logprob: TokenLogprob | None
     layout: KVLayout
+    first_block: int  # the first block the stream sends (the ones before are cache hits here)
 
     @classmethod
     def of(cls, start: StartFrame, first: FirstFrame) -> First:
@@ -64,6 +65,7 @@ class First:
             if first.logprob is None
             else TokenLogprob(first.first_token_id, first.logprob, list(first.top)),
             layout=start.layout.layout(),
+            first_block=start.skip_blocks,
         )
 
 
@@ -76,6 +78,28 @@ class Received:
     nbytes: int
     seconds: float  # from the request to the end of the stream
     failure: str | None
+
+
+class Arrivals:
+    """The KV of one hand-off as it arrives, on the event loop: chunks are kept until `follow`
+    takes them and names who gets each later one; `done` resolves when the stream has ended."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.done: asyncio.Future[Received] = loop.create_future()
+        self._task: asyncio.Future[None] | None = None  # what resolves `done`
+        self._kept: list[KVChunk] = []
+        self._follower: Callable[[KVChunk], None] | None = None
+
+    def follow(self, follower: Callable[[KVChunk], None]) -> list[KVChunk]:
+        """The chunks kept so far; each later one goes to `follower`, in order."""
+        kept, self._kept, self._follower = self._kept, [], follower
+        return kept
+
+    def put(self, chunk: KVChunk) -> None:
+        if self._follower is None:
+            self._kept.append(chunk)
+        else:
+            self._follower(chunk)
 
 
 @dataclass
@@ -94,13 +118,17 @@ class HandoffClient:
         prompt: list[int],
         params: SamplingParams,
         skip_tokens: int,
-    ) -> tuple[First, asyncio.Future[Received]]:
-        """The first token (raises HandoffFailed when none comes), and the KV still arriving."""
+    ) -> tuple[First, Arrivals]:
+        """The first token (raises HandoffFailed when none comes), and the KV as it arrives."""
         loop = asyncio.get_running_loop()
         first: asyncio.Future[First] = loop.create_future()
+        arrivals = Arrivals(loop)
 
         def on_first(start: StartFrame, frame: FirstFrame) -> None:  # the reading thread
             loop.call_soon_threadsafe(_settle, first, First.of(start, frame))
+
+        def on_chunk(chunk: StreamChunk) -> None:  # the reading thread, in stream order
+            loop.call_soon_threadsafe(arrivals.put, _kv_chunk(chunk))
 
         body = PrefillRequest.of(request_id, prompt, params, skip_tokens).model_dump_json()
         started = time.monotonic()
@@ -111,6 +139,7 @@ class HandoffClient:
                 {INTERNAL_TOKEN_HEADER: self.token},
                 body.encode(),
                 on_first,
+                on_chunk,
                 self.connect_timeout,
                 self.first_timeout,
                 self.stall_timeout,
@@ -124,21 +153,36 @@ class HandoffClient:
             except StreamError as exc:
                 raise HandoffFailed(str(exc.reason), exc.detail) from None
             raise HandoffFailed("prefill_refused", f"no first token: {result.failure}")
-        return first.result(), asyncio.ensure_future(_received(reading, started))
+        arrivals._task = asyncio.ensure_future(_received(reading, started, arrivals.done))
+        return first.result(), arrivals
 
 
-async def _received(reading: asyncio.Future[StreamedPrefill], started: float) -> Received:
-    result = await reading
+def _kv_chunk(chunk: StreamChunk) -> KVChunk:
     import torch
 
-    chunks = [
-        KVChunk(c.first_block, c.num_blocks, torch.frombuffer(c.payload, dtype=torch.uint8))
-        for c in result.chunks
-    ]
-    failure = None if result.failure is None else str(result.failure.reason)
-    return Received(
-        chunks, sum(len(c.payload) for c in result.chunks), time.monotonic() - started, failure
+    return KVChunk(
+        chunk.first_block, chunk.num_blocks, torch.frombuffer(chunk.payload, dtype=torch.uint8)
     )
+
+
+async def _received(
+    reading: asyncio.Future[StreamedPrefill], started: float, done: asyncio.Future[Received]
+) -> None:
+    try:
+        result = await reading
+    except BaseException as exc:  # a bug in the reader: the decode goes on from what came
+        if not done.done():
+            done.set_exception(exc)
+        raise
+    failure = None if result.failure is None else str(result.failure.reason)
+    received = Received(
+        [_kv_chunk(c) for c in result.chunks],
+        sum(len(c.payload) for c in result.chunks),
+        time.monotonic() - started,
+        failure,
+    )
+    if not done.done():
+        done.set_result(received)
 
 
 def _settle(future: asyncio.Future[First], value: First) -> None:

@@ -253,7 +253,10 @@ def _check_kv(frame: KVFrame, start: StartFrame, next_block: int, block_bytes: i
 
 
 def _read(
-    body: _Body, result: StreamedPrefill, on_first: Callable[[StartFrame, FirstFrame], None]
+    body: _Body,
+    result: StreamedPrefill,
+    on_first: Callable[[StartFrame, FirstFrame], None],
+    on_chunk: Callable[[StreamChunk], None],
 ) -> None:
     status, headers = body.head()
     if status != 200:
@@ -277,7 +280,9 @@ def _read(
             _check_kv(frame, start, next_block, block_bytes)
             payload = bytearray(frame.nbytes)
             body.read_into(memoryview(payload))
-            result.chunks.append(StreamChunk(frame.first_block, frame.num_blocks, payload))
+            chunk = StreamChunk(frame.first_block, frame.num_blocks, payload)
+            result.chunks.append(chunk)
+            on_chunk(chunk)
             next_block += frame.num_blocks
         elif isinstance(frame, FirstFrame):
             if result.first is not None:
@@ -307,6 +312,7 @@ def stream_prefill(
     headers: dict[str, str],
     body: bytes,
     on_first: Callable[[StartFrame, FirstFrame], None],
+    on_chunk: Callable[[StreamChunk], None],
     connect_timeout: float,
     first_timeout: float,
     stall_timeout: float,
@@ -314,9 +320,10 @@ def stream_prefill(
     """POSTs `body` (a kv_wire.PrefillRequest's JSON) to `url` (http only) and reads the stream.
 
     `on_first(start, first)` runs in this thread as soon as the first token arrives, while the
-    rest of the KV is still to come. Seconds: `connect_timeout` to connect; `first_timeout`
-    from then until the first token (the prefill may queue); `stall_timeout` between any two
-    reads after it. StreamError before the first token; after it, `failure` says what broke."""
+    rest of the KV is still to come; `on_chunk` as soon as each KV frame has arrived whole.
+    Seconds: `connect_timeout` to connect; `first_timeout` from then until the first token (the
+    prefill may queue); `stall_timeout` between any two reads after it. StreamError before the
+    first token; after it, `failure` says what broke."""
     parts = urlsplit(url)
     if parts.scheme != "http" or parts.hostname is None:
         raise StreamError(StreamReason.PREFILL_UNREACHABLE, f"expected an http:// URL: {url!r}")
@@ -336,7 +343,7 @@ def stream_prefill(
             reader = _Body(sock, time.monotonic() + first_timeout, stall_timeout)
             reader.arm()
             sock.sendall(request)
-            _read(reader, result, on_first)
+            _read(reader, result, on_first, on_chunk)
         except _Stop as exc:
             stop = exc
         except TimeoutError:
