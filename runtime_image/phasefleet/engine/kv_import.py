@@ -64,13 +64,9 @@ class KVImports:
     def arrive(self, req: Request, chunk: KVChunk) -> None:
         """The next chunk of an importing request; ValueError when it is not the next one (or
         not whole): nothing of it is used."""
-        bs = self.layout.block_size
-        after = req.import_first_block if req.num_imported_tokens == 0 else None
-        if after is None:
-            after = cdiv(req.num_imported_tokens, bs)
-        req.num_imported_tokens = max(
-            req.num_imported_tokens, self.check([chunk], after, req.num_prompt_tokens)
-        )
+        imported = req.num_imported_tokens
+        after = cdiv(imported, self.layout.block_size) if imported else req.import_first_block
+        req.num_imported_tokens = self.check([chunk], after, req.num_prompt_tokens)
         if req.status is RequestStatus.RUNNING:
             self._write(req, chunk)
         else:
