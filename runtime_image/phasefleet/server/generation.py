@@ -206,7 +206,8 @@ class Generation:
     async def _prefill_remotely(self, remote: RemotePrefill) -> bool:
         """Asks the prefill worker for the prompt; False when no first token came (the prompt
         is then prefilled here). The KV keeps arriving after the first token; the decode is
-        queued here once it has (or the stream broke: then only what is missing is computed)."""
+        queued here at once and computed once all of it has arrived (or the stream broke: then
+        only what is missing is computed)."""
         prompt, params = self.prompts[0], self.params[0]
         try:
             first, arrivals = await remote.client.prefill(

@@ -122,8 +122,8 @@ async def _frames(
     except Exception as exc:  # anything after the start frame: say so in the stream
         logger.warning("hand-off stream of %s failed: %s", gen.request_id, exc)
         yield encode_header(ErrorFrame(reason="pull_failed", detail=" ".join(str(exc).split())))
-    finally:  # the stream ended, or its reader left (the lease is ended by the abort then)
-        gen.close()
+    finally:  # the stream ended, or its reader left (GenerationStream then aborts the request,
+        # which ends a lease this stream did not get to read)
         if last is not None and last.finish_reason == "handoff":
             await engine.release_kv(last.request_id)  # nothing else reads this lease
 

@@ -2,7 +2,8 @@
 
 Either way a client that goes away aborts its engine requests, which frees their KV blocks:
 a streaming response is cancelled by Starlette when the client disconnects (and then closes
-its body generator and the Generation); a non-streaming one races collection against the disconnect.
+its body generator and the Generation); a non-streaming one races collection against the
+disconnect.
 """
 
 from __future__ import annotations
