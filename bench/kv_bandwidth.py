@@ -54,7 +54,7 @@ def stream_kv(prefill_url: str, token: str, prompt: list[int]) -> Pull:
     seconds = time.perf_counter() - started
     if result.failure is not None or result.end is None:
         raise RuntimeError(f"the KV stream from {prefill_url} broke: {result.failure}")
-    return Pull(sum(len(c.payload) for c in result.chunks), seconds)
+    return Pull(result.nbytes, seconds)
 
 
 def socket_seconds(nbytes: int) -> float:

@@ -249,7 +249,7 @@ class Generation:
         if layout is not None and layout == first.layout:
             return await self._import_while_arriving(first, arrivals)
         received = await arrivals.done
-        chunks = received.chunks
+        chunks = arrivals.take()
         if layout is None or (chunks and layout.unconvertible(first.layout)):
             chunks = []  # recompute the prompt here instead
             self.metrics.kv_transfer_failures["layout_mismatch"].inc()

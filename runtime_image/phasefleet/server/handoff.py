@@ -71,10 +71,9 @@ class First:
 
 @dataclass
 class Received:
-    """The KV that arrived: chunks consecutive from the first block sent, as the engine takes
-    them; `failure` names why the stream stopped short (None when it ended cleanly)."""
+    """How the stream ended (its KV went through `Arrivals`): `failure` names why it stopped
+    short (None when it ended cleanly)."""
 
-    chunks: list[KVChunk]
     nbytes: int
     seconds: float  # from the request to the end of the stream
     failure: str | None
@@ -90,10 +89,15 @@ class Arrivals:
         self._kept: list[KVChunk] = []
         self._follower: Callable[[KVChunk], None] | None = None
 
-    def follow(self, follower: Callable[[KVChunk], None]) -> list[KVChunk]:
-        """The chunks kept so far; each later one goes to `follower`, in order."""
-        kept, self._kept, self._follower = self._kept, [], follower
+    def take(self) -> list[KVChunk]:
+        """The chunks kept so far (all of them, once `done` has resolved), no longer kept."""
+        kept, self._kept = self._kept, []
         return kept
+
+    def follow(self, follower: Callable[[KVChunk], None]) -> list[KVChunk]:
+        """The chunks kept so far; each later one goes to `follower`, in order, not kept."""
+        self._follower = follower
+        return self.take()
 
     def put(self, chunk: KVChunk) -> None:
         if self._follower is None:
@@ -175,12 +179,7 @@ async def _received(
             done.set_exception(exc)
         raise
     failure = None if result.failure is None else str(result.failure.reason)
-    received = Received(
-        [_kv_chunk(c) for c in result.chunks],
-        sum(len(c.payload) for c in result.chunks),
-        time.monotonic() - started,
-        failure,
-    )
+    received = Received(result.nbytes, time.monotonic() - started, failure)
     if not done.done():
         done.set_result(received)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -73,11 +73,13 @@ class StreamChunk:
 
 @dataclass
 class StreamedPrefill:
-    """What one stream delivered; with a `failure`, the chunks are those that arrived whole."""
+    """What one stream delivered. The KV itself went to `on_chunk` frame by frame (nothing
+    here keeps it); with a `failure`, the frames that arrived whole were handed on."""
 
     start: StartFrame | None = None
     first: FirstFrame | None = None  # never None once stream_prefill returns
-    chunks: list[StreamChunk] = field(default_factory=list)  # contiguous from start.skip_blocks
+    num_blocks: int = 0  # blocks handed on, contiguous from start.skip_blocks
+    nbytes: int = 0  # their payload bytes
     end: EndFrame | None = None  # None when the stream failed
     failure: StreamFailure | None = None
 
@@ -85,7 +87,7 @@ class StreamedPrefill:
     def next_block(self) -> int:
         """The first block that did not arrive (start.num_blocks when all did)."""
         skip = 0 if self.start is None else self.start.skip_blocks
-        return skip + sum(chunk.num_blocks for chunk in self.chunks)
+        return skip + self.num_blocks
 
 
 class _Stop(Exception):
@@ -280,9 +282,9 @@ def _read(
             _check_kv(frame, start, next_block, block_bytes)
             payload = bytearray(frame.nbytes)
             body.read_into(memoryview(payload))
-            chunk = StreamChunk(frame.first_block, frame.num_blocks, payload)
-            result.chunks.append(chunk)
-            on_chunk(chunk)
+            on_chunk(StreamChunk(frame.first_block, frame.num_blocks, payload))
+            result.num_blocks += frame.num_blocks
+            result.nbytes += frame.nbytes
             next_block += frame.num_blocks
         elif isinstance(frame, FirstFrame):
             if result.first is not None:
