@@ -259,19 +259,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--pull", action="store_true", help="the KV pulled after the prefill (before streaming)"
     )
-    p.add_argument(
-        "--hold-first-token",
-        action="store_true",
-        help="the first token reaches the client once the KV has landed on the decode replica",
-    )
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    curves = replace(
-        h100_8b(), streamed=not args.pull, first_token_waits_for_kv=args.hold_first_token
-    )
+    curves = replace(h100_8b(), streamed=not args.pull)
     print(f"curves: {curves}")
     scaled: dict[str, Trace] = {}
     for name in args.traces:

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
@@ -85,7 +86,6 @@ class Arrivals:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.done: asyncio.Future[Received] = loop.create_future()
-        self._task: asyncio.Future[None] | None = None  # what resolves `done`
         self._kept: list[KVChunk] = []
         self._follower: Callable[[KVChunk], None] | None = None
 
@@ -157,7 +157,7 @@ class HandoffClient:
             except StreamError as exc:
                 raise HandoffFailed(str(exc.reason), exc.detail) from None
             raise HandoffFailed("prefill_refused", f"no first token: {result.failure}")
-        arrivals._task = asyncio.ensure_future(_received(reading, started, arrivals.done))
+        reading.add_done_callback(partial(_ended, arrivals.done, started))
         return first.result(), arrivals
 
 
@@ -169,19 +169,20 @@ def _kv_chunk(chunk: StreamChunk) -> KVChunk:
     )
 
 
-async def _received(
-    reading: asyncio.Future[StreamedPrefill], started: float, done: asyncio.Future[Received]
+def _ended(
+    done: asyncio.Future[Received], started: float, reading: asyncio.Future[StreamedPrefill]
 ) -> None:
-    try:
-        result = await reading
-    except BaseException as exc:  # a bug in the reader: the decode goes on from what came
-        if not done.done():
-            done.set_exception(exc)
-        raise
-    failure = None if result.failure is None else str(result.failure.reason)
-    received = Received(result.nbytes, time.monotonic() - started, failure)
-    if not done.done():
-        done.set_result(received)
+    """Resolves `done` as the reading thread ended (its error, e.g. a bug in the reader, too)."""
+    if done.done():
+        return
+    if reading.cancelled():
+        done.cancel()
+    elif (error := reading.exception()) is not None:
+        done.set_exception(error)
+    else:
+        result = reading.result()
+        failure = None if result.failure is None else str(result.failure.reason)
+        done.set_result(Received(result.nbytes, time.monotonic() - started, failure))
 
 
 def _settle(future: asyncio.Future[First], value: First) -> None:
