@@ -45,6 +45,7 @@ def stream_kv(prefill_url: str, token: str, prompt: list[int]) -> Pull:
         f"{prefill_url}{PREFILL_PATH}",
         {INTERNAL_TOKEN_HEADER: token},
         body.model_dump_json().encode(),
+        lambda _: None,
         lambda *_: None,
         lambda _: None,
         10.0,

@@ -227,6 +227,40 @@ def test_a_stream_cut_halfway_is_recomputed(workers: tuple[Worker, Worker, Worke
     prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0)
 
 
+def test_a_stream_cut_before_the_first_token_uses_what_arrived(
+    workers: tuple[Worker, Worker, Worker], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt prefilled in chunks of one block streams each block as it is computed; cut
+    halfway, before the first token: the decode worker keeps the blocks that came, computes
+    the rest and samples the first token itself."""
+    _, decode, reference = workers
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+    prompt = [5 + (i * 11) % 500 for i in range(200)]  # 13 chunks: the first token comes last
+    with run_worker(tiny_model, "--role", "prefill", "--max-num-batched-tokens", "16") as slow:
+        handler = type("Cut", (CutKV,), {"upstream": slow.base_url})
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        try:
+            failed = decode.counter("phasefleet_kv_transfer_failures_total")
+            local = decode.counter("phasefleet_prefills_total", where="local")
+            computed = decode.counter("phasefleet_prompt_tokens_total")
+            client = handoff_client(decode, f"http://127.0.0.1:{proxy.server_address[1]}")
+            answer = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0
+            )
+        finally:
+            proxy.shutdown()
+    expected = reference.client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].text == expected.choices[0].text
+    assert decode.counter("phasefleet_kv_transfer_failures_total") == failed + 1
+    assert decode.counter("phasefleet_prefills_total", where="local") == local + 1
+    recomputed = decode.counter("phasefleet_prompt_tokens_total") - computed
+    assert 0 < recomputed < len(prompt) - 16  # blocks arrived before the cut were not computed
+    decode.wait_until(lambda: decode.metric("phasefleet_kv_cache_usage_perc") == 0)
+
+
 def test_a_decode_worker_that_goes_away_leaves_no_blocks_behind(
     workers: tuple[Worker, Worker, Worker],
 ) -> None:

@@ -126,15 +126,18 @@ def pull(
     """The result, the first frames and the KV chunks handed on (in the order they came)."""
     firsts: list[FirstFrame] = []
     handed: list[StreamChunk] = []
+    starts: list[StartFrame] = []
     timeouts = {"connect_timeout": 5.0, "first_timeout": 10.0, "stall_timeout": 10.0} | kwargs
     result = stream_prefill(
         responder.url,
         {"X-PhaseFleet-Internal-Token": "t"},
         b'{"request_id": "r-0"}',
-        lambda _start, first: firsts.append(first),
+        starts.append,
+        lambda start, first: firsts.append(first) if starts == [start] else None,
         handed.append,
         **timeouts,
     )
+    assert starts == [result.start]  # told once, before anything else
     assert result.num_blocks == sum(c.num_blocks for c in handed)
     assert result.nbytes == sum(len(c.payload) for c in handed)
     return result, firsts, handed
@@ -198,7 +201,7 @@ def test_the_first_token_is_handed_over_while_kv_still_arrives(responder: Respon
     responder.handlers.append(respond)
     chunks: list[StreamChunk] = []
     result = stream_prefill(
-        responder.url, {}, b"{}", lambda *_: handed_over.set(), chunks.append, 5, 10, 10
+        responder.url, {}, b"{}", print, lambda *_: handed_over.set(), chunks.append, 5, 10, 10
     )
     assert waited == [True]
     assert result.failure is None and [c.first_block for c in chunks] == [0, 2, 3]
@@ -229,29 +232,13 @@ REFUSAL = b'{"error": {"message": "the prefill queue is full", "type": "overload
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
             "not application/x-phasefleet-kv-stream",
         ),
-        (
-            ok_head()
-            + chunked(start(6) + encode_header(ErrorFrame(reason="oom", detail="no blocks"))),
-            "the prefill worker failed: oom: no blocks",
-        ),
         (ok_head() + chunked(kv(0, A) + encode_header(FIRST)), "not a start frame"),
         (ok_head() + chunked(b"\x02\x00\x00\x00{}"), "a malformed frame header"),
-        (ok_head() + chunked(start(6) + kv(1, A)), "out of order"),
-        (ok_head() + chunked(start(6) + end(0)), "ended before its first token"),
         (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP status line"),
     ],
-    ids=[
-        "503",
-        "json-200",
-        "error-frame",
-        "kv-before-start",
-        "bad-header",
-        "out-of-order",
-        "end-first",
-        "not-http",
-    ],
+    ids=["503", "json-200", "kv-before-start", "bad-header", "not-http"],
 )
-def test_a_bad_answer_before_the_first_token_is_refused(
+def test_a_bad_answer_before_the_start_is_refused(
     responder: Responder, answer: bytes, words: str
 ) -> None:
     responder.handlers.append(send(answer))
@@ -261,26 +248,52 @@ def test_a_bad_answer_before_the_first_token_is_refused(
     assert words in caught.value.detail
 
 
+@pytest.mark.parametrize(
+    ("after", "words"),
+    [
+        (
+            encode_header(ErrorFrame(reason="oom", detail="no blocks")),
+            "the prefill worker failed: oom: no blocks",
+        ),
+        (kv(3, C), "out of order"),
+        (end(2), "ended before its first token"),
+    ],
+    ids=["error-frame", "out-of-order", "end-first"],
+)
+def test_a_bad_answer_after_the_start_keeps_what_arrived_without_a_first_token(
+    responder: Responder, after: bytes, words: str
+) -> None:
+    responder.handlers.append(send(ok_head() + chunked(start(6) + kv(0, A) + after)))
+    result, firsts, chunks = pull(responder)
+    assert result.failure is not None and result.failure.reason == StreamReason.PREFILL_REFUSED
+    assert words in result.failure.detail
+    assert firsts == [] and result.first is None and result.end is None
+    assert [(c.first_block, bytes(c.payload)) for c in chunks] == [(0, A)]
+
+
 def test_nobody_listening_is_unreachable() -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
     with pytest.raises(StreamError) as caught:
-        stream_prefill(f"http://127.0.0.1:{port}/", {}, b"{}", print, print, 5, 5, 5)
+        stream_prefill(f"http://127.0.0.1:{port}/", {}, b"{}", print, print, print, 5, 5, 5)
     assert caught.value.reason == StreamReason.PREFILL_UNREACHABLE
 
 
-@pytest.mark.parametrize(
-    "answer",
-    [b"", ok_head() + chunked(start(6) + kv(0, A), last=False)],
-    ids=["closed-before-status", "closed-before-first"],
-)
-def test_a_connection_lost_before_the_first_token_is_unreachable(
-    responder: Responder, answer: bytes
-) -> None:
-    responder.handlers.append(send(answer))
+def test_a_connection_lost_before_the_start_is_unreachable(responder: Responder) -> None:
+    responder.handlers.append(send(b""))
     with pytest.raises(StreamError) as caught:
         pull(responder)
     assert caught.value.reason == StreamReason.PREFILL_UNREACHABLE
+
+
+def test_a_connection_lost_before_the_first_token_is_unreachable_and_keeps_what_arrived(
+    responder: Responder,
+) -> None:
+    responder.handlers.append(send(ok_head() + chunked(start(6) + kv(0, A), last=False)))
+    result, firsts, chunks = pull(responder)
+    assert result.failure is not None
+    assert result.failure.reason == StreamReason.PREFILL_UNREACHABLE and firsts == []
+    assert [(c.first_block, bytes(c.payload)) for c in chunks] == [(0, A)]
 
 
 def test_no_first_token_in_time_is_unreachable(responder: Responder) -> None:

@@ -5,9 +5,9 @@ A request comes with the chunks that have arrived so far (consecutive blocks of 
 `import_first_block` on; the blocks before are expected as prefix-cache hits here). While it
 is `importing`, more chunks follow: each is written into the request's blocks as it arrives if
 the request is admitted (its blocks allocated), else kept until admission. The scheduler admits
-an importing request (its blocks reserved) but computes nothing for it until the import ends;
-then it goes on from the last token whose KV arrived, recomputing the rest of the prompt.
-Engine thread only.
+an importing request (its blocks reserved) but computes nothing for it until the import ends
+(with the first token, when the prefill worker sent one); then it goes on from the last token
+whose KV arrived, recomputing the rest of the prompt. Engine thread only.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ class KVImports:
 
     def arrive(self, req: Request, chunk: KVChunk) -> None:
         """The next chunk of an importing request; ValueError when it is not the next one (or
-        not whole): nothing of it is used."""
+        not whole): nothing of it is used. Ignored once the import was dropped."""
+        if req.request_id not in self._pending and req.request_id not in self._floor:
+            return
         imported = req.num_imported_tokens
         after = cdiv(imported, self.layout.block_size) if imported else req.import_first_block
         req.num_imported_tokens = self.check([chunk], after, req.num_prompt_tokens)

@@ -123,7 +123,8 @@ class LLMEngine:
         `imported_kv` (consecutive chunks of its prompt's blocks, in this engine's layout: the
         prompt's tail past them, if any, is recomputed here) or, without it, recomputing.
         `importing_from` (a block): more chunks follow from `import_kv`, the first at that
-        block, until `end_import`; the request is computed only then."""
+        block, until `end_import`; the request is computed only then, and its first token may
+        come with `end_import` instead."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -147,11 +148,12 @@ class LLMEngine:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
             if params.max_tokens < 2:
                 raise ValueError("a request continued from its first token needs max_tokens >= 2")
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
+        handed_off = first_token_id is not None or importing_from is not None
+        if handed_off and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
         imported_kv = imported_kv or []
-        if (imported_kv or importing_from is not None) and first_token_id is None:
-            raise ValueError("imported_kv must come with first_token_id")
+        if imported_kv and importing_from is None and first_token_id is None:
+            raise ValueError("imported_kv must come with first_token_id or importing_from")
         first_block = imported_kv[0].first_block if imported_kv else importing_from or 0
         if importing_from is not None and first_block != importing_from:
             raise ValueError(f"imported_kv must start at block {importing_from}")
@@ -189,13 +191,28 @@ class LLMEngine:
         if req is not None and req.importing:
             self.imports.arrive(req, chunk)
 
-    def end_import(self, request_id: str) -> None:
-        """No more KV comes: the request goes on from the last token whose KV arrived."""
+    def end_import(self, request_id: str, first_token_id: int | None = None) -> None:
+        """No more KV comes: the request goes on from the last token whose KV arrived, after
+        `first_token_id` if the prefill worker sent one (else it is sampled here). ValueError
+        (the request unchanged) for a first token it cannot take."""
         req = self.scheduler.requests.get(request_id)
-        if req is not None:
-            self.scheduler.end_import(req)
-            if req.status is RequestStatus.RUNNING:  # else what came loads at admission
-                self.imports.dropped(request_id)
+        if req is None or not req.importing:
+            return
+        if first_token_id is not None:
+            self._check_first_token(req, first_token_id)
+            self._detok[request_id].update([first_token_id])
+            if len(req.output_token_ids) + 1 >= req.params.min_tokens:
+                self._rows[request_id].banned = []
+        self.scheduler.end_import(req, first_token_id)
+        if req.status is RequestStatus.RUNNING:  # else what came loads at admission
+            self.imports.dropped(request_id)
+
+    def _check_first_token(self, req: Request, first_token_id: int) -> None:
+        vocab = self.hf_config.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
+        if req.output_token_ids or req.params.max_tokens < 2:
+            raise ValueError("a request continued from its first token needs max_tokens >= 2")
 
     def _load_imports(self, out: SchedulerOutput) -> None:
         """Writes the KV that arrived into each admitted importer's blocks, past its prefix-cache

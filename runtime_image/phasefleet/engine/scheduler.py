@@ -127,10 +127,11 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.admit(req, hit)
             req.status = RequestStatus.RUNNING
-            if len(hit.block_ids) < req.import_first_block:
+            gap = len(hit.block_ids) < req.import_first_block
+            if gap:
                 self._drop_import(req)  # a gap before the imported blocks: recompute
             req.num_computed_tokens = max(hit.num_tokens, req.num_imported_tokens)
-            if req.importing or req.num_imported_tokens > hit.num_tokens:
+            if not gap and (req.importing or req.num_imported_tokens > hit.num_tokens):
                 out.imports.append((req, len(hit.block_ids)))
             self.prefix_cache_queries_total += req.num_tokens
             self.prefix_cache_hits_total += hit.num_tokens
@@ -172,22 +173,26 @@ class Scheduler:
         )
         out.num_batched_tokens += n
 
-    def end_import(self, req: Request) -> None:
+    def end_import(self, req: Request, first_token_id: int | None = None) -> None:
         """No more KV comes for an importing request: it goes on from the last token whose
-        KV arrived (the rest of the prompt is recomputed)."""
+        KV arrived (the rest of the prompt is recomputed), after `first_token_id` when the
+        prefill worker sent one (else it samples its first token here)."""
         if not req.importing:
             return
         req.importing = False
+        if first_token_id is not None:
+            req.output_token_ids.append(first_token_id)
         if req.first_scheduled_time is not None:
             self.prompt_tokens_total += req.num_prompt_tokens - req.num_imported_tokens
         if req.status is RequestStatus.RUNNING:
-            req.num_computed_tokens = max(req.num_computed_tokens, req.num_imported_tokens)
+            known = max(req.num_computed_tokens, req.num_imported_tokens)
+            req.num_computed_tokens = min(known, req.num_tokens - 1)  # one left to sample from
+            if not self.kv.grow(req, req.num_tokens):  # the first token's slot: none is free
+                self._preempt(req)
 
     def _drop_import(self, req: Request) -> None:
-        """The imported KV will not be used: the request recomputes its prompt, now."""
-        if req.importing and req.first_scheduled_time is not None:
-            self.prompt_tokens_total += req.num_prompt_tokens
-        req.importing = False
+        """The imported KV will not be used: the request recomputes its prompt (once its
+        import ends, if it is still importing: the first token may be on its way)."""
         req.num_imported_tokens = 0
 
     def _preempt(self, req: Request) -> None:

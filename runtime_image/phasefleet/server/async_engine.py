@@ -106,6 +106,7 @@ class _Abort:
 class _Import:
     request_id: str
     chunk: KVChunk | None  # None: the import ended
+    first_token_id: int | None = None  # with the end: the prefill worker's first token
 
 
 class RequestStream:
@@ -251,11 +252,19 @@ class AsyncEngine:
             self._cond.notify()
         return await done
 
-    def import_kv(self, request_id: str, chunk: KVChunk | None) -> None:
+    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         """The next chunk of an importing request's KV, written into its blocks on the engine
-        thread; None: no more comes, the request goes on (from any thread)."""
+        thread (from any thread)."""
+        self._command(_Import(request_id, chunk))
+
+    def end_import(self, request_id: str, first_token_id: int | None) -> None:
+        """No more KV comes: the request goes on, after `first_token_id` if the prefill worker
+        sent one, else from its own first token (from any thread)."""
+        self._command(_Import(request_id, None, first_token_id))
+
+    def _command(self, command: _Import) -> None:
         with self._cond:
-            self._shared.commands.append(_Import(request_id, chunk))
+            self._shared.commands.append(command)
             self._cond.notify()
 
     def check_room(self, num_requests: int) -> None:
@@ -442,14 +451,21 @@ class AsyncEngine:
             self._shared.stats = engine.stats()
 
     def _import(self, engine: LLMEngine, command: _Import) -> None:
-        if command.chunk is None:
-            engine.end_import(command.request_id)
+        request_id = command.request_id
+        if command.chunk is not None:
+            try:
+                engine.import_kv(request_id, command.chunk)
+            except ValueError as exc:  # not the next chunk: what came before it is used
+                logger.warning("KV for %s refused: %s", request_id, exc)
             return
         try:
-            engine.import_kv(command.request_id, command.chunk)
-        except ValueError as exc:  # not the next chunk: what came before it is used
-            logger.warning("KV for %s refused: %s", command.request_id, exc)
-            engine.end_import(command.request_id)
+            engine.end_import(request_id, command.first_token_id)
+        except ValueError as exc:  # a first token it cannot take: the request fails
+            tracked = self._tracked.pop(request_id, None)
+            engine.abort_request(request_id)
+            if tracked is not None:
+                error = RequestFailedError(f"the prefill worker's first token: {exc}")
+                self.loop.call_soon_threadsafe(self._deliver, [(tracked.stream, error)])
 
     def _fail_all(self, engine: LLMEngine, exc: Exception) -> None:
         events: list[tuple[RequestStream, Any]] = []

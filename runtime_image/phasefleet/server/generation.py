@@ -36,6 +36,7 @@ from phasefleet.server.errors import (
 from phasefleet.server.handoff import (
     Arrivals,
     First,
+    Handoff,
     HandoffFailed,
     Received,
     RemotePrefill,
@@ -204,23 +205,39 @@ class Generation:
         return stream
 
     async def _prefill_remotely(self, remote: RemotePrefill) -> bool:
-        """Asks the prefill worker for the prompt; False when no first token came (the prompt
-        is then prefilled here). The KV keeps arriving after the first token; the decode is
-        queued here at once and computed once all of it has arrived (or the stream broke: then
-        only what is missing is computed)."""
+        """Asks the prefill worker for the prompt; False when it did not take it (the prompt is
+        then prefilled here). In this engine's layout the request is queued here at once and
+        its blocks filled as the KV arrives, chunk by chunk while the prompt is prefilled
+        there; it is computed once all of it has arrived (or the stream broke: then only what
+        is missing is computed, the first token too if none came)."""
         prompt, params = self.prompts[0], self.params[0]
         try:
-            first, arrivals = await remote.client.prefill(
+            handoff = await remote.client.open(
                 remote.prefill_url, self.request_id, prompt, params, remote.cached_tokens
             )
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()
             return False
+        layout = self.engine.kv_layout
+        importing = layout is not None and layout == handoff.start.layout.layout()
+        stream = await self._import_as_it_arrives(handoff) if importing else None
+        try:
+            first = await handoff.first()
+        except HandoffFailed as exc:
+            self.metrics.kv_transfer_failures[exc.reason].inc()
+            if stream is None:
+                return False
+            self.metrics.prefills["local"].inc()  # what arrived is used; the rest computed here
+            self.engine.end_import(self._engine_id, None)
+            return True
+        except BaseException:  # the client left: the queued request goes too
+            self.close()
+            raise
         self.metrics.prefills["remote"].inc()
         text, stopped = await remote.first_token_text(first.token_id, params.stop)
         final = stopped or first.finish_reason != "handoff"
         output = RequestOutput(
-            request_id=f"{self.request_id}-0",
+            request_id=self._engine_id,
             new_token_ids=[first.token_id],
             output_token_ids=[first.token_id],
             text=text,
@@ -233,50 +250,57 @@ class Generation:
         )
         self._first = Event(0, output, time.monotonic())
         if final:  # the stream ends on its own; nothing of it is needed
+            if stream is not None:
+                stream.close()
             return True
-        self._rest = asyncio.create_task(
-            self._receive_then_decode(first, arrivals, remote.cached_tokens)
-        )
+        if stream is not None:
+            self._rest = asyncio.create_task(
+                self._decode_once_arrived(stream, first, handoff.arrivals)
+            )
+        else:
+            self._rest = asyncio.create_task(
+                self._convert_then_decode(first, handoff.arrivals, remote.cached_tokens)
+            )
         return True
 
-    async def _receive_then_decode(
+    @property
+    def _engine_id(self) -> str:
+        return f"{self.request_id}-0"
+
+    async def _import_as_it_arrives(self, handoff: Handoff) -> RequestStream:
+        """Queues the request, its first token to come; each chunk goes into its blocks."""
+        arrived = handoff.arrivals.follow(
+            lambda chunk: self.engine.import_kv(self._engine_id, chunk)
+        )
+        options = [EngineOptions(imported_kv=arrived, importing_from=handoff.start.skip_blocks)]
+        return await self._submit(options, reserved=True)
+
+    async def _decode_once_arrived(
+        self, stream: RequestStream, first: First, arrivals: Arrivals
+    ) -> RequestStream:
+        try:
+            self._count(await arrivals.done)
+        finally:
+            self.engine.end_import(self._engine_id, first.token_id)
+        return stream
+
+    async def _convert_then_decode(
         self, first: First, arrivals: Arrivals, cached_tokens: int
     ) -> RequestStream:
-        """KV in this engine's layout goes into the engine as it arrives (the request admitted
-        with its blocks now, computed once the stream ends); another layout is converted once
-        all of it is here."""
-        layout = self.engine.kv_layout
-        if layout is not None and layout == first.layout:
-            return await self._import_while_arriving(first, arrivals)
+        """KV in another block size, dtype or head split: converted once all of it is here."""
         received = await arrivals.done
         chunks = arrivals.take()
+        layout = self.engine.kv_layout
         if layout is None or (chunks and layout.unconvertible(first.layout)):
             chunks = []  # recompute the prompt here instead
             self.metrics.kv_transfer_failures["layout_mismatch"].inc()
-        elif chunks:  # another block size, dtype or head split
+        elif chunks:
             chunks = await asyncio.to_thread(
                 convert_chunks, chunks, first.layout, layout, len(self.prompts[0]), cached_tokens
             )
         self._count(received)
         options = [EngineOptions(first_token_id=first.token_id, imported_kv=chunks)]
         return await self._submit(options, reserved=True)
-
-    async def _import_while_arriving(self, first: First, arrivals: Arrivals) -> RequestStream:
-        request_id = f"{self.request_id}-0"
-        arrived = arrivals.follow(lambda chunk: self.engine.import_kv(request_id, chunk))
-        options = [
-            EngineOptions(
-                first_token_id=first.token_id,
-                imported_kv=arrived,
-                importing_from=first.first_block,
-            )
-        ]
-        try:
-            stream = await self._submit(options, reserved=True)
-            self._count(await arrivals.done)
-        finally:
-            self.engine.import_kv(request_id, None)  # the request goes on from what came
-        return stream
 
     def _count(self, received: Received) -> None:
         if received.failure is not None:  # what arrived loads; the rest is recomputed here

@@ -3,8 +3,8 @@ back (server/kv_wire.py); the first token arrives the moment it is sampled, the 
 as the prefill worker computes it, the last chunk's just after the first token.
 
 Every failure here is survivable: no stream from the prefill worker means this worker prefills
-the prompt itself; a stream that breaks after the first token leaves the blocks that arrived,
-and only the rest of the prompt is recomputed here. `HandoffFailed.reason` and
+the prompt itself; a stream that breaks leaves the blocks that arrived, and only the rest of the
+prompt is recomputed here (with the first token, if the break came before it). `HandoffFailed.reason` and
 `Received.failure` say which, for the failures counter. A request that wants prompt logprobs
 (echo) is prefilled here: see `wants_remote`.
 """
@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout
@@ -26,6 +26,9 @@ from phasefleet.server.kv_wire import PREFILL_PATH, FirstFrame, PrefillRequest, 
 
 if TYPE_CHECKING:
     from phasefleet.engine.sampling_params import SamplingParams
+
+
+T = TypeVar("T")
 
 
 class HandoffFailed(Exception):
@@ -115,18 +118,23 @@ class HandoffClient:
     first_timeout: float = 120.0  # seconds for the first token (the prompt may queue there)
     stall_timeout: float = 30.0  # seconds without a byte once the first token came
 
-    async def prefill(
+    async def open(
         self,
         prefill_url: str,
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
         skip_tokens: int,
-    ) -> tuple[First, Arrivals]:
-        """The first token (raises HandoffFailed when none comes), and the KV as it arrives."""
+    ) -> Handoff:
+        """The hand-off once the prefill worker has taken the prompt (HandoffFailed when it
+        does not): its layout, the KV as it arrives, then the first token."""
         loop = asyncio.get_running_loop()
+        started: asyncio.Future[StartFrame] = loop.create_future()
         first: asyncio.Future[First] = loop.create_future()
         arrivals = Arrivals(loop)
+
+        def on_start(start: StartFrame) -> None:  # the reading thread
+            loop.call_soon_threadsafe(_settle, started, start)
 
         def on_first(start: StartFrame, frame: FirstFrame) -> None:  # the reading thread
             loop.call_soon_threadsafe(_settle, first, First.of(start, frame))
@@ -135,13 +143,14 @@ class HandoffClient:
             loop.call_soon_threadsafe(arrivals.put, _kv_chunk(chunk))
 
         body = PrefillRequest.of(request_id, prompt, params, skip_tokens).model_dump_json()
-        started = time.monotonic()
+        began = time.monotonic()
         reading = asyncio.ensure_future(
             asyncio.to_thread(
                 stream_prefill,
                 prefill_url.rstrip("/") + PREFILL_PATH,
                 {INTERNAL_TOKEN_HEADER: self.token},
                 body.encode(),
+                on_start,
                 on_first,
                 on_chunk,
                 self.connect_timeout,
@@ -149,16 +158,40 @@ class HandoffClient:
                 self.stall_timeout,
             )
         )
-        waiting: set[asyncio.Future[object]] = {first, reading}  # type: ignore[arg-type]
+        waiting: set[asyncio.Future[object]] = {started, reading}  # type: ignore[arg-type]
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if not first.done():  # the stream ended (or failed) before a first token
+        if not started.done():  # it raised (a stream that ends returned after its start)
             try:
-                result = await reading
+                await reading
             except StreamError as exc:
                 raise HandoffFailed(str(exc.reason), exc.detail) from None
-            raise HandoffFailed("prefill_refused", f"no first token: {result.failure}")
-        reading.add_done_callback(partial(_ended, arrivals.done, started))
-        return first.result(), arrivals
+            raise HandoffFailed("prefill_refused", "the stream ended before it started")
+        reading.add_done_callback(partial(_ended, arrivals.done, began))
+        return Handoff(started.result(), arrivals, first, reading)
+
+
+@dataclass
+class Handoff:
+    """One prompt's hand-off, taken by the prefill worker: the layout and blocks it sends
+    (`start`), the KV as it arrives, and the first token to come."""
+
+    start: StartFrame
+    arrivals: Arrivals
+    _first: asyncio.Future[First]
+    _reading: asyncio.Future[StreamedPrefill]
+
+    async def first(self) -> First:
+        """The first token; HandoffFailed when the stream ended without one (the KV that
+        arrived stays in `arrivals`)."""
+        waiting: set[asyncio.Future[object]] = {self._first, self._reading}  # type: ignore[arg-type]
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if self._first.done():  # settled before the reading thread returned, if it sent one
+            return self._first.result()
+        result = await self._reading
+        failure = result.failure
+        if failure is None:
+            raise HandoffFailed("prefill_refused", "the stream ended without a first token")
+        raise HandoffFailed(str(failure.reason), failure.detail)
 
 
 def _kv_chunk(chunk: StreamChunk) -> KVChunk:
@@ -185,7 +218,7 @@ def _ended(
         done.set_result(Received(result.nbytes, time.monotonic() - started, failure))
 
 
-def _settle(future: asyncio.Future[First], value: First) -> None:
+def _settle(future: asyncio.Future[T], value: T) -> None:
     if not future.done():
         future.set_result(value)
 

@@ -7,9 +7,10 @@ decoded here: the chunk-size lines and frame headers go through a small spill bu
 payload's bytes go from the kernel into `StreamChunk.payload` with `recv_into`, copied only when a
 small read for a chunk-size line took some of them along. Blocking: run it in a thread.
 
-Before the first token every failure raises `StreamError` (the caller prefills locally); after
+Before the start frame every failure raises `StreamError` (the caller prefills locally); after
 it, the stream's failure is returned with the KV received so far (the caller recomputes the
-rest), since the first token has already gone to the client.
+rest; before the first token, the first token too), with the reason of a failure before the
+first token (prefill_unreachable, prefill_refused) or after it (pull_*).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class StreamError(Exception):
 
 
 class StreamFailure(NamedTuple):
-    reason: StreamReason  # one of the PULL_* reasons
+    reason: StreamReason  # a PULL_* reason; before the first token a PREFILL_* one
     detail: str
 
 
@@ -77,7 +78,7 @@ class StreamedPrefill:
     here keeps it); with a `failure`, the frames that arrived whole were handed on."""
 
     start: StartFrame | None = None
-    first: FirstFrame | None = None  # never None once stream_prefill returns
+    first: FirstFrame | None = None  # None only with a failure before the first token
     num_blocks: int = 0  # blocks handed on, contiguous from start.skip_blocks
     nbytes: int = 0  # their payload bytes
     end: EndFrame | None = None  # None when the stream failed
@@ -257,6 +258,7 @@ def _check_kv(frame: KVFrame, start: StartFrame, next_block: int, block_bytes: i
 def _read(
     body: _Body,
     result: StreamedPrefill,
+    on_start: Callable[[StartFrame], None],
     on_first: Callable[[StartFrame, FirstFrame], None],
     on_chunk: Callable[[StreamChunk], None],
 ) -> None:
@@ -274,6 +276,7 @@ def _read(
     if start.skip_blocks > start.num_blocks:
         raise _malformed(f"skip_blocks {start.skip_blocks} of {start.num_blocks} blocks")
     result.start = start
+    on_start(start)
     block_bytes = start.layout.layout().block_bytes()
     next_block = start.skip_blocks
     while True:
@@ -313,6 +316,7 @@ def stream_prefill(
     url: str,
     headers: dict[str, str],
     body: bytes,
+    on_start: Callable[[StartFrame], None],
     on_first: Callable[[StartFrame, FirstFrame], None],
     on_chunk: Callable[[StreamChunk], None],
     connect_timeout: float,
@@ -321,11 +325,12 @@ def stream_prefill(
 ) -> StreamedPrefill:
     """POSTs `body` (a kv_wire.PrefillRequest's JSON) to `url` (http only) and reads the stream.
 
-    `on_first(start, first)` runs in this thread as soon as the first token arrives, while the
-    rest of the KV is still to come; `on_chunk` as soon as each KV frame has arrived whole.
-    Seconds: `connect_timeout` to connect; `first_timeout` from then until the first token (the
-    prefill may queue); `stall_timeout` between any two reads after it. StreamError before the
-    first token; after it, `failure` says what broke."""
+    In this thread: `on_start(start)` once the prefill worker has taken the prompt;
+    `on_first(start, first)` as soon as the first token arrives, while the rest of the KV is
+    still to come; `on_chunk` as soon as each KV frame has arrived whole. Seconds:
+    `connect_timeout` to connect; `first_timeout` from then until the first token (the prefill
+    may queue); `stall_timeout` between any two reads after it. StreamError before the start
+    frame; after it, `failure` says what broke."""
     parts = urlsplit(url)
     if parts.scheme != "http" or parts.hostname is None:
         raise StreamError(StreamReason.PREFILL_UNREACHABLE, f"expected an http:// URL: {url!r}")
@@ -345,7 +350,7 @@ def stream_prefill(
             reader = _Body(sock, time.monotonic() + first_timeout, stall_timeout)
             reader.arm()
             sock.sendall(request)
-            _read(reader, result, on_first, on_chunk)
+            _read(reader, result, on_start, on_first, on_chunk)
         except _Stop as exc:
             stop = exc
         except TimeoutError:
@@ -356,8 +361,11 @@ def stream_prefill(
             stop = _Stop(StreamReason.PULL_FAILED, repr(exc), transport=True)
     if stop is None:
         return result
+    reason = stop.reason
     if result.first is None:
-        early = StreamReason.PREFILL_UNREACHABLE if stop.transport else StreamReason.PREFILL_REFUSED
-        raise StreamError(early, stop.detail)
-    result.failure = StreamFailure(stop.reason, stop.detail)
+        early = StreamReason.PREFILL_UNREACHABLE, StreamReason.PREFILL_REFUSED
+        reason = early[0] if stop.transport else early[1]
+        if result.start is None:
+            raise StreamError(reason, stop.detail)
+    result.failure = StreamFailure(reason, stop.detail)
     return result
