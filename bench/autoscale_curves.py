@@ -30,6 +30,7 @@ class Curves:
     chunk_tokens: int = 2048  # the prefill's chunk (the engine's max_num_batched_tokens)
     streamed: bool = True  # each chunk's KV is sent as it is computed (False: pulled after)
     first_token_waits_for_kv: bool = False  # the client gets token 1 once the KV has landed
+    layer_groups: int = 1  # streamed: a chunk's KV goes in this many pieces during its pass
 
     def prefill_s(self, tokens: float) -> float:
         a, b, c = self.prefill
@@ -43,15 +44,22 @@ class Curves:
         """Seconds from the first token until the prompt's KV is on the decode replica.
         Pulled: the whole prompt's KV, sent after the prefill. Streamed: chunk k's KV is sent
         when chunk k is computed (chunk k finishes at prefill_s of the prompt so far), behind
-        the chunks before it on the link; what remains after the last chunk is the tail."""
+        the chunks before it on the link; what remains after the last chunk is the tail. With
+        `layer_groups` G, each 1/G of a chunk's layers is sent as soon as the forward pass is
+        through it (the pass takes the chunk's time evenly over its layers)."""
         per_token = self.kv_bytes_per_token / self.handoff_bytes_per_s
         if not self.streamed:
             return prompt_tokens * per_token
-        done = sent = 0.0
+        groups = self.layer_groups
+        done = sent = began = 0.0
         while done < prompt_tokens:
             chunk = min(self.chunk_tokens, prompt_tokens - done)
             done += chunk
-            sent = max(sent, self.prefill_s(done)) + chunk * per_token
+            ended = self.prefill_s(done)
+            for g in range(1, groups + 1):
+                ready = began + (ended - began) * g / groups
+                sent = max(sent, ready) + chunk * per_token / groups
+            began = ended
         return max(0.0, sent - self.prefill_s(prompt_tokens))
 
 

@@ -1,9 +1,11 @@
 """The KV hand-off in the autoscaling simulator (8B Llama-shaped model on H100): pulled after
-the prefill, streamed chunk by chunk during it, and streamed with the first token held until the
-KV has landed. Same traces, rates and fleets as bench/autoscale_replay.py (the oracle's sizes,
-found on the pulled hand-off, and the static fleet at their peak); SLO attainment of every
-request, of short answers (at most SHORT tokens: the ones a hand-off hurts most, and the ones
-a prefill worker could finish itself), TTFT and TPOT.
+the prefill, streamed chunk by chunk during it, streamed in layer groups during each chunk's
+forward pass (LAYER_GROUPS: what a prompt prefilled in one step could gain), and streamed with
+the first token held until the KV has landed. Same traces, rates and fleets as
+bench/autoscale_replay.py (the oracle's sizes, found on the pulled hand-off, and the static
+fleet at their peak); SLO attainment of every request, of short answers (at most SHORT
+tokens: the ones a hand-off hurts most, and the ones a prefill worker could finish itself),
+TTFT and TPOT.
 
     .venv/bin/python bench/handoff_sim.py [--traces mooncake_synthetic,...]
 """
@@ -29,12 +31,14 @@ from autoscale_sim import POOLS, Fleet
 from autoscale_traces import NAMES, load, scale_rate
 
 SHORT = 4  # output tokens
+LAYER_GROUPS = 4  # 8 of the 32 layers' KV per piece
 
 
 def hand_offs(curves: Curves) -> dict[str, Curves]:
     return {
         "pulled": replace(curves, streamed=False),
         "streamed": curves,
+        f"streamed, {LAYER_GROUPS} layer groups": replace(curves, layer_groups=LAYER_GROUPS),
         "streamed, token 1 held": replace(curves, first_token_waits_for_kv=True),
     }
 

@@ -255,3 +255,17 @@ def test_a_streamed_hand_off_leaves_the_last_chunk_or_the_links_backlog() -> Non
         trace, replace(fast, first_token_waits_for_kv=True), static(one), fixed(one)
     )
     assert held_fleet.first_token[0] == pytest.approx(0.35)  # token 1 held until the KV landed
+
+
+def test_layer_groups_send_a_chunk_during_its_own_forward_pass() -> None:
+    """One chunk of 80 tokens, computed in 80 ms, its KV 40 ms on the link: in 4 layer groups
+    the first three quarters go while the pass goes on, and only the last quarter (10 ms) is
+    left after the first token; on a slow link (160 ms) the backlog stays."""
+    from dataclasses import replace
+
+    fast = replace(make_curves(), kv_bytes_per_token=500_000_000, chunk_tokens=100)
+    assert replace(fast, layer_groups=4).handoff_s(80) == pytest.approx(0.01)
+    assert replace(fast, layer_groups=1).handoff_s(80) == pytest.approx(0.04)
+    slow = replace(fast, kv_bytes_per_token=2_000_000_000, layer_groups=4)
+    # groups ready at 20, 40, 60, 80 ms, 40 ms each on the link: done at 180 ms
+    assert slow.handoff_s(80) == pytest.approx(0.1)
