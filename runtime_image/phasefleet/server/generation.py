@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from phasefleet.engine.kv_convert import convert_chunks
 from phasefleet.engine.outputs import RequestOutput, TokenLogprob
@@ -206,10 +206,11 @@ class Generation:
 
     async def _prefill_remotely(self, remote: RemotePrefill) -> bool:
         """Asks the prefill worker for the prompt; False when it did not take it (the prompt is
-        then prefilled here). In this engine's layout the request is queued here at once and
-        its blocks filled as the KV arrives, chunk by chunk while the prompt is prefilled
-        there; it is computed once all of it has arrived (or the stream broke: then only what
-        is missing is computed, the first token too if none came)."""
+        then prefilled here). In this engine's layout the request is queued here with the
+        first chunk of KV (not while the prompt waits in the prefill worker's queue) and its
+        blocks filled as the rest arrives, chunk by chunk while the prompt is prefilled there;
+        it is computed once all of it has arrived (or the stream broke: then only what is
+        missing is computed, the first token too if none came)."""
         prompt, params = self.prompts[0], self.params[0]
         try:
             handoff = await remote.client.open(
@@ -220,9 +221,16 @@ class Generation:
             return False
         layout = self.engine.kv_layout
         importing = layout is not None and layout == handoff.start.layout.layout()
-        stream = await self._import_as_it_arrives(handoff) if importing else None
+        first_token = asyncio.ensure_future(handoff.first())
+        stream: RequestStream | None = None
         try:
-            first = await handoff.first()
+            if importing:  # KV before the first token: queue the request now
+                began = handoff.arrivals.begun
+                either: set[asyncio.Future[Any]] = {first_token, began}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if began.done():
+                    stream = await self._import_as_it_arrives(handoff)
+            first = await first_token
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()
             if stream is None:
@@ -231,6 +239,7 @@ class Generation:
             self.engine.end_import(self._engine_id, None)
             return True
         except BaseException:  # the client left: the queued request goes too
+            first_token.cancel()
             self.close()
             raise
         self.metrics.prefills["remote"].inc()
@@ -253,10 +262,8 @@ class Generation:
             if stream is not None:
                 stream.close()
             return True
-        if stream is not None:
-            self._rest = asyncio.create_task(
-                self._decode_once_arrived(stream, first, handoff.arrivals)
-            )
+        if importing:
+            self._rest = asyncio.create_task(self._decode_once_arrived(stream, first, handoff))
         else:
             self._rest = asyncio.create_task(
                 self._convert_then_decode(first, handoff.arrivals, remote.cached_tokens)
@@ -276,10 +283,14 @@ class Generation:
         return await self._submit(options, reserved=True)
 
     async def _decode_once_arrived(
-        self, stream: RequestStream, first: First, arrivals: Arrivals
+        self, stream: RequestStream | None, first: First, handoff: Handoff
     ) -> RequestStream:
+        """Queues the request if it is not yet (the first token came first: it went to the
+        client before this), then hands the engine the first token once the KV is in."""
+        if stream is None:
+            stream = await self._import_as_it_arrives(handoff)
         try:
-            self._count(await arrivals.done)
+            self._count(await handoff.arrivals.done)
         finally:
             self.engine.end_import(self._engine_id, first.token_id)
         return stream

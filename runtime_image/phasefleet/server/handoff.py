@@ -4,9 +4,9 @@ as the prefill worker computes it, the last chunk's just after the first token.
 
 Every failure here is survivable: no stream from the prefill worker means this worker prefills
 the prompt itself; a stream that breaks leaves the blocks that arrived, and only the rest of the
-prompt is recomputed here (with the first token, if the break came before it). `HandoffFailed.reason` and
-`Received.failure` say which, for the failures counter. A request that wants prompt logprobs
-(echo) is prefilled here: see `wants_remote`.
+prompt is recomputed here (with the first token, if the break came before it).
+`HandoffFailed.reason` and `Received.failure` say which, for the failures counter. A request
+that wants prompt logprobs (echo) is prefilled here: see `wants_remote`.
 """
 
 from __future__ import annotations
@@ -85,9 +85,11 @@ class Received:
 
 class Arrivals:
     """The KV of one hand-off as it arrives, on the event loop: chunks are kept until `follow`
-    takes them and names who gets each later one; `done` resolves when the stream has ended."""
+    takes them and names who gets each later one; `begun` resolves with the first chunk,
+    `done` when the stream has ended."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.begun: asyncio.Future[None] = loop.create_future()  # the first chunk is here
         self.done: asyncio.Future[Received] = loop.create_future()
         self._kept: list[KVChunk] = []
         self._follower: Callable[[KVChunk], None] | None = None
@@ -103,6 +105,8 @@ class Arrivals:
         return self.take()
 
     def put(self, chunk: KVChunk) -> None:
+        if not self.begun.done():
+            self.begun.set_result(None)
         if self._follower is None:
             self._kept.append(chunk)
         else:
