@@ -68,12 +68,21 @@ class Score:
     seconds: float  # wall time of the simulation
 
 
+def latencies(
+    trace: Trace, first_token: np.ndarray, finish: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """TTFT and TPOT per request, seconds (TPOT 0 for one-token answers), from either fleet."""
+    ttft = first_token - trace.arrival
+    long = trace.output > 1
+    tpot = np.zeros(len(ttft))
+    tpot[long] = (finish[long] - first_token[long]) / (trace.output[long] - 1)
+    return ttft, tpot
+
+
 def score(fleet: Fleet, slo: Slo, seconds: float) -> Score:
     tr = fleet.trace
-    ttft = fleet.first_token - tr.arrival
+    ttft, tpot = latencies(tr, fleet.first_token, fleet.finish)
     long = tr.output > 1
-    tpot = np.zeros(len(ttft))
-    tpot[long] = (fleet.finish[long] - fleet.first_token[long]) / (tr.output[long] - 1)
     ttft_ok, tpot_ok = ttft <= slo.ttft_s, tpot <= slo.tpot_s
     met = int((ttft_ok & tpot_ok).sum())
     gpu_hours = fleet.gpu_seconds(fleet.end) / 3600
