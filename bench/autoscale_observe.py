@@ -5,9 +5,9 @@ that got their first token, or finished, in the last window; gauges as of now)."
 from __future__ import annotations
 
 import numpy as np
-from autoscale_sim import Fleet
 
 from phasefleet.autoscale.signals import PodLoad, PoolSignals, Signals
+from phasefleet.plan.disagg_sim import Fleet
 
 LOOKBACK_S = 900.0  # requests that arrived longer ago are assumed prefilled (keeps it fast)
 

@@ -12,7 +12,8 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from autoscale_sim import Fleet  # noqa: E402
+
+from phasefleet.plan.disagg_sim import Fleet  # noqa: E402
 
 BIN_S = 60.0
 COLORS = {

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from autoscale_curves import Curves
 from autoscale_observe import LOOKBACK_S, Observer
-from autoscale_sim import POOLS, Controller, Fleet
-from autoscale_traces import Trace
 
 from phasefleet.autoscale.policy import PolicyState, ScalingConfig, decide
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.disagg_sim import POOLS, Controller, Fleet
+from phasefleet.plan.trace import Trace
 
 
 def static(sizes: Mapping[str, int]) -> Controller:

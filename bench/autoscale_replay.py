@@ -18,13 +18,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from autoscale_curves import Curves, h100_8b
+from autoscale_curves import h100_8b
 from autoscale_plot import plot_runs
 from autoscale_policies import demand, held, hpa, keda, oracle, oracle_sizes, ours, static
-from autoscale_sim import POOLS, Controller, Fleet, simulate
-from autoscale_traces import NAMES, Trace, add_spike, compress_bursts, load, scale_rate
+from autoscale_traces import NAMES, add_spike, compress_bursts, load, scale_rate
 
 from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.disagg_sim import POOLS, Controller, Fleet, simulate
+from phasefleet.plan.trace import Trace
 
 EMPTY = Trace("empty", np.zeros(1), np.ones(1, int), np.ones(1, int))
 INTERVAL_S = 15.0  # every controller decides this often

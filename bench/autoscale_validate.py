@@ -1,13 +1,16 @@
-"""Checks the autoscaling simulator against the real local fleet on one trace segment.
+"""Checks the simulators against the real local fleet on one trace segment.
 
 The segment (Azure 2023 conversation trace, lengths divided by --scale, as in
 bench/disagg_replay.py) is replayed with its arrival times against `phasefleet serve`'s fleet
-(1 prefill + 1 decode worker of one CPU thread each, every prompt prefilled remotely, the bench
-model), and simulated with the curves measured on this CPU (bench/autoscale_cpu.json, from
-bench/autoscale_measure.py) for the same static pools. Printed: TTFT and TPOT percentiles,
-predicted vs measured, with the error.
+of two workers of one CPU thread each, the bench model: 1 prefill + 1 decode, every prompt
+prefilled remotely (`--mode disaggregated`, phasefleet/plan/disagg_sim.py), or 2 aggregated workers
+with a token budget of `--chunk` per step (`--mode aggregated`, phasefleet/plan/aggregated_sim.py; a
+budget over the longest prompt is unchunked). The same segment is simulated with the curves
+measured on this CPU (bench/autoscale_cpu.json, from bench/autoscale_measure.py) for the same
+static fleet. Printed: TTFT and TPOT percentiles, predicted vs measured, with the error.
 
     .venv/bin/python bench/autoscale_validate.py --model /tmp/pf-bench --duration 60
+    .venv/bin/python bench/autoscale_validate.py --model /tmp/pf-bench --mode aggregated --chunk 128
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 from autoscale_curves import CPU_JSON, cpu_curves
 from autoscale_policies import static
-from autoscale_sim import simulate
-from autoscale_traces import Trace
 from disagg_replay import MODEL_NAME, replay, warm_up
 from trace_segment import AZURE_CONV, load_segment
 
-from phasefleet.local.fleet import Fleet, FleetConfig, free_port
+from phasefleet.local.fleet import Fleet as LocalFleet
+from phasefleet.local.fleet import FleetConfig, free_port
+from phasefleet.plan.aggregated_sim import AggregatedFleet, simulate_aggregated
+from phasefleet.plan.disagg_sim import Fleet, simulate
+from phasefleet.plan.trace import Trace
 
 PERCENTILES = (50, 90, 99)
 
@@ -45,39 +51,46 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=1, help="keep every Nth request (lighter load)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="as when measured")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    p.add_argument("--mode", choices=("disaggregated", "aggregated"), default="disaggregated")
+    p.add_argument("--chunk", type=int, default=2048, help="tokens per step (the budget)")
     return p.parse_args()
 
 
 def measure(args: argparse.Namespace, segment: list, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """(TTFT, TPOT) per request on the real fleet; TPOT NaN for one-token answers."""
     worker_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"]
-    worker_args += ["--max-num-batched-tokens", "2048", "--remote-prefill-min-tokens", "0"]
+    worker_args += ["--max-num-batched-tokens", str(args.chunk)]
+    if args.mode == "disaggregated":
+        worker_args += ["--remote-prefill-min-tokens", "0"]
+        pools = {"prefill": 1, "decode": 1}
+    else:
+        pools = {"worker": 2}
     with tempfile.TemporaryDirectory(prefix="pf-validate-") as tmp:
-        fleet = Fleet(
+        local = LocalFleet(
             FleetConfig(
                 model=str(args.model),
                 served_model_name=MODEL_NAME,
                 port=free_port(),
-                pools={"prefill": 1, "decode": 1},
+                pools=pools,
                 run_dir=Path(tmp),
                 worker_args=worker_args,
                 router_args=["--log-level", "warning"],
                 drain_timeout=5.0,
             )
         )
-        fleet.start()
+        local.start()
         try:
 
             async def drive() -> list:
                 limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
                 async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-                    await warm_up(client, fleet.url, vocab)
+                    await warm_up(client, local.url, vocab)
                     time.sleep(2.0)
-                    return await replay(client, fleet.url, segment)
+                    return await replay(client, local.url, segment)
 
             timings = asyncio.run(drive())
         finally:
-            fleet.stop()
+            local.stop()
     failed = [t.error for t in timings if not t.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
@@ -93,9 +106,12 @@ def predict(args: argparse.Namespace, segment: list, clock: str) -> tuple[np.nda
         np.array([len(r.prompt_token_ids) for r in segment]),
         np.array([r.max_tokens for r in segment]),
     )
-    pools = {"prefill": 1, "decode": 1}
-    curves = cpu_curves(args.curves, clock)
-    fleet = simulate(trace, curves, static(pools), pools, interval_s=60.0, dt=0.005)
+    curves = replace(cpu_curves(args.curves, clock), chunk_tokens=args.chunk)
+    if args.mode == "aggregated":
+        fleet: Fleet | AggregatedFleet = simulate_aggregated(trace, curves, 2)
+    else:
+        pools = {"prefill": 1, "decode": 1}
+        fleet = simulate(trace, curves, static(pools), pools, interval_s=60.0, dt=0.005)
     long = trace.output > 1
     tpot = np.full(len(trace.arrival), np.nan)
     tpot[long] = (fleet.finish[long] - fleet.first_token[long]) / (trace.output[long] - 1)
@@ -111,7 +127,8 @@ def main() -> None:
     )[:: args.every]
     print(
         f"{len(segment)} requests, {args.start:.0f}+{args.duration:.0f} s of {AZURE_CONV.name}, "
-        f"lengths / {args.scale:g}; load {os.getloadavg()[0]:.1f}",
+        f"lengths / {args.scale:g}; {args.mode}, {args.chunk} tokens per step; "
+        f"load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     predicted = {clock: predict(args, segment, clock) for clock in ("cpu", "wall")}

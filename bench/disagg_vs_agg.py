@@ -6,8 +6,9 @@ rough capacity would see fewer than --requests; rate-scaled by `scale_rate`), on
 roofline curves and on this CPU's measured curves (token counts divided by CPU_TOKEN_SCALE, as
 bench/disagg_replay.py does to fit the bench model), and for three SLOs (the trace's from
 autoscale_replay.SLOS, and its TPOT halved and doubled):
-- aggregated (bench/aggregated_sim.py): --gpus workers, unchunked and at several token budgets;
-- disaggregated (bench/autoscale_sim.py, static pools): every P:D split of --gpus.
+- aggregated (phasefleet/plan/aggregated_sim.py): --gpus workers, unchunked and at several
+  token budgets;
+- disaggregated (phasefleet/plan/disagg_sim.py, static pools): every P:D split of --gpus.
 Goodput per GPU of a setup is the highest rate at which at least --target of the requests meet
 both TTFT and TPOT, divided by its GPUs. The rates grow by RATE_STEP from LOWEST x a rough
 per-GPU capacity; every setup's table reads goodput off that grid (linear between the highest
@@ -27,13 +28,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from aggregated_sim import simulate_aggregated
-from autoscale_curves import Curves, cpu_curves, h100_8b
+from autoscale_curves import cpu_curves, h100_8b
 from autoscale_policies import static
 from autoscale_replay import DT_S, SLOS, Slo, latencies
-from autoscale_sim import simulate
-from autoscale_traces import CONTEXT, NAMES, Trace, load, scale_rate
+from autoscale_traces import CONTEXT, NAMES, load, scale_rate
 from disagg_vs_agg_plot import plot_attainment
+
+from phasefleet.plan.aggregated_sim import simulate_aggregated
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.disagg_sim import simulate
+from phasefleet.plan.trace import Trace
 
 CPU_TOKEN_SCALE = 8  # trace lengths / this on the CPU curves (the bench model, 32k KV tokens)
 CHUNKS = {"h100": (512, 2048, 8192), "cpu": (128, 512, 2048)}  # aggregated token budgets

@@ -16,7 +16,7 @@ import argparse
 from dataclasses import replace
 
 import numpy as np
-from autoscale_curves import Curves, h100_8b
+from autoscale_curves import h100_8b
 from autoscale_policies import oracle, static
 from autoscale_replay import (
     ORACLE_INTERVAL_S,
@@ -27,8 +27,10 @@ from autoscale_replay import (
     rate_factor,
     run,
 )
-from autoscale_sim import POOLS, Fleet
 from autoscale_traces import NAMES, load, scale_rate
+
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.disagg_sim import POOLS, Fleet
 
 SHORT = 4  # output tokens
 LAYER_GROUPS = 4  # 8 of the 32 layers' KV per piece

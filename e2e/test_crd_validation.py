@@ -4,6 +4,7 @@ with a message that names the field (the same cases tests/api feeds to pydantic)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from e2e.harness.controlplane import ControlPlane
 from phasefleet.api.crd import crd_yaml
 from phasefleet.api.names import MAX_NAME_LENGTH, InvalidService, validate_service
+from phasefleet.cli import main
 from tests.api.cases import example_services, invalid_cases
 
 
@@ -67,6 +69,23 @@ def test_examples_are_accepted_and_defaulted(
     for role in ("prefill", "decode", "worker"):
         if role in spec:
             assert spec[role]["terminationGracePeriodSeconds"] >= 0
+
+
+@pytest.mark.parametrize(("rate", "tpot_ms"), [(2.0, 60), (20.0, 40)], ids=["light", "tight"])
+def test_a_planned_service_is_accepted(
+    cluster: ControlPlane, crd: None, namespace: str, tmp_path: Path, rate: float, tpot_ms: int
+) -> None:
+    """`phasefleet plan` writes what the API server takes, whichever mode it picks."""
+    rows = [f"{i / rate:.3f},{200 + (i * 37) % 900},{10 + (i * 11) % 90}" for i in range(600)]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "planned.yaml"
+    argv = ["plan", "--trace", str(trace), "--ttft-ms", "800", "--tpot-ms", str(tpot_ms)]
+    assert main([*argv, "--gpu", "l40s", "--max-gpus", "16", "-o", str(out)]) == 0
+    cluster.kubectl("apply", "-n", namespace, "-f", str(out))
+    stored = cluster.get_json("inferenceservice", "planned", "-n", namespace)
+    assert stored["spec"]["autoscaling"]["enabled"] is True
+    assert stored["spec"]["slo"]["tpotMs"] == tpot_ms
 
 
 def test_the_longest_allowed_name_is_accepted(

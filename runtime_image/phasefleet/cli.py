@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("phasefleet.router.cli", "run the router: the OpenAI front door over the workers"),
     "make-tiny": ("phasefleet.engine.tiny", "write a small random model and tokenizer to a folder"),
     "crd": ("phasefleet.api.cli", "print the InferenceService CustomResourceDefinition"),
+    "plan": ("phasefleet.plan.cli", "size a service for a request trace and an SLO"),
     "operator": ("phasefleet.operator.cli", "run the Kubernetes operator (kopf)"),
 }
 

@@ -7,10 +7,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from aggregated_sim import AggregatedFleet, Worker, simulate_aggregated
-from autoscale_curves import Curves, h100_8b
+from autoscale_curves import h100_8b
 from autoscale_replay import latencies
-from autoscale_traces import Trace
+
+from phasefleet.plan.aggregated_sim import AggregatedFleet, Worker, simulate_aggregated
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.trace import Trace
 
 UNCHUNKED = 131072  # token budget of one step: a whole prompt at once
 

@@ -7,13 +7,15 @@ from collections.abc import Mapping
 
 import numpy as np
 import pytest
-from autoscale_curves import Curves, h100_8b
+from autoscale_curves import h100_8b
 from autoscale_observe import Observer
 from autoscale_policies import Hpa, demand, held, oracle, oracle_sizes, ours, static
-from autoscale_sim import Fleet, simulate
-from autoscale_traces import Trace, add_spike, compress_bursts, scale_rate
+from autoscale_traces import add_spike, compress_bursts, scale_rate
 
 from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.disagg_sim import Fleet, simulate
+from phasefleet.plan.trace import Trace
 
 STEP_S = 0.01  # decode step, whatever the batch
 

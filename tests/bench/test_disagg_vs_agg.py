@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from autoscale_curves import Curves
 from autoscale_replay import Slo
-from autoscale_traces import Trace
 from disagg_vs_agg import RATE_STEP, Replay, best, goodput, setups, sweep
+
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.trace import Trace
 
 
 def test_goodput_is_the_rate_where_attainment_crosses_the_target() -> None:

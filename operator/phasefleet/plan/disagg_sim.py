@@ -32,8 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from autoscale_curves import Curves
-from autoscale_traces import Trace
+
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.trace import Trace
 
 POOLS = ("prefill", "decode")
 

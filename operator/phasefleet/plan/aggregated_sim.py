@@ -45,8 +45,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from autoscale_curves import Curves
-from autoscale_traces import Trace
+
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.trace import Trace
 
 
 @dataclass

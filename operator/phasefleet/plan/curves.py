@@ -1,0 +1,189 @@
+"""One replica's speed, as the simulators read it: prefill seconds for a prompt, decode step
+seconds for a batch, KV capacity, batch limit, start-up time and the KV hand-off.
+
+`roofline(model, gpu)` derives them from a model's shape and a GPU's published bandwidth and
+FLOP/s, with the efficiency factors of `Efficiency` (assumptions until a GPU measures them:
+bench/gpu_check.py). Curves measured on a CPU come from bench/autoscale_measure.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from phasefleet.plan.gpus import Gpu
+
+
+@dataclass(frozen=True)
+class Curves:
+    name: str
+    prefill: tuple[float, float, float]  # seconds = a + b n + c n^2, n prompt tokens
+    decode: tuple[float, float, float]  # step seconds = d0 + d1 batch + d2 kv_tokens (sum)
+    kv_capacity_tokens: int  # KV cache of one replica, tokens
+    max_num_seqs: int  # requests in one decode batch
+    startup_s: float  # process start (or pod scheduled) to serving
+    handoff_bytes_per_s: float  # KV hand-off bandwidth between a prefill and a decode replica
+    kv_bytes_per_token: int
+    chunk_tokens: int = 2048  # the prefill's chunk (the engine's max_num_batched_tokens)
+    streamed: bool = True  # each chunk's KV is sent as it is computed (False: pulled after)
+    first_token_waits_for_kv: bool = False  # the client gets token 1 once the KV has landed
+    layer_groups: int = 1  # streamed: a chunk's KV goes in this many pieces during its pass
+
+    def prefill_s(self, tokens: float) -> float:
+        a, b, c = self.prefill
+        return a + b * tokens + c * tokens * tokens
+
+    def decode_step_s(self, batch: float, kv_tokens: float) -> float:
+        d0, d1, d2 = self.decode
+        return d0 + d1 * batch + d2 * kv_tokens
+
+    def handoff_s(self, prompt_tokens: float) -> float:
+        """Seconds from the first token until the prompt's KV is on the decode replica.
+        Pulled: the whole prompt's KV, sent after the prefill. Streamed: chunk k's KV is sent
+        when chunk k is computed (chunk k finishes at prefill_s of the prompt so far), behind
+        the chunks before it on the link; what remains after the last chunk is the tail. With
+        `layer_groups` G, each 1/G of a chunk's layers is sent as soon as the forward pass is
+        through it (the pass takes the chunk's time evenly over its layers)."""
+        per_token = self.kv_bytes_per_token / self.handoff_bytes_per_s
+        if not self.streamed:
+            return prompt_tokens * per_token
+        groups = self.layer_groups
+        done = sent = began = 0.0
+        while done < prompt_tokens:
+            chunk = min(self.chunk_tokens, prompt_tokens - done)
+            done += chunk
+            ended = self.prefill_s(done)
+            for g in range(1, groups + 1):
+                ready = began + (ended - began) * g / groups
+                sent = max(sent, ready) + chunk * per_token / groups
+            began = ended
+        return max(0.0, sent - self.prefill_s(prompt_tokens))
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    prefill_mfu: float = 0.5  # share of peak bf16 FLOP/s a prefill step reaches
+    decode_hbm_efficiency: float = 0.8  # share of HBM bandwidth a decode step reaches
+    decode_mfu: float = 0.35  # compute side of a large decode batch
+    step_overhead_s: float = 0.004  # scheduling, sampling, launch per step (CUDA graphs on)
+    gpu_memory_utilization: float = 0.9  # of the GPU's memory, as vLLM's default
+    activation_overhead_bytes: float = 4e9  # activations, CUDA graphs, allocator slack
+    max_num_seqs: int = 256
+    startup_s: float = 60.0  # assumed: pod start, weights from local NVMe, CUDA graphs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @classmethod
+    def from_config(cls, path: Path) -> ModelShape:
+        """A Llama-style decoder from its Hugging Face config.json (or the folder holding it);
+        ValueError naming a missing field."""
+        file = path / "config.json" if path.is_dir() else path
+        config = json.loads(file.read_text())
+        try:
+            hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+            heads, mlp = int(config["num_attention_heads"]), int(config["intermediate_size"])
+            vocab = int(config["vocab_size"])
+        except KeyError as exc:
+            raise ValueError(f"{file}: no {exc.args[0]} (a Llama-style config is needed)") from None
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
+        embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+        params = layers * (attention + 3 * hidden * mlp) + embeddings
+        dtype = 4 if str(config.get("torch_dtype", "bfloat16")) == "float32" else 2
+        name = str(config.get("_name_or_path") or file.parent.name or "model")
+        return cls(name, float(params), layers, hidden, kv_heads, head_dim, dtype)
+
+
+def roofline(model: ModelShape, gpu: Gpu, eff: Efficiency = Efficiency()) -> Curves:
+    """Prefill is compute-bound (2 x params FLOPs per token plus causal attention); a decode
+    step reads every weight and the batch's KV once (memory-bound), with the batch's FLOPs as a
+    second term that only matters for large batches of short contexts. ValueError when the
+    weights leave no room for KV."""
+    prefill_flops = gpu.bf16_flops * eff.prefill_mfu
+    per_token = 2 * model.params / prefill_flops
+    # causal attention: QK^T and PV, 2 x 2 x n^2/2 x hidden FLOPs per layer
+    per_token_sq = 2 * model.layers * model.hidden / prefill_flops
+    hbm = gpu.hbm_bytes_per_s * eff.decode_hbm_efficiency
+    weights = model.dtype_bytes * model.params
+    free = gpu.memory_bytes * eff.gpu_memory_utilization - weights - eff.activation_overhead_bytes
+    if free <= 0:
+        raise ValueError(
+            f"{model.name}: {weights / 1e9:.0f} GB of weights leave no KV cache on one "
+            f"{gpu.name}; it needs tensor parallelism"
+        )
+    # step = overhead + weights / hbm + kv bytes / hbm + 2 x params FLOPs per sequence at
+    # decode_mfu: the terms are added, not overlapped (pessimistic for large batches)
+    per_seq = 2 * model.params / (gpu.bf16_flops * eff.decode_mfu)
+    kv = model.kv_bytes_per_token
+    return Curves(
+        name=f"{model.name} on {gpu.name} (roofline)",
+        prefill=(eff.step_overhead_s, per_token, per_token_sq),
+        decode=(eff.step_overhead_s + weights / hbm, per_seq, kv / hbm),
+        kv_capacity_tokens=int(free // kv),
+        max_num_seqs=eff.max_num_seqs,
+        startup_s=eff.startup_s,
+        handoff_bytes_per_s=gpu.link_bytes_per_s,
+        kv_bytes_per_token=kv,
+    )
+
+
+def fit_prefill(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
+    """Least squares of seconds = a + b n + c n^2 with c >= 0 (else a straight line)."""
+    design = np.stack([np.ones_like(tokens), tokens, tokens * tokens], axis=1)
+    coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
+    if coef[2] < 0:
+        coef = np.append(np.linalg.lstsq(design[:, :2], seconds, rcond=None)[0], 0.0)
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def fit_decode(
+    batch: np.ndarray, kv: np.ndarray, seconds: np.ndarray
+) -> tuple[float, float, float]:
+    """Least squares of step seconds = d0 + d1 batch + d2 kv_tokens."""
+    design = np.stack([np.ones_like(batch), batch, kv], axis=1)
+    coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+def measured(
+    path: Path,
+    kv_bytes_per_token: int,
+    handoff_bytes_per_s: float,
+    clock: str = "cpu",
+    max_num_seqs: int = 64,
+) -> Curves:
+    """Curves fitted to what bench/autoscale_measure.py measured of our engine (its JSON): the
+    steps' process CPU time (`clock="cpu"`: what the engine costs, without the time slices
+    other processes took) or wall time (what they took while measured)."""
+    m = json.loads(path.read_text())
+    prefill = {int(n): s for n, s in m[f"prefill_{clock}_s"].items()}
+    points = [(k.split("x"), s) for k, s in m[f"decode_step_{clock}_s"].items()]
+    batch = np.array([float(b) for (b, _), _ in points])
+    kv = np.array([float(b) * (float(c) + m["decode_steps"] / 2) for (b, c), _ in points])
+    return Curves(
+        name=f"{m.get('model', path.stem)}, measured ({clock} time, {m.get('threads', 1)} thread)",
+        prefill=fit_prefill(np.array(list(prefill), float), np.array(list(prefill.values()))),
+        decode=fit_decode(batch, kv, np.array([s for _, s in points])),
+        kv_capacity_tokens=int(m["kv_capacity_tokens"]),
+        max_num_seqs=max_num_seqs,
+        startup_s=float(np.median(m["startup_s"])),
+        handoff_bytes_per_s=handoff_bytes_per_s,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )

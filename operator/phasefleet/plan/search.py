@@ -1,0 +1,163 @@
+"""The search behind `phasefleet plan`: for a trace and an SLO, the fewest GPUs that meet it in
+each mode, found by replaying the trace in the simulators on fleets of fixed size.
+
+- Aggregated: workers that prefill and decode, at each token budget per step in `CHUNKS`
+  (and unchunked); the fewest workers meeting the SLO, by bisection (attainment grows with
+  the workers).
+- Disaggregated: TTFT is set by the prefill pool alone, so the fewest prefill replicas whose
+  TTFT meets the target on a generous decode pool come first; then, for that pool and one
+  replica more, the fewest decode replicas that meet both targets.
+
+A request meets the SLO when its TTFT and its TPOT are both within target; a fleet meets it
+when at least `percentile` of the requests do (attainment).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from phasefleet.plan.aggregated_sim import simulate_aggregated
+from phasefleet.plan.curves import Curves
+from phasefleet.plan.disagg_sim import simulate
+from phasefleet.plan.trace import Trace
+
+CHUNKS = (512, 2048, 8192)  # token budgets per step tried for aggregated workers
+DT_S = 0.1  # the disaggregated simulator's decode tick
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+    percentile: float  # the share of requests that must meet both, e.g. 0.99
+
+
+@dataclass(frozen=True)
+class Shape:
+    mode: str  # "aggregated" or "disaggregated"
+    chunk_tokens: int  # the token budget per step (aggregated; prefill chunks otherwise)
+    workers: int = 0  # aggregated
+    prefill: int = 0  # disaggregated
+    decode: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.workers + self.prefill + self.decode
+
+    def label(self, context: int) -> str:
+        if self.mode == "disaggregated":
+            return f"disaggregated {self.prefill}P:{self.decode}D"
+        budget = "unchunked" if self.chunk_tokens >= context else f"chunks of {self.chunk_tokens}"
+        return f"aggregated, {budget}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    shape: Shape
+    attainment: float  # share of requests meeting both targets
+    ttft_p: float  # seconds, at the SLO's percentile
+    tpot_p: float
+    goodput_per_gpu: float  # requests meeting the SLO per second per GPU
+
+    def meets(self, slo: Slo) -> bool:
+        return self.attainment >= slo.percentile
+
+
+@dataclass(frozen=True)
+class Plan:
+    best: Outcome | None  # the cheapest that meets the SLO (fewest GPUs, then attainment)
+    candidates: list[Outcome]  # the cheapest of each mode and budget, met or not
+    seconds: float  # wall time of the search
+
+
+def replay(trace: Trace, curves: Curves, shape: Shape, slo: Slo) -> Outcome:
+    """One fixed-size fleet through the whole trace, scored."""
+    curves = replace(curves, chunk_tokens=shape.chunk_tokens)
+    if shape.mode == "aggregated":
+        fleet = simulate_aggregated(trace, curves, shape.workers)
+        first, finish = fleet.first_token, fleet.finish
+    else:
+        pools = {"prefill": shape.prefill, "decode": shape.decode}
+        sized = simulate(trace, curves, lambda _f, _t: pools, pools, interval_s=1e9, dt=DT_S)
+        first, finish = sized.first_token, sized.finish
+    ttft = first - trace.arrival
+    many = trace.output > 1
+    tpot = np.zeros(len(ttft))
+    tpot[many] = (finish[many] - first[many]) / (trace.output[many] - 1)
+    met = (ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)
+    span = max(trace.duration, 1.0)
+    return Outcome(
+        shape,
+        float(met.mean()),
+        float(np.quantile(ttft, slo.percentile)),
+        float(np.quantile(tpot, slo.percentile)),
+        float(met.sum()) / span / shape.gpus,
+    )
+
+
+def fewest(
+    low: int, high: int, run: Callable[[int], Outcome], good: Callable[[Outcome], bool]
+) -> Outcome:
+    """The outcome of the smallest n in [low, high] whose outcome is good (taken to be good for
+    every n above one that is); that of `high` when none is."""
+    best = run(high)
+    if not good(best):
+        return best
+    while low < high:
+        mid = (low + high) // 2
+        out = run(mid)
+        if good(out):
+            best, high = out, mid
+        else:
+            low = mid + 1
+    return best
+
+
+def search(trace: Trace, curves: Curves, slo: Slo, max_gpus: int, context: int) -> Plan:
+    """The cheapest fleet of at most `max_gpus` GPUs per mode and budget, and the best of all."""
+    started = time.monotonic()
+
+    def met(out: Outcome) -> bool:
+        return out.meets(slo)
+
+    def aggregated(chunk: int) -> Callable[[int], Outcome]:
+        return lambda n: replay(trace, curves, Shape("aggregated", chunk, workers=n), slo)
+
+    budgets = sorted({min(chunk, context) for chunk in (*CHUNKS, context)})
+    candidates = [fewest(1, max_gpus, aggregated(c), met) for c in budgets]
+    if max_gpus >= 2:
+        candidates.append(_disaggregated(trace, curves, slo, max_gpus))
+    meeting = [c for c in candidates if met(c)]
+    best = min(meeting, key=lambda c: (c.shape.gpus, -c.attainment)) if meeting else None
+    return Plan(best, candidates, time.monotonic() - started)
+
+
+def _disaggregated(trace: Trace, curves: Curves, slo: Slo, max_gpus: int) -> Outcome:
+    """Prefill replicas for TTFT first (decode generous), then decode replicas for both."""
+    chunk = curves.chunk_tokens
+
+    def fleet(prefill: int, decode: int) -> Outcome:
+        shape = Shape("disaggregated", chunk, prefill=prefill, decode=decode)
+        return replay(trace, curves, shape, slo)
+
+    def ttft_met(out: Outcome) -> bool:
+        return out.ttft_p <= slo.ttft_s
+
+    def with_prefill(p: int) -> Callable[[int], Outcome]:
+        return lambda d: fleet(p, d)
+
+    roomy = fewest(1, max_gpus - 1, lambda p: fleet(p, max_gpus - p), ttft_met)
+    prefill = roomy.shape.prefill
+    tries = [
+        fewest(1, max_gpus - p, with_prefill(p), lambda o: o.meets(slo))
+        for p in (prefill, prefill + 1)
+        if p < max_gpus
+    ]
+    meeting = [t for t in tries if t.meets(slo)]
+    if not meeting:
+        return max(tries, key=lambda t: t.attainment)
+    return min(meeting, key=lambda t: (t.shape.gpus, -t.attainment))
