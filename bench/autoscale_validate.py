@@ -58,17 +58,32 @@ def parse_args() -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, segment: list, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """(TTFT, TPOT) per request on the real fleet; TPOT NaN for one-token answers."""
-    worker_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "warning"]
-    worker_args += ["--max-num-batched-tokens", str(args.chunk)]
+    worker_args = ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.mode == "disaggregated":
+        return measure_fleet(
+            args.model, {"prefill": 1, "decode": 1}, args.chunk, worker_args, segment, vocab
+        )
+    return measure_fleet(args.model, {"worker": 2}, args.chunk, worker_args, segment, vocab)
+
+
+def measure_fleet(
+    model: Path,
+    pools: dict[str, int],
+    chunk: int,
+    worker_args: list[str],
+    segment: list,
+    vocab: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(TTFT, TPOT) per request of `segment` replayed on a local fleet of `pools` (prefill and
+    decode: every prompt handed off; or worker), `chunk` tokens per step; TPOT NaN for
+    one-token answers."""
+    worker_args = [*worker_args, "--log-level", "warning", "--max-num-batched-tokens", str(chunk)]
+    if "prefill" in pools:
         worker_args += ["--remote-prefill-min-tokens", "0"]
-        pools = {"prefill": 1, "decode": 1}
-    else:
-        pools = {"worker": 2}
     with tempfile.TemporaryDirectory(prefix="pf-validate-") as tmp:
         local = LocalFleet(
             FleetConfig(
-                model=str(args.model),
+                model=str(model),
                 served_model_name=MODEL_NAME,
                 port=free_port(),
                 pools=pools,
