@@ -29,13 +29,12 @@ import numpy as np
 from autoscale_curves import CPU_JSON, cpu_curves
 from autoscale_policies import static
 from disagg_replay import MODEL_NAME, replay, warm_up
-from trace_segment import AZURE_CONV, load_segment
+from trace_segment import AZURE_CONV, as_trace, load_segment
 
 from phasefleet.local.fleet import Fleet as LocalFleet
 from phasefleet.local.fleet import FleetConfig, free_port
 from phasefleet.plan.aggregated_sim import AggregatedFleet, simulate_aggregated
 from phasefleet.plan.disagg_sim import Fleet, simulate
-from phasefleet.plan.trace import Trace
 
 PERCENTILES = (50, 90, 99)
 
@@ -115,12 +114,7 @@ def measure_fleet(
 
 
 def predict(args: argparse.Namespace, segment: list, clock: str) -> tuple[np.ndarray, np.ndarray]:
-    trace = Trace(
-        "segment",
-        np.array([r.offset for r in segment]),
-        np.array([len(r.prompt_token_ids) for r in segment]),
-        np.array([r.max_tokens for r in segment]),
-    )
+    trace = as_trace(segment)
     curves = replace(cpu_curves(args.curves, clock), chunk_tokens=args.chunk)
     if args.mode == "aggregated":
         fleet: Fleet | AggregatedFleet = simulate_aggregated(trace, curves, 2)

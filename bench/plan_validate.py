@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 from autoscale_curves import BENCH_KV_BYTES_PER_TOKEN
 from autoscale_validate import measure_fleet
-from trace_segment import AZURE_CONV, load_segment
+from trace_segment import AZURE_CONV, as_trace, load_segment
 
 from phasefleet.plan.cli import LINK_GBPS
 from phasefleet.plan.curves import measured
 from phasefleet.plan.search import Outcome, Shape, Slo, search
-from phasefleet.plan.trace import from_arrays
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,12 +62,7 @@ def main() -> None:
     segment = load_segment(
         AZURE_CONV, args.start, args.duration, args.scale, args.max_prompt, vocab
     )[:: args.every]
-    trace = from_arrays(
-        "segment",
-        np.array([r.offset for r in segment]),
-        np.array([len(r.prompt_token_ids) for r in segment]),
-        np.array([r.max_tokens for r in segment]),
-    )
+    trace = as_trace(segment)
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.percentile)
     curves = measured(args.curves, BENCH_KV_BYTES_PER_TOKEN, LINK_GBPS["cpu"] * 1e9)
     context = 2048

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
+from phasefleet.plan.trace import Trace, from_arrays
+
 AZURE_CONV = Path(__file__).resolve().parents[2] / "shared/traces/azure2023_conv.csv"
 FIRST_TOKEN_ID = 10  # ids below this are the tiny tokenizer's special and byte-fallback ids
 
@@ -50,3 +54,13 @@ def load_segment(
             prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
             segment.append(TraceRequest(offset, prompt, max(2, round(generated / scale))))
     return segment
+
+
+def as_trace(segment: list[TraceRequest]) -> Trace:
+    """The segment as the simulators read it: arrival offsets and token counts."""
+    return from_arrays(
+        "segment",
+        np.array([r.offset for r in segment]),
+        np.array([len(r.prompt_token_ids) for r in segment]),
+        np.array([r.max_tokens for r in segment]),
+    )

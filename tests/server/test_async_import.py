@@ -31,6 +31,13 @@ def finish(engine: LLMEngine) -> list[int]:
     raise AssertionError("no request finished")
 
 
+def alone(model: Path, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The output of `prompt` on one engine that computes it all."""
+    reference = make_engine(model)
+    reference.add_request("r", prompt, params)
+    return finish(reference)
+
+
 def prefilled(model: Path, prompt: list[int], params: SamplingParams) -> tuple[int, LLMEngine]:
     """The first token of `prompt` and the prefill engine holding its KV under a lease."""
     prefill = make_engine(model)
@@ -82,9 +89,7 @@ def test_queued_before_its_first_token_it_goes_on_from_the_token_given_at_the_en
 ) -> None:
     (prompt,) = random_prompts([13], seed=21)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    reference = make_engine(tiny_model)
-    reference.add_request("r", prompt, greedy)
-    expected = finish(reference)
+    expected = alone(tiny_model, prompt, greedy)
     first, prefill = prefilled(tiny_model, prompt, greedy)
     feed = [chunk_of(prefill, b) for b in (0, 2, 1, 2, 3)]  # block 2 early: refused
     tokens, recomputed = asyncio.run(decode(tiny_model, prompt, greedy, feed, first))
@@ -97,9 +102,7 @@ def test_a_first_token_that_never_came_is_sampled_here_after_what_arrived(
 ) -> None:
     (prompt,) = random_prompts([13], seed=22)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    reference = make_engine(tiny_model)
-    reference.add_request("r", prompt, greedy)
-    expected = finish(reference)
+    expected = alone(tiny_model, prompt, greedy)
     _, prefill = prefilled(tiny_model, prompt, greedy)
     feed = [chunk_of(prefill, 0), chunk_of(prefill, 1)]  # the prefill worker died after these
     tokens, recomputed = asyncio.run(decode(tiny_model, prompt, greedy, feed, None))
@@ -112,9 +115,7 @@ def test_a_whole_prompt_imported_without_its_first_token_recomputes_one_token(
 ) -> None:
     (prompt,) = random_prompts([12], seed=23)  # three whole blocks
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    reference = make_engine(tiny_model)
-    reference.add_request("r", prompt, greedy)
-    expected = finish(reference)
+    expected = alone(tiny_model, prompt, greedy)
     _, prefill = prefilled(tiny_model, prompt, greedy)
     feed = [chunk_of(prefill, b) for b in range(3)]
     tokens, recomputed = asyncio.run(decode(tiny_model, prompt, greedy, feed, None))
