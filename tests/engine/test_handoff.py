@@ -458,3 +458,26 @@ def test_an_import_that_ends_early_recomputes_only_the_rest(
     assert decode.stats().prompt_tokens_total == 13 - 8
     assert out.output_token_ids == hf_greedy("llama", prompt, 6)
     decode.import_kv("r", _pull(prefill, "r", 2, 3)[0])  # a late chunk: ignored
+
+
+def test_a_first_token_given_at_the_end_of_the_import_is_checked_then_decoded_from(
+    tiny_model: Callable[[str], Path],
+    hf_greedy: Callable[[str, list[int], int], list[int]],
+) -> None:
+    """Queued before its first token (the KV still on its way), the request takes the first
+    token with the end of its import; one out of the vocabulary is refused, nothing changed."""
+    (prompt,) = random_prompts([13], seed=14)
+    prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
+    first = _prefill(prefill, "r", prompt, max_tokens=7).output_token_ids[0]
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    decode.add_request("r", prompt, params, importing_from=0)
+    decode.import_kv("r", _pull(prefill, "r")[0])
+    assert decode.step() == []  # admitted, its KV written, waiting for the end
+    vocab = decode.hf_config.vocab_size
+    with pytest.raises(ValueError, match=r"first_token_id must be in \[0, "):
+        decode.end_import("r", vocab + 5)
+    assert decode.step() == []  # still importing
+    decode.end_import("r", first)
+    out = _run(decode)["r"]
+    assert out.output_token_ids == hf_greedy("llama", prompt, 7)
+    assert decode.stats().prompt_tokens_total == 0

@@ -8,12 +8,13 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from phasefleet.engine.kv_transfer import KVChunk
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
-from phasefleet.server.async_engine import AsyncEngine, EngineOptions
+from phasefleet.server.async_engine import AsyncEngine, EngineOptions, RequestFailedError
 from tests.engine.factories import engine_config, random_prompts
 
 BLOCK = 4
@@ -121,3 +122,34 @@ def test_a_whole_prompt_imported_without_its_first_token_recomputes_one_token(
     tokens, recomputed = asyncio.run(decode(tiny_model, prompt, greedy, feed, None))
     assert tokens == expected
     assert recomputed == 0  # the last prompt token is run again for its logits, not counted
+
+
+def test_a_first_token_out_of_the_vocabulary_fails_the_request_and_frees_it(
+    tiny_model: Path,
+) -> None:
+    (prompt,) = random_prompts([9], seed=24)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def bad_end() -> tuple[str, int]:
+        engine = AsyncEngine(lambda: make_engine(tiny_model), max_queue_len=4)
+        engine.start(asyncio.get_running_loop())
+        try:
+            while not engine.ready:
+                await asyncio.sleep(0.05)
+            options = EngineOptions(importing_from=0)
+            stream = engine.submit(["d-0"], [prompt], [greedy], time.monotonic(), [options])
+            await stream.accepted
+            engine.end_import("d-0", 10**9)
+            with pytest.raises(RequestFailedError) as caught:
+                async for _ in stream:
+                    pass
+            await asyncio.sleep(0.1)
+            stats = engine.stats()
+            assert stats is not None
+            return str(caught.value), stats.num_running + stats.num_waiting
+        finally:
+            engine.stop()
+
+    error, left = asyncio.run(bad_end())
+    assert "the prefill worker's first token: first_token_id must be in" in error
+    assert left == 0
