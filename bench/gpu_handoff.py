@@ -132,12 +132,12 @@ def handoff(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
         for i in range(pulls):
             prompt[0] = 10 + i  # no prefix-cache hit on the prefill worker
             pull = stream_kv(prefill_url, fleet.token, prompt)
-            sock = min(socket_seconds(pull.nbytes) for _ in range(2))
+            sock = min(socket_seconds(pull.tail_bytes) for _ in range(2))
             rows.append(
                 {
                     "bytes": pull.nbytes,
-                    "pull_gbps": pull.gbps,
-                    "socket_gbps": pull.nbytes / sock / 1e9,
+                    "pull_gbps": pull.gbps,  # the KV after the first token, over its time
+                    "socket_gbps": pull.tail_bytes / sock / 1e9,
                 }
             )
         data["pulls"] = rows
@@ -148,13 +148,15 @@ def handoff(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
         fleet.stop()
     data["decode_worker"] = totals
     data["second_token_gap_s"] = gaps
+    # the decode worker times whole streams, the prefill included: a rate, not a bandwidth
     worker_gbps = totals["nbytes"] / totals["seconds"] / 1e9 if totals["seconds"] else None
     data["decode_worker"]["gbps"] = worker_gbps
     pull_gbps = statistics.median(r["pull_gbps"] for r in rows)
     socket_gbps = statistics.median(r["socket_gbps"] for r in rows)
     r = data["runner"]
     summary = (
-        f"pull {pull_gbps:.3g} GB/s, decode worker's own {worker_gbps or 0:.3g} GB/s, "
+        f"stream after the first token {pull_gbps:.3g} GB/s, decode worker's streams with "
+        f"their prefill {worker_gbps or 0:.3g} GB/s, "
         f"loopback socket {socket_gbps:.3g} GB/s; read_kv {r['read_kv_gbps']:.3g}, write_kv "
         f"{r['write_kv_gbps']:.3g} GB/s"
     )

@@ -1,6 +1,6 @@
-"""Hand-off bandwidth: a prompt's KV streamed from a prefill worker (prefill included, as the
-decode worker receives it), and a plain loopback TCP socket moving the same bytes, for
-comparison."""
+"""Hand-off bandwidth: a prompt's KV streamed from a prefill worker as the decode worker
+receives it (what came after the first token, timed from it: the transfer the prefill did not
+hide), and a plain loopback TCP socket moving the same bytes, for comparison."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 from phasefleet.api.contract import INTERNAL_TOKEN_HEADER, Metric
-from phasefleet.server.kv_stream import stream_prefill
+from phasefleet.server.kv_stream import StreamChunk, stream_prefill
 from phasefleet.server.kv_wire import PREFILL_PATH, PrefillRequest
 
 RECV_CHUNK = 1 << 20  # bytes per recv_into
@@ -21,18 +21,22 @@ RECV_CHUNK = 1 << 20  # bytes per recv_into
 
 @dataclass(frozen=True)
 class Pull:
-    nbytes: int
-    seconds: float  # the prefill request sent to the stream's last byte
+    nbytes: int  # all the KV the stream carried
+    seconds: float  # the prefill request sent to the stream's last byte (prefill included)
+    tail_bytes: int  # the KV that came after the first token
+    tail_seconds: float  # the first token to the stream's last byte: the transfer alone
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9
+        """The hand-off's own bandwidth: the KV after the first token over its time."""
+        return self.tail_bytes / self.tail_seconds / 1e9
 
 
 def stream_kv(prefill_url: str, token: str, prompt: list[int]) -> Pull:
     """Prefills `prompt` on the prefill worker and receives its KV as the decode worker does
-    (the streamed hand-off: server/kv_stream.py); the bytes of KV and the seconds it took. The
-    prefill worker lets the blocks go when the stream ends."""
+    (the streamed hand-off: server/kv_stream.py), timing the whole stream and what came after
+    the first token (all of it for a prompt prefilled in one step). The prefill worker lets
+    the blocks go when the stream ends."""
     body = PrefillRequest(
         request_id=f"bench-{uuid.uuid4().hex[:8]}",
         prompt_token_ids=prompt,
@@ -40,22 +44,29 @@ def stream_kv(prefill_url: str, token: str, prompt: list[int]) -> Pull:
         temperature=0,
         ignore_eos=True,
     )
+    first_at: list[float] = []
+    tail = [0]
+
+    def on_chunk(chunk: StreamChunk) -> None:
+        if first_at:
+            tail[0] += len(chunk.payload)
+
     started = time.perf_counter()
     result = stream_prefill(
         f"{prefill_url}{PREFILL_PATH}",
         {INTERNAL_TOKEN_HEADER: token},
         body.model_dump_json().encode(),
         lambda _: None,
-        lambda *_: None,
-        lambda _: None,
+        lambda *_: first_at.append(time.perf_counter()),
+        on_chunk,
         10.0,
         300.0,
         60.0,
     )
-    seconds = time.perf_counter() - started
-    if result.failure is not None or result.end is None:
+    ended = time.perf_counter()
+    if result.failure is not None or result.end is None or not first_at:
         raise RuntimeError(f"the KV stream from {prefill_url} broke: {result.failure}")
-    return Pull(result.nbytes, seconds)
+    return Pull(result.nbytes, ended - started, tail[0], ended - first_at[0])
 
 
 def socket_seconds(nbytes: int) -> float:
