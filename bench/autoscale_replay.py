@@ -26,7 +26,7 @@ from autoscale_traces import NAMES, add_spike, compress_bursts, load, scale_rate
 from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.disagg_sim import POOLS, Controller, Fleet, simulate
-from phasefleet.plan.trace import Trace
+from phasefleet.plan.trace import Trace, latencies
 
 EMPTY = Trace("empty", np.zeros(1), np.ones(1, int), np.ones(1, int))
 INTERVAL_S = 15.0  # every controller decides this often
@@ -68,17 +68,6 @@ class Score:
     per_gpu_hour: float  # requests within SLO per GPU-hour
     scale_events: int
     seconds: float  # wall time of the simulation
-
-
-def latencies(
-    trace: Trace, first_token: np.ndarray, finish: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """TTFT and TPOT per request, seconds (TPOT 0 for one-token answers), from either fleet."""
-    ttft = first_token - trace.arrival
-    long = trace.output > 1
-    tpot = np.zeros(len(ttft))
-    tpot[long] = (finish[long] - first_token[long]) / (trace.output[long] - 1)
-    return ttft, tpot
 
 
 def score(fleet: Fleet, slo: Slo, seconds: float) -> Score:

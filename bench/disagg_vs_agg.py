@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 from autoscale_curves import cpu_curves, h100_8b
 from autoscale_policies import static
-from autoscale_replay import DT_S, SLOS, Slo, latencies
+from autoscale_replay import DT_S, SLOS, Slo
 from autoscale_traces import CONTEXT, NAMES, load, scale_rate
 from disagg_vs_agg_plot import plot_attainment
 
 from phasefleet.plan.aggregated_sim import simulate_aggregated
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.disagg_sim import simulate
-from phasefleet.plan.trace import Trace
+from phasefleet.plan.trace import Trace, latencies
 
 CPU_TOKEN_SCALE = 8  # trace lengths / this on the CPU curves (the bench model, 32k KV tokens)
 CHUNKS = {"h100": (512, 2048, 8192), "cpu": (128, 512, 2048)}  # aggregated token budgets

@@ -31,6 +31,7 @@ from autoscale_traces import NAMES, load, scale_rate
 
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.disagg_sim import POOLS, Fleet
+from phasefleet.plan.trace import latencies
 
 SHORT = 4  # output tokens
 LAYER_GROUPS = 4  # 8 of the 32 layers' KV per piece
@@ -47,10 +48,8 @@ def hand_offs(curves: Curves) -> dict[str, Curves]:
 
 def row(label: str, fleet: Fleet, ttft_slo: float, tpot_slo: float) -> str:
     tr = fleet.trace
-    ttft = fleet.first_token - tr.arrival
+    ttft, tpot = latencies(tr, fleet.first_token, fleet.finish)
     many = tr.output > 1
-    tpot = np.zeros(len(ttft))
-    tpot[many] = (fleet.finish[many] - fleet.first_token[many]) / (tr.output[many] - 1)
     ok = (ttft <= ttft_slo) & (tpot <= tpot_slo)
     short = tr.output <= SHORT
     cells = [

@@ -8,11 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from autoscale_curves import h100_8b
-from autoscale_replay import latencies
 
 from phasefleet.plan.aggregated_sim import AggregatedFleet, Worker, simulate_aggregated
 from phasefleet.plan.curves import Curves
-from phasefleet.plan.trace import Trace
+from phasefleet.plan.trace import Trace, latencies
 
 UNCHUNKED = 131072  # token budget of one step: a whole prompt at once
 

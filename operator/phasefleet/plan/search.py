@@ -23,7 +23,7 @@ import numpy as np
 from phasefleet.plan.aggregated_sim import simulate_aggregated
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.disagg_sim import simulate
-from phasefleet.plan.trace import Trace
+from phasefleet.plan.trace import Trace, latencies
 
 CHUNKS = (512, 2048, 8192)  # token budgets per step tried for aggregated workers
 DT_S = 0.1  # the disaggregated simulator's decode tick
@@ -84,10 +84,7 @@ def replay(trace: Trace, curves: Curves, shape: Shape, slo: Slo) -> Outcome:
         pools = {"prefill": shape.prefill, "decode": shape.decode}
         sized = simulate(trace, curves, lambda _f, _t: pools, pools, interval_s=1e9, dt=DT_S)
         first, finish = sized.first_token, sized.finish
-    ttft = first - trace.arrival
-    many = trace.output > 1
-    tpot = np.zeros(len(ttft))
-    tpot[many] = (finish[many] - first[many]) / (trace.output[many] - 1)
+    ttft, tpot = latencies(trace, first, finish)
     met = (ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)
     span = max(trace.duration, 1.0)
     return Outcome(

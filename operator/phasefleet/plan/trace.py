@@ -50,6 +50,17 @@ def from_arrays(
     return Trace(name, t.astype(np.float64), p, np.maximum(output[order], 1).astype(np.int64), note)
 
 
+def latencies(
+    trace: Trace, first_token: np.ndarray, finish: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """TTFT and TPOT per request, seconds (TPOT 0 for one-token answers), from either fleet."""
+    ttft = first_token - trace.arrival
+    many = trace.output > 1
+    tpot = np.zeros(len(ttft))
+    tpot[many] = (finish[many] - first_token[many]) / (trace.output[many] - 1)
+    return ttft, tpot
+
+
 def read_trace(path: Path) -> Trace:
     """A trace file (.csv or .jsonl); ValueError naming the file and row when it is not one."""
     if path.suffix == ".csv":
