@@ -18,6 +18,15 @@ What is exact and what is approximated:
   start of the tick. A request finishes when its steps reach output - 1 (exact time
   interpolated inside the tick). TPOT = (finish - first token) / (output - 1), so waiting for a
   decode slot after the first token counts against TPOT, as it does on the real fleet.
+- Phase boundary (`boundary`, None: every prompt is prefilled remotely): the decode replica the
+  router would pick (the least loaded) prefills a prompt itself when `PhaseBoundary.remote`
+  says so, given the least busy prefill replica's backlog (seconds until it is free), the
+  prompt tokens this replica already holds unprefilled and its current step time (as its
+  recent inter-token latency). Such a replica runs the engine's mixed steps: its batch decodes
+  one token per step while a chunk of the oldest local prompt (the step's token budget less
+  the batch) is prefilled; a step lasts decode_step_s + a + what the chunk adds to its prompt's
+  prefill_s - min(a, d0), as in aggregated_sim. The step that ends a prompt gives its first
+  token; the request then decodes in that batch with no hand-off.
 - Replicas: a new one serves `curves.startup_s` after it is asked for; GPU-seconds count from
   the ask. Scale-down cancels starting replicas first, then drains the least loaded: a draining
   replica takes no new work and stops when its last request is done; no request is lost.
@@ -33,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from phasefleet.api.boundary import LocalLoad, PhaseBoundary
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.trace import Trace
 
@@ -52,12 +62,20 @@ class Replica:
     prompt_sum: float = 0.0  # KV tokens = prompt_sum + len(batch) * steps - start_sum
     start_sum: float = 0.0
     busy_s: float = 0.0  # decode: seconds with a non-empty batch
+    # decode: prompts it prefills itself, oldest first: [request, tokens still to prefill]
+    local: deque[list[float]] = field(default_factory=deque)
+    local_tokens: float = 0.0  # their tokens still to prefill
+    local_kv: float = 0.0  # their whole prompts, reserved in the KV cache
 
     def serving(self, now: float) -> bool:
         return self.stopped is None and not self.draining and self.ready_at <= now
 
     def kv_tokens(self) -> float:
         return self.prompt_sum + len(self.batch) * self.steps - self.start_sum
+
+    def load(self) -> float:
+        """KV held and reserved: what the router balances decode replicas on."""
+        return self.kv_tokens() + self.local_kv
 
 
 # desired replicas per pool, from the fleet as it is now (the controller reads what it needs)
@@ -76,8 +94,18 @@ class Sample:
 class Fleet:
     """The simulated fleet and the trace's per-request results (NaN until known)."""
 
-    def __init__(self, trace: Trace, curves: Curves, initial: Mapping[str, int], dt: float) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        curves: Curves,
+        initial: Mapping[str, int],
+        dt: float,
+        boundary: PhaseBoundary | None = None,
+        tpot_target_s: float | None = None,
+    ) -> None:
         self.trace, self.curves, self.dt = trace, curves, dt
+        self.boundary, self.tpot_target_s = boundary, tpot_target_s
+        self.local_prefills = 0  # requests a decode replica prefilled itself
         n = len(trace.arrival)
         self.prefill_start = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
@@ -114,7 +142,7 @@ class Fleet:
             starting = [r for r in live if r.ready_at > now]
             ready = [r for r in live if r.ready_at <= now]
             load: Callable[[Replica], float] = (
-                (lambda r: r.free_at) if pool == "prefill" else (lambda r: r.kv_tokens())
+                (lambda r: r.free_at) if pool == "prefill" else (lambda r: r.load())
             )
             for r in (starting[::-1] + sorted(ready, key=load))[: len(live) - desired]:
                 if r.ready_at > now:
@@ -131,6 +159,8 @@ class Fleet:
             self.resize("prefill", 1, t)
             candidates = self.asked("prefill")
         r = min(candidates, key=lambda r: r.free_at)
+        if self.boundary is not None and self._prefill_here(i, t, max(0.0, r.free_at - t)):
+            return
         start = max(t, r.free_at)
         r.free_at = start + self.curves.prefill_s(n)
         self.prefill_start[i], self.first_token[i] = start, r.free_at
@@ -142,6 +172,44 @@ class Fleet:
             if self.curves.first_token_waits_for_kv:
                 self.first_token[i] = landed
             heapq.heappush(self.handoffs, (landed, i))
+
+    def _prefill_here(self, i: int, t: float, backlog_s: float) -> bool:
+        """Queues request i's prompt on the least loaded decode replica if the boundary says
+        so; False: it goes to the prefill pool."""
+        assert self.boundary is not None
+        decoders = self.serving("decode", t)
+        if not decoders:
+            return False
+        d = min(decoders, key=lambda r: r.load())
+        n = float(self.trace.prompt[i])
+        local = LocalLoad(int(d.local_tokens), self._step_s(d), self.tpot_target_s)
+        if self.boundary.remote(int(n), backlog_s, local):
+            return False
+        d.local.append([float(i), n])
+        d.local_tokens += n
+        d.local_kv += n
+        self.prefill_start[i] = t
+        self.local_prefills += 1
+        return True
+
+    def _step_s(self, r: Replica) -> float:
+        """The replica's step time now, with the chunk its oldest local prompt adds."""
+        return self._mixed_step(r)[0]
+
+    def _mixed_step(self, r: Replica) -> tuple[float, float]:
+        """(step seconds, prompt tokens the step prefills) for the replica as it is now."""
+        c = self.curves
+        b = len(r.batch)
+        decode = c.decode_step_s(b, r.kv_tokens()) if b else 0.0
+        if not r.local:
+            return decode, 0.0
+        i, remaining = r.local[0]
+        total = float(self.trace.prompt[int(i)])
+        chunk = min(max(1.0, c.chunk_tokens - b), remaining)
+        done = total - remaining
+        a, d0 = c.prefill[0], c.decode[0]
+        added = c.prefill_s(done + chunk) - c.prefill_s(done)
+        return decode + a + added - (min(a, d0) if b else 0.0), chunk
 
     def decode_tick(self, t: float) -> None:
         dt, c = self.dt, self.curves
@@ -155,12 +223,12 @@ class Fleet:
             fits = [
                 r
                 for r in ready
-                if len(r.batch) < c.max_num_seqs and r.kv_tokens() + size <= c.kv_capacity_tokens
+                if len(r.batch) < c.max_num_seqs and r.load() + size <= c.kv_capacity_tokens
             ]
             if not fits:
                 break
             self.decode_queue.popleft()
-            r = min(fits, key=lambda r: r.kv_tokens())
+            r = min(fits, key=lambda r: r.load())
             step = c.decode_step_s(len(r.batch) + 1, r.kv_tokens())
             # joins part-way through the tick; a preempted request keeps the tokens it had
             begin = r.steps + max(0.0, at - t) / step - done_before
@@ -180,24 +248,64 @@ class Fleet:
             if r.draining and r.free_at <= t:
                 r.stopped = max(r.free_at, r.ready_at)
             return
-        if not r.batch:
+        if not r.batch and not r.local:
             if r.draining:
                 r.stopped = t
             return
-        step = self.curves.decode_step_s(len(r.batch), r.kv_tokens())
-        end = r.steps + self.dt / step
-        self.generated += len(r.batch) * self.dt / step
         r.busy_s += self.dt
-        self._preempt(r, end, t)
+        now, left = t, self.dt
+        # segments of equal steps: to the end of the tick, or to the end of a local prompt
+        while left > 1e-12 and (r.batch or r.local):
+            step, chunk = self._mixed_step(r)
+            seg = min(left, r.local[0][1] / chunk * step) if chunk else left
+            arrives = self.prefill_start[int(r.local[0][0])] if r.local else now
+            if arrives > now:  # the oldest local prompt arrived within this tick
+                step = self.curves.decode_step_s(len(r.batch), r.kv_tokens())
+                seg, chunk = min(left, arrives - now), 0.0
+            self._decode_for(r, now, seg, step)
+            now, left = now + seg, left - seg
+            if chunk:
+                head = r.local[0]
+                made = min(head[1], seg / step * chunk)
+                head[1] -= made
+                r.local_tokens -= made
+                if head[1] <= 1e-9:
+                    self._prefilled_here(r, now)
+
+    def _decode_for(self, r: Replica, now: float, seg: float, step: float) -> None:
+        """`seg` seconds of steps lasting `step` from `now`: every request of the batch gains a
+        token a step; those reaching their output finish."""
+        if not r.batch:
+            return
+        end = r.steps + seg / step
+        self.generated += len(r.batch) * seg / step
+        self._preempt(r, end, now)
         while r.batch and r.batch[0][0] <= end:
             target, i = heapq.heappop(r.batch)
-            self.finish[i] = t + (target - r.steps) * step
+            self.finish[i] = now + (target - r.steps) * step
             self.done += 1
             r.prompt_sum -= self.trace.prompt[i]
             r.start_sum -= target - (self.trace.output[i] - 1)
         r.steps = end
         if not r.batch:  # keep the sums exact when the batch empties
             r.prompt_sum = r.start_sum = 0.0
+
+    def _prefilled_here(self, r: Replica, now: float) -> None:
+        """The oldest local prompt's last chunk ended at `now`: its first token; it decodes in
+        this replica's batch from the next step."""
+        i = int(r.local.popleft()[0])
+        n = float(self.trace.prompt[i])
+        r.local_kv -= n
+        if not r.local:
+            r.local_tokens = r.local_kv = 0.0
+        self.first_token[i] = now
+        if self.trace.output[i] <= 1:
+            self.finish[i] = now
+            self.done += 1
+            return
+        heapq.heappush(r.batch, (r.steps + float(self.trace.output[i] - 1), i))
+        r.prompt_sum += n
+        r.start_sum += r.steps
 
     def _preempt(self, r: Replica, end: float, t: float) -> None:
         """KV full before `end` steps: the newest requests leave the batch, as the engine
@@ -232,9 +340,13 @@ def simulate(
     initial: Mapping[str, int],
     interval_s: float = 15.0,
     dt: float = 0.05,
+    boundary: PhaseBoundary | None = None,
+    tpot_target_s: float | None = None,
 ) -> Fleet:
-    """Replays `trace` to its last token; `controller` runs every `interval_s` from 0."""
-    fleet = Fleet(trace, curves, initial, dt)
+    """Replays `trace` to its last token; `controller` runs every `interval_s` from 0.
+    `boundary`: which prompts decode replicas prefill themselves (None: none do);
+    `tpot_target_s`: the target its room check holds them to."""
+    fleet = Fleet(trace, curves, initial, dt, boundary, tpot_target_s)
     n, i, tick = len(trace.arrival), 0, 0
     next_decision = 0.0
     while fleet.done < n:
