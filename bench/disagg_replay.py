@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from statistics import median
@@ -31,6 +31,7 @@ from router_overhead import Overhead, measure_overhead
 from stream_client import RequestTiming, stream_completion
 from trace_segment import AZURE_CONV, TraceRequest, load_segment
 
+from phasefleet.api.boundary import DEFAULT_IDLE_MIN_TOKENS, DEFAULT_LOCAL_MAX_TOKENS
 from phasefleet.local.fleet import Fleet, FleetConfig, free_port
 
 MODEL_NAME = "bench"
@@ -70,6 +71,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker")
     p.add_argument("--chunk", type=int, default=128, help="token budget with chunked prefill")
     p.add_argument("--remote-min", type=int, default=32, help="--remote-prefill-min-tokens")
+    p.add_argument("--speed", type=float, default=1.0, help="arrivals this many times faster")
+    p.add_argument(
+        "--boundary",
+        choices=("fixed", "adaptive", "both"),
+        default="fixed",
+        help="disaggregated: the phase boundary (both: one fleet of each); its token knobs are\n"
+        "divided by --scale as the lengths are",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--ttft-target", type=float, default=2.0, help="seconds, for goodput")
     p.add_argument("--tpot-target", type=float, default=0.15, help="seconds, for goodput")
@@ -102,8 +111,9 @@ def setups(args: argparse.Namespace, longest: int) -> list[Setup]:
             {"worker": 2},
             [*common, "--max-num-batched-tokens", str(args.chunk)],
         ),
+    ] + [
         Setup(
-            "disaggregated 1P+1D",
+            "disaggregated 1P+1D" + ("" if boundary == "fixed" else ", adaptive boundary"),
             {"prefill": 1, "decode": 1},
             [
                 *common,
@@ -111,9 +121,21 @@ def setups(args: argparse.Namespace, longest: int) -> list[Setup]:
                 str(whole),
                 "--remote-prefill-min-tokens",
                 str(args.remote_min),
+                *boundary_args(args, boundary),
             ],
-        ),
+        )
+        for boundary in (("fixed", "adaptive") if args.boundary == "both" else (args.boundary,))
     ]
+
+
+def boundary_args(args: argparse.Namespace, boundary: str) -> list[str]:
+    if boundary == "fixed":
+        return ["--fixed-phase-boundary"]
+    return [
+        "--tpot-target-ms", f"{args.tpot_target * 1000:g}",
+        "--boundary-idle-min-tokens", str(round(DEFAULT_IDLE_MIN_TOKENS / args.scale)),
+        "--boundary-local-max-tokens", str(round(DEFAULT_LOCAL_MAX_TOKENS / args.scale)),
+    ]  # fmt: skip
 
 
 async def replay(
@@ -266,10 +288,12 @@ def main() -> None:
     segment = load_segment(
         args.trace, args.start, args.duration, args.scale, args.max_prompt, vocab
     )
+    segment = [replace(r, offset=r.offset / args.speed) for r in segment]
     lengths = sorted(len(r.prompt_token_ids) for r in segment)
     print(
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load "
         f"{os.getloadavg()[0]:.1f}; segment {args.start:.0f}+{args.duration:.0f} s of "
+        f"{'' if args.speed == 1 else f'(played {args.speed:g}x as fast) '}"
         f"{args.trace.name}: {len(segment)} requests, prompt tokens p50 "
         f"{lengths[len(lengths) // 2]} max {lengths[-1]} (sum {sum(lengths)}), output tokens "
         f"sum {sum(r.max_tokens for r in segment)}; {args.threads} thread(s) per worker",

@@ -48,7 +48,7 @@ def test_worker_metrics_expose_every_contract_name():
         and isinstance(value, str)
         and not attr.startswith("AUTOSCALER_")  # the operator's, not a worker's
     ]
-    assert len(names) == 22
+    assert len(names) == 23
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name

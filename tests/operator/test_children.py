@@ -259,6 +259,24 @@ def test_worker_args_parse_with_the_worker_cli():
     assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"
 
 
+def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
+    """The decode worker decides the phase boundary: it gets the TPOT target that bounds its
+    local prefill, and the fixed rule when the spec turns the adaptive one off."""
+    from phasefleet.cli import build_parser
+
+    def parsed(spec, role):
+        dep = worker_deployment(make_owner(), spec, role, replicas=1)
+        return build_parser().parse_args(_pod(dep)["containers"][0]["args"])
+
+    default = parsed(make_spec(), Role.DECODE)
+    assert not default.fixed_phase_boundary and default.tpot_target_ms is None
+    spec = make_spec(slo={"tpotMs": 40}, runtime={"adaptivePhaseBoundary": False})
+    decode = parsed(spec, Role.DECODE)
+    assert decode.fixed_phase_boundary and decode.tpot_target_ms == 40
+    prefill = parsed(spec, Role.PREFILL)  # a prefill worker has no boundary to keep
+    assert not prefill.fixed_phase_boundary and prefill.tpot_target_ms is None
+
+
 def test_engine_image_user_satisfies_run_as_non_root():
     """Pods set runAsNonRoot and no uid, so the image's USER must be numeric and not root."""
     from tests.dockerfile import instructions

@@ -13,6 +13,7 @@ from phasefleet.router.policy import (
     PrefixIndex,
     WorkerLoad,
     load_score,
+    prefill_backlog_s,
     prefill_score,
     prefix_chunks,
     rank,
@@ -126,3 +127,10 @@ def test_prefill_backlog_counts_the_queued_prompts_tokens_when_the_worker_says_t
     assert prefill_score(short_ones) == pytest.approx((512 + 300) / TYPICAL_PROMPT)
     older = Candidate(C, WorkerLoad(1, 3, 0.1, prefill_pending=512), inflight=1)
     assert prefill_score(older) == pytest.approx(1 + (512 + 3 * TYPICAL_PROMPT) / TYPICAL_PROMPT)
+
+
+def test_prefill_backlog_in_seconds_needs_a_measured_throughput() -> None:
+    load = WorkerLoad(1, 1, 0.1, prefill_pending=500, prefill_waiting=1500)
+    assert prefill_backlog_s(Candidate(A, load, 0, prefill_rate=4000.0)) == pytest.approx(0.5)
+    assert prefill_backlog_s(Candidate(A, load, 0)) is None  # no throughput measured yet
+    assert prefill_backlog_s(Candidate(A, None, 0, prefill_rate=4000.0)) is None

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
+from phasefleet.router.config import RouterConfig
 from phasefleet.router.discovery import Endpoint
-from phasefleet.router.pool import WorkerPool
+from phasefleet.router.dispatch import Router
+from phasefleet.router.metrics import RouterMetrics
+from phasefleet.router.policy import WorkerLoad
+from phasefleet.router.pool import RATE_WEIGHT, WorkerPool, WorkerState
 from phasefleet.router.upstream import Upstream
 from tests.server.worker_proc import free_port
 
@@ -88,3 +92,38 @@ def test_busy_and_down_marks() -> None:
         await upstream.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_workers_prefill_throughput_is_measured_from_its_counters() -> None:
+    def load(tokens: float, busy: float) -> WorkerLoad:
+        return WorkerLoad(0, 0, 0.0, prompt_tokens_total=tokens, busy_seconds_total=busy)
+
+    state = WorkerState("http://p:8000")
+    state.observe(load(1000, 1.0))
+    assert state.prefill_rate is None  # one poll: no growth to measure yet
+    state.observe(load(3000, 2.0))  # 2000 tokens in 1 busy second
+    assert state.prefill_rate == 2000
+    state.observe(load(3000, 2.01))  # idle between the polls: no sample
+    assert state.prefill_rate == 2000
+    state.observe(load(7000, 3.01))  # 4000 tokens/s: the average moves part of the way
+    assert state.prefill_rate == 2000 + RATE_WEIGHT * 2000
+    state.observe(load(10, 0.5))  # restarted: its counters went back, no sample
+    assert state.prefill_rate == 2000 + RATE_WEIGHT * 2000
+    assert state.load == load(10, 0.5)
+
+
+def test_the_router_names_the_prefill_worker_and_its_backlog_in_seconds() -> None:
+    url = "http://p:8000"
+    listed = ListedEndpoints()
+    prefill = WorkerPool("prefill", listed, Upstream())
+    decode = WorkerPool("decode", ListedEndpoints(), prefill.upstream)
+    config = RouterConfig(served_model_name="m", policy="least-loaded", internal_token="t")
+    router = Router(
+        config, {"prefill": prefill, "decode": decode}, prefill.upstream, RouterMetrics("m")
+    )
+    state = prefill.workers[url] = WorkerState(url, healthy=True)
+    state.load = WorkerLoad(0, 1, 0.0, prefill_pending=300, prefill_waiting=900)
+    assert router.choose_prefill([]) == (url, None)  # throughput not measured yet
+    state.prefill_rate = 2400.0
+    assert router.choose_prefill([]) == (url, 0.5)
+    asyncio.run(prefill.upstream.aclose())

@@ -60,7 +60,7 @@ def test_classify_tells_tokens_from_the_rest() -> None:
     assert classify(b": keep-alive\n\n") is Event.OTHER
 
 
-def test_parse_load_reads_the_three_gauges() -> None:
+def test_parse_load_reads_the_gauges_and_the_throughput_counters() -> None:
     text = "\n".join(
         [
             "# HELP phasefleet_num_requests_running Requests in the running batch.",
@@ -70,12 +70,16 @@ def test_parse_load_reads_the_three_gauges() -> None:
             'phasefleet_prompt_tokens_total{model_name="m",role="both"} 99.0',
         ]
     )
-    assert parse_load(text) == WorkerLoad(running=3, waiting=1, kv_usage=0.25)
+    assert parse_load(text) == WorkerLoad(
+        running=3, waiting=1, kv_usage=0.25, prompt_tokens_total=99
+    )
     backlog = 'phasefleet_prefill_tokens_pending{role="prefill"} 700.0'
     queued = 'phasefleet_prefill_tokens_waiting{role="prefill"} 4096.0'
-    assert parse_load("\n".join([text, backlog, queued])) == WorkerLoad(
-        running=3, waiting=1, kv_usage=0.25, prefill_pending=700, prefill_waiting=4096
-    )
+    busy = 'phasefleet_engine_busy_seconds_total{role="prefill"} 1.5'
+    assert parse_load("\n".join([text, backlog, queued, busy])) == WorkerLoad(
+        running=3, waiting=1, kv_usage=0.25, prefill_pending=700, prefill_waiting=4096,
+        prompt_tokens_total=99, busy_seconds_total=1.5,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="phasefleet_kv_cache_usage_perc"):
         parse_load(text.replace("kv_cache_usage_perc", "something_else"))
 

@@ -14,7 +14,12 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from phasefleet.api.contract import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, PREFILL_URL_HEADER
+from phasefleet.api.contract import (
+    INTERNAL_TOKEN_ENV,
+    INTERNAL_TOKEN_HEADER,
+    PREFILL_BACKLOG_HEADER,
+    PREFILL_URL_HEADER,
+)
 from tests.server.worker_proc import Worker, run_worker
 
 TOKEN = "test-internal-token"
@@ -152,6 +157,57 @@ def test_a_decode_pool_of_another_block_size_converts_the_kv(
         assert decode.counter("phasefleet_prefills_total", where="remote") == len(PROMPTS)
         assert decode.counter("phasefleet_kv_transfer_failures_total") == 0
         assert decode.counter("phasefleet_prompt_tokens_total") == 0
+
+
+def test_the_phase_boundary_follows_the_prefill_workers_backlog(
+    workers: tuple[Worker, Worker, Worker], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode worker with the adaptive boundary (threshold 200 tokens): the backlog the router
+    sends moves a 300-token prompt here while the prefill worker is behind, and a 150-token one
+    there while it is idle; with no backlog sent the threshold decides. Answers never change."""
+    prefill, _, reference = workers
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+    long, short = list(range(3, 303)), list(range(5, 155))  # token ids: 300 and 150 tokens
+    cases = [  # (prompt, backlog header, where it is prefilled, the move)
+        (long, "5000", "local", "local"),  # backlogged: this worker has room
+        (long, "100", "remote", None),  # behind, under 0.5 s: the threshold
+        (short, "0", "remote", "remote"),  # idle: from 128 tokens
+        (short, None, "local", None),  # not measured: the threshold
+    ]
+    with run_worker(
+        tiny_model, "--role", "decode", "--remote-prefill-min-tokens", "200",
+        "--num-kv-blocks", "64", "--no-prefix-caching",
+    ) as decode:  # fmt: skip
+        for prompt, backlog, where, moved in cases:
+            headers = {PREFILL_URL_HEADER: prefill.base_url, INTERNAL_TOKEN_HEADER: TOKEN}
+            if backlog is not None:
+                headers[PREFILL_BACKLOG_HEADER] = backlog
+            before = {
+                w: decode.counter("phasefleet_prefills_total", where=w) for w in ("local", "remote")
+            }
+            moves = {
+                t: decode.counter("phasefleet_phase_boundary_moves_total", to=t)
+                for t in ("local", "remote")
+            }
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            got = httpx.post(
+                f"{decode.base_url}/v1/completions", json=body, headers=headers, timeout=60
+            )
+            want = reference.client().completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=0
+            )
+            assert got.status_code == 200, got.text
+            assert got.json()["choices"][0]["text"] == want.choices[0].text
+            assert decode.counter("phasefleet_prefills_total", where=where) == before[where] + 1, (
+                backlog,
+                where,
+            )
+            for to in ("local", "remote"):
+                expected = moves[to] + (1 if to == moved else 0)
+                assert decode.counter("phasefleet_phase_boundary_moves_total", to=to) == expected, (
+                    backlog,
+                    to,
+                )
 
 
 def test_a_prefill_worker_killed_mid_stream_means_a_local_prefill(

@@ -24,6 +24,9 @@ INTERNAL_TOKEN_HEADER = "X-PhaseFleet-Internal-Token"
 # Set by the router (with the token) on a request to a decode worker: the prefill worker it
 # picked. The decode worker prefills there, or locally when the uncached prompt is short.
 PREFILL_URL_HEADER = "X-PhaseFleet-Prefill-Url"
+# Set with it when the router has measured that prefill worker's throughput: its backlog of
+# prompt tokens in milliseconds of that throughput (the adaptive phase boundary reads it).
+PREFILL_BACKLOG_HEADER = "X-PhaseFleet-Prefill-Backlog-Ms"
 
 # Labels on every child object and pod of an InferenceService.
 ISVC_LABEL = "phasefleet.dev/inferenceservice"  # the owning InferenceService's name
@@ -64,6 +67,11 @@ class WorkerFlag:
     DRAIN_TIMEOUT = "--drain-timeout"
     KV_LEASE_SECONDS = "--kv-lease-seconds"
     REMOTE_PREFILL_MIN_TOKENS = "--remote-prefill-min-tokens"
+    FIXED_PHASE_BOUNDARY = "--fixed-phase-boundary"
+    BOUNDARY_BUSY_BACKLOG_MS = "--boundary-busy-backlog-ms"
+    BOUNDARY_IDLE_MIN_TOKENS = "--boundary-idle-min-tokens"
+    BOUNDARY_LOCAL_MAX_TOKENS = "--boundary-local-max-tokens"
+    TPOT_TARGET_MS = "--tpot-target-ms"
 
 
 # A prompt with fewer uncached tokens than this is prefilled by the decode worker itself (a
@@ -109,6 +117,9 @@ class Metric:
     KV_LEASES = "phasefleet_kv_leases"  # prefill worker: prompts whose KV awaits a pull
     KV_LEASE_EXPIRIES_TOTAL = "phasefleet_kv_lease_expiries_total"
     PREFILLS_TOTAL = "phasefleet_prefills_total"  # decode worker: label `where`, local | remote
+    # decode worker: prompts the adaptive phase boundary placed other than the fixed rule
+    # would, label `to`: local (prefill pool backlogged) | remote (prefill pool idle)
+    PHASE_BOUNDARY_MOVES_TOTAL = "phasefleet_phase_boundary_moves_total"
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
     # The operator's autoscaler, on the operator's own /metrics (--metrics-port). Its own
     # labels `namespace`, `inferenceservice` and `pool` name the service: scrape with

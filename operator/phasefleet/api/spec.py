@@ -143,7 +143,17 @@ class RuntimeSpec(ApiModel):
         le=1048576,
         description=(
             "Disaggregated mode: a prompt with fewer uncached tokens than this is prefilled by"
-            " the decode worker itself, not handed off (tokens; 0: hand off every prompt)."
+            " the decode worker itself, not handed off (tokens; 0: hand off every prompt,"
+            " whatever the load)."
+        ),
+    )
+    adaptive_phase_boundary: bool = Field(
+        default=True,
+        description=(
+            "Disaggregated mode: move that threshold with the load. A decode worker with room"
+            " (under 0.8 of slo.tpotMs, 4096 prompt tokens of its own) prefills prompts of any"
+            " length while the prefill worker is 0.5 s behind; prompts from 128 tokens go to"
+            " an idle prefill worker."
         ),
     )
     kv_lease_seconds: int = Field(

@@ -28,10 +28,20 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from phasefleet.api.contract import INTERNAL_TOKEN_HEADER, PREFILL_URL_HEADER
+from phasefleet.api.contract import (
+    INTERNAL_TOKEN_HEADER,
+    PREFILL_BACKLOG_HEADER,
+    PREFILL_URL_HEADER,
+)
 from phasefleet.router.config import RouterConfig
 from phasefleet.router.metrics import RouterMetrics, StreamTimer
-from phasefleet.router.policy import PrefixIndex, prefix_chunks, rank, rank_prefill
+from phasefleet.router.policy import (
+    PrefixIndex,
+    prefill_backlog_s,
+    prefix_chunks,
+    rank,
+    rank_prefill,
+)
 from phasefleet.router.pool import WorkerPool
 from phasefleet.router.upstream import Event, Upstream, classify, sse_events
 from phasefleet.server.errors import APIError
@@ -120,9 +130,10 @@ class Router:
                 self.prefix_index.forget(url)
                 self.prefill_index.forget(url)
 
-    def choose_prefill(self, chunks: list[int]) -> str | None:
-        """The prefill worker for a request in disaggregated mode; None: the decode worker
-        prefills it (no prefill pool, none ready, or no token to authorize the hand-off)."""
+    def choose_prefill(self, chunks: list[int]) -> tuple[str, float | None] | None:
+        """The prefill worker for a request in disaggregated mode and its backlog in seconds
+        (None until measured); None: the decode worker prefills it (no prefill pool, none
+        ready, or no token to authorize the hand-off)."""
         pool = self.pools.get("prefill")
         if pool is None or not self.config.internal_token:
             return None
@@ -133,7 +144,7 @@ class Router:
         url = rank_prefill(self.config.policy, candidates, self.turn, matched)[0]
         if chunks:
             self.prefill_index.record(chunks, url)
-        return url
+        return url, prefill_backlog_s(next(c for c in candidates if c.url == url))
 
     def choose(self, pool: WorkerPool, chunks: list[int], tried: set[str]) -> str | None:
         candidates = pool.candidates(self.clock(), exclude=tried)
@@ -153,10 +164,12 @@ class Router:
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(prompt_text(body)) if affinity else []
         headers = {"content-type": "application/json"}
-        prefill_url = self.choose_prefill(chunks)
-        if prefill_url is not None and self.config.internal_token:
-            headers[PREFILL_URL_HEADER] = prefill_url
+        prefill = self.choose_prefill(chunks)
+        if prefill is not None and self.config.internal_token:
+            headers[PREFILL_URL_HEADER] = prefill[0]
             headers[INTERNAL_TOKEN_HEADER] = self.config.internal_token
+            if prefill[1] is not None:
+                headers[PREFILL_BACKLOG_HEADER] = f"{prefill[1] * 1000:.0f}"
         tried: set[str] = set()
         retries: list[_Retry] = []
         while len(tried) < self.config.max_attempts:

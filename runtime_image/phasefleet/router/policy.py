@@ -41,6 +41,8 @@ class WorkerLoad:
     kv_usage: float  # phasefleet_kv_cache_usage_perc, 0..1
     prefill_pending: float = 0.0  # phasefleet_prefill_tokens_pending: prompt tokens admitted
     prefill_waiting: float | None = None  # phasefleet_prefill_tokens_waiting: of queued requests
+    prompt_tokens_total: float | None = None  # phasefleet_prompt_tokens_total (counter)
+    busy_seconds_total: float | None = None  # phasefleet_engine_busy_seconds_total (counter)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Candidate:
     load: WorkerLoad | None  # latest report; None until the first successful poll
     inflight: int  # requests this router has open on it now
     busy: bool = False  # answered 429 recently: tried last
+    prefill_rate: float | None = None  # prompt tokens per busy second, measured (prefill pool)
 
 
 def load_score(c: Candidate) -> float:
@@ -111,6 +114,14 @@ def prefill_score(c: Candidate) -> float:
     if queued is None:  # a worker without the gauge: each queued request a typical prompt
         queued = c.load.waiting * TYPICAL_PROMPT
     return c.inflight + (c.load.prefill_pending + queued) / TYPICAL_PROMPT
+
+
+def prefill_backlog_s(c: Candidate) -> float | None:
+    """A prefill worker's prompt tokens waiting or admitted, in seconds of its measured
+    throughput; None until both are known."""
+    if c.load is None or not c.prefill_rate:
+        return None
+    return (c.load.prefill_pending + (c.load.prefill_waiting or 0.0)) / c.prefill_rate
 
 
 def rank_prefill(

@@ -18,6 +18,9 @@ from phasefleet.router.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 
+RATE_MIN_BUSY_S = 0.05  # busy seconds between two polls for a throughput sample
+RATE_WEIGHT = 0.3  # a new sample's weight in the moving average of the throughput
+
 
 @dataclass
 class WorkerState:
@@ -27,6 +30,23 @@ class WorkerState:
     load: WorkerLoad | None = None  # last /metrics poll
     inflight: int = 0  # requests this router has open on it
     busy_until: float = 0.0  # monotonic seconds; answered 429 until then
+    prefill_rate: float | None = None  # prompt tokens per busy second, a moving average
+
+    def observe(self, load: WorkerLoad) -> None:
+        """Takes a new poll's load; updates the throughput from its counters' growth since
+        the last (a counter that went back, a restarted worker, gives no sample)."""
+        old, self.load = self.load, load
+        if old is None or old.prompt_tokens_total is None or old.busy_seconds_total is None:
+            return
+        if load.prompt_tokens_total is None or load.busy_seconds_total is None:
+            return
+        tokens = load.prompt_tokens_total - old.prompt_tokens_total
+        busy = load.busy_seconds_total - old.busy_seconds_total
+        if busy < RATE_MIN_BUSY_S or tokens <= 0:
+            return
+        sample = tokens / busy
+        rate = self.prefill_rate
+        self.prefill_rate = sample if rate is None else rate + RATE_WEIGHT * (sample - rate)
 
 
 class WorkerPool:
@@ -67,12 +87,15 @@ class WorkerPool:
             if healthy != state.healthy:
                 logger.info("worker %s in %s: %s", state.url, self.name, _word(healthy))
             state.healthy = healthy
-            state.load = load if healthy else None
+            if healthy and load is not None:
+                state.observe(load)
+            else:
+                state.load = None
         return gone
 
     def candidates(self, now: float, exclude: Collection[str] = ()) -> list[Candidate]:
         return [
-            Candidate(s.url, s.load, s.inflight, busy=s.busy_until > now)
+            Candidate(s.url, s.load, s.inflight, s.busy_until > now, s.prefill_rate)
             for s in self.workers.values()
             if s.ready and s.healthy and s.url not in exclude
         ]

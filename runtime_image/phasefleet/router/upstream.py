@@ -34,6 +34,10 @@ WAITING = Metric.NUM_REQUESTS_WAITING
 KV_USAGE = Metric.KV_CACHE_USAGE_PERC
 PREFILL_PENDING = Metric.PREFILL_TOKENS_PENDING
 PREFILL_WAITING = Metric.PREFILL_TOKENS_WAITING
+PROMPT_TOKENS = Metric.PROMPT_TOKENS_TOTAL  # counters: a prefill worker's throughput
+BUSY_SECONDS = Metric.ENGINE_BUSY_SECONDS_TOTAL
+LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, PREFILL_PENDING, PREFILL_WAITING, PROMPT_TOKENS,
+               BUSY_SECONDS)  # fmt: skip
 
 
 class Event(enum.Enum):
@@ -78,7 +82,7 @@ def parse_load(text: str) -> WorkerLoad:
     for line in text.splitlines():
         if line.startswith("phasefleet_"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in (RUNNING, WAITING, KV_USAGE, PREFILL_PENDING, PREFILL_WAITING):
+            if name in LOAD_SERIES:
                 values[name] = float(line.rsplit(" ", 1)[1])
     missing = {RUNNING, WAITING, KV_USAGE} - values.keys()
     if missing:
@@ -89,6 +93,8 @@ def parse_load(text: str) -> WorkerLoad:
         kv_usage=values[KV_USAGE],
         prefill_pending=values.get(PREFILL_PENDING, 0.0),
         prefill_waiting=values.get(PREFILL_WAITING),
+        prompt_tokens_total=values.get(PROMPT_TOKENS),
+        busy_seconds_total=values.get(BUSY_SECONDS),
     )
 
 

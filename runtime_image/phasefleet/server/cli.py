@@ -11,6 +11,12 @@ import logging
 import os
 from pathlib import Path
 
+from phasefleet.api.boundary import (
+    DEFAULT_BUSY_BACKLOG_S,
+    DEFAULT_IDLE_MIN_TOKENS,
+    DEFAULT_LOCAL_MAX_TOKENS,
+    PhaseBoundary,
+)
 from phasefleet.api.contract import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     INTERNAL_TOKEN_ENV,
@@ -123,7 +129,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         WorkerFlag.REMOTE_PREFILL_MIN_TOKENS,
         type=int,
         default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
-        help="decode role: prompts with fewer uncached tokens are prefilled here, not remotely",
+        help="decode role: prompts with fewer uncached tokens are prefilled here, not remotely;\n"
+        "0: every prompt is handed off, whatever the load",
+    )
+    handoff.add_argument(
+        WorkerFlag.FIXED_PHASE_BOUNDARY,
+        action="store_true",
+        help="decode role: the threshold alone decides; by default it moves with the load\n"
+        "(the prefill worker's backlog, this worker's own prefill and inter-token latency)",
+    )
+    handoff.add_argument(
+        WorkerFlag.BOUNDARY_BUSY_BACKLOG_MS,
+        type=float,
+        default=DEFAULT_BUSY_BACKLOG_S * 1000,
+        help="decode role: a prefill worker this far behind (ms of its throughput) gets no\n"
+        "prompt this worker has room to prefill itself",
+    )
+    handoff.add_argument(
+        WorkerFlag.BOUNDARY_IDLE_MIN_TOKENS,
+        type=int,
+        default=DEFAULT_IDLE_MIN_TOKENS,
+        help="decode role: while the prefill worker is idle, prompts from this many uncached\n"
+        "tokens are prefilled there",
+    )
+    handoff.add_argument(
+        WorkerFlag.BOUNDARY_LOCAL_MAX_TOKENS,
+        type=int,
+        default=DEFAULT_LOCAL_MAX_TOKENS,
+        help="decode role: prompt tokens this worker holds unprefilled, at most, when it takes\n"
+        "a prompt the threshold would hand off",
+    )
+    handoff.add_argument(
+        WorkerFlag.TPOT_TARGET_MS,
+        type=float,
+        help="decode role: the service's TPOT target; no local prefill is taken on while the\n"
+        "recent inter-token latency is over 0.8 of it",
     )
 
 
@@ -153,6 +193,22 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"remote_prefill_min_tokens must be >= 0, got {args.remote_prefill_min_tokens}"
             )
+        if not args.boundary_busy_backlog_ms > 0:
+            raise ValueError(
+                f"boundary_busy_backlog_ms must be > 0, got {args.boundary_busy_backlog_ms}"
+            )
+        for name in ("boundary_idle_min_tokens", "boundary_local_max_tokens"):
+            if getattr(args, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
+        args.phase_boundary = PhaseBoundary(  # for _serve
+            min_tokens=args.remote_prefill_min_tokens,
+            adaptive=not args.fixed_phase_boundary,
+            busy_backlog_s=args.boundary_busy_backlog_ms / 1000,
+            idle_min_tokens=args.boundary_idle_min_tokens,
+            local_max_tokens=args.boundary_local_max_tokens,
+        )
+        if args.tpot_target_ms is not None and not args.tpot_target_ms > 0:
+            raise ValueError(f"tpot_target_ms must be > 0, got {args.tpot_target_ms}")
         if not args.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
         dtype = engine_dtype(args.dtype, args.device)
@@ -265,7 +321,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         max_request_bytes=args.max_request_bytes,
         internal_token=token,
         handoff=None if token is None else HandoffClient(token),
-        remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+        boundary=args.phase_boundary,
+        tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
     )
     uv_config = uvicorn.Config(
         build_app(state),

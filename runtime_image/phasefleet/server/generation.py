@@ -366,7 +366,7 @@ class Generation:
                 timing.first_token_time = event.time
                 m.time_to_first_token.observe(event.time - self.arrival_time)
             elif timing.last_token_time is not None:
-                m.inter_token_latency.observe(event.time - timing.last_token_time)
+                m.observe_itl(event.time - timing.last_token_time)
             timing.last_token_time = event.time
             timing.num_tokens += len(out.new_token_ids)
         if out.finished and out.finish_reason not in ("abort", "error"):

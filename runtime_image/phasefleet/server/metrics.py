@@ -57,6 +57,8 @@ GAUGES = {
         "prefill_tokens_waiting",
     ),
 }
+ITL_WEIGHT = 0.05  # a new gap's weight in the moving average (about the last 20 gaps)
+
 COUNTERS = {
     M.PROMPT_TOKENS_TOTAL: ("Prompt tokens processed.", "prompt_tokens_total"),
     M.GENERATION_TOKENS_TOTAL: ("Output tokens produced.", "generation_tokens_total"),
@@ -158,7 +160,21 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.prefills = {where: prefills.labels(*labels, where) for where in ("local", "remote")}
+        moves = Counter(
+            M.PHASE_BOUNDARY_MOVES_TOTAL,
+            "Prompts the adaptive phase boundary placed other than the fixed threshold would.",
+            [*LABELS, "to"],
+            registry=self.registry,
+        )
+        self.boundary_moves = {to: moves.labels(*labels, to) for to in ("local", "remote")}
+        self.recent_itl_s: float | None = None  # inter-token latency, a moving average
         self.registry.register(_EngineStatsCollector(stats, labels))
+
+    def observe_itl(self, seconds: float) -> None:
+        """One gap between two output tokens: the histogram and the moving average."""
+        self.inter_token_latency.observe(seconds)
+        recent = self.recent_itl_s
+        self.recent_itl_s = seconds if recent is None else recent + ITL_WEIGHT * (seconds - recent)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

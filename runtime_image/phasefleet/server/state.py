@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from phasefleet.api.boundary import LocalLoad, PhaseBoundary
 from phasefleet.api.contract import (
-    DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     INTERNAL_TOKEN_HEADER,
+    PREFILL_BACKLOG_HEADER,
     PREFILL_URL_HEADER,
 )
 from phasefleet.server.async_engine import AsyncEngine
@@ -22,6 +23,17 @@ from phasefleet.server.handoff import HandoffClient, RemotePrefill
 from phasefleet.server.metrics import WorkerMetrics
 
 ROLES = ("both", "prefill", "decode")
+
+
+def backlog_s(headers: Mapping[str, str]) -> float | None:
+    """The prefill worker's backlog the router sent, in seconds (None: none, or not a number)."""
+    value = headers.get(PREFILL_BACKLOG_HEADER)
+    try:
+        ms = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return ms / 1000 if ms is not None and ms >= 0 and ms != float("inf") else None
+
 
 T = TypeVar("T")
 
@@ -42,8 +54,9 @@ class WorkerState:
     max_request_bytes: int | None = None  # a larger request body gets 413; None: no limit
     internal_token: str | None = None  # the service's token for /internal/*; None: refused
     handoff: HandoffClient | None = None  # decode side: talks to prefill workers
-    # Decode side: a prompt with fewer uncached tokens than this is prefilled here, not remotely.
-    remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS
+    # Decode side: which prompts are prefilled here rather than on the router's prefill worker.
+    boundary: PhaseBoundary = field(default_factory=PhaseBoundary)
+    tpot_target_s: float | None = None  # the service's TPOT target, bounding local prefill
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix seconds
     # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
@@ -59,7 +72,9 @@ class WorkerState:
     ) -> RemotePrefill | None:
         """Where this request's prompt is prefilled: on the prefill worker the router named (in
         the prefill-URL header, honoured only with the internal token), or here (None) when
-        there is none, several choices, or a short uncached part (conditional disaggregation)."""
+        there is none, several choices, or the phase boundary says so (api/boundary.py: the
+        uncached part's length, the prefill worker's backlog the router sent, this worker's
+        own prefill and inter-token latency)."""
         url = headers.get(PREFILL_URL_HEADER)
         if url is None or self.handoff is None or self.internal_token is None or len(prompts) != 1:
             return None
@@ -67,9 +82,18 @@ class WorkerState:
         if not hmac.compare_digest(given.encode(), self.internal_token.encode()):
             return None
         cached = self.engine.cached_prefix_tokens(prompts[0])
-        if len(prompts[0]) - cached < self.remote_prefill_min_tokens:
+        uncached = len(prompts[0]) - cached
+        remote = self.boundary.remote(uncached, backlog_s(headers), self.local_load())
+        if remote != self.boundary.fixed(uncached):
+            self.metrics.boundary_moves["remote" if remote else "local"].inc()
+        if not remote:
             return None
         return RemotePrefill(self.handoff, url, self.first_token_text, cached)
+
+    def local_load(self) -> LocalLoad:
+        stats = self.engine.stats()
+        tokens = 0 if stats is None else stats.prefill_tokens_pending + stats.prefill_tokens_waiting
+        return LocalLoad(tokens, self.metrics.recent_itl_s, self.tpot_target_s)
 
     async def first_token_text(self, token: int, stop: list[str]) -> tuple[str, bool]:
         """The text a first token adds and whether a stop string ends the request there."""
