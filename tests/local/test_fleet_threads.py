@@ -78,3 +78,14 @@ def test_terminate_sends_sigterm_once(tmp_path: Path) -> None:
     child.terminate()  # e.g. Ctrl-C's stop() after the autoscaler began this child's drain
     child.wait(10)
     assert "sigterms 1" in child.log_tail()
+
+
+def test_decode_workers_get_the_tpot_target_for_their_phase_boundary(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    fleet = make_fleet(tiny_model, tmp_path)
+    assert "--tpot-target-ms" not in fleet._new_worker("decode").argv
+    fleet.config.tpot_target_ms = 40
+    argv = fleet._new_worker("decode").argv
+    assert argv[argv.index("--tpot-target-ms") + 1] == "40"
+    assert "--tpot-target-ms" not in fleet._new_worker("prefill").argv

@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             pools=pools,
             run_dir=run_dir,
             worker_args=worker_args,
+            tpot_target_ms=args.tpot_ms,
             router_args=shlex.split(args.router_args),
             host=args.host,
             drain_timeout=args.drain_timeout,

@@ -79,6 +79,7 @@ class FleetConfig:
     pools: dict[str, int]  # pool -> workers: {"prefill": N, "decode": M} or {"worker": N}
     run_dir: Path  # logs and the membership file
     worker_args: list[str] = field(default_factory=list)  # passed to every worker
+    tpot_target_ms: int | None = None  # passed to decode workers (their phase boundary)
     router_args: list[str] = field(default_factory=list)  # passed to the router
     host: str = "127.0.0.1"  # where the router listens
     startup_timeout: float = 300.0  # seconds a worker gets to load its model
@@ -137,6 +138,8 @@ class Fleet:
             WorkerFlag.DRAIN_TIMEOUT, str(self.config.drain_timeout),
             *self.config.worker_args,
         ]  # fmt: skip
+        if role is EngineRole.DECODE and self.config.tpot_target_ms is not None:
+            argv += [WorkerFlag.TPOT_TARGET_MS, str(self.config.tpot_target_ms)]
         log = self.config.run_dir / f"{name}.log"
         return Child(name, argv, port, log, self._env(), restarts=restarts)
 
