@@ -130,8 +130,9 @@ def setups(args: argparse.Namespace, longest: int) -> list[Setup]:
 
 def boundary_args(args: argparse.Namespace, boundary: str) -> list[str]:
     if boundary == "fixed":
-        return ["--fixed-phase-boundary"]
+        return []
     return [
+        "--adaptive-phase-boundary",
         "--tpot-target-ms", f"{args.tpot_target * 1000:g}",
         "--boundary-idle-min-tokens", str(round(DEFAULT_IDLE_MIN_TOKENS / args.scale)),
         "--boundary-local-max-tokens", str(round(DEFAULT_LOCAL_MAX_TOKENS / args.scale)),

@@ -30,8 +30,8 @@ from phasefleet.plan.trace import Trace, latencies
 
 RULES = {
     "all remote": None,
-    "fixed 512": PhaseBoundary(adaptive=False),
-    "adaptive": PhaseBoundary(),
+    "fixed 512": PhaseBoundary(),
+    "adaptive": PhaseBoundary(adaptive=True),
 }
 
 
@@ -102,6 +102,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--segment-s", type=float, default=300.0)
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--tpot-scale", type=float, default=1.0, help="x the trace's TPOT target")
     return p.parse_args()
 
 
@@ -120,7 +121,8 @@ def main() -> None:
             trace = shrink(trace, scale) if scale > 1 else trace
             rough = capacity_per_gpu(trace, curves) * args.gpus
             trace = segment(trace, max(args.segment_s, args.requests / rough))
-            replay = Replay(trace, curves, (SLOS[name],), scale)
+            slo = Slo(SLOS[name].ttft_s, SLOS[name].tpot_s * args.tpot_scale)
+            replay = Replay(trace, curves, (slo,), scale)
             for p in args.splits:
                 runs = [
                     Setup(f"{p}P:{args.gpus - p}D {rule}", args.gpus, p, args.gpus - p, rule)
@@ -132,7 +134,7 @@ def main() -> None:
                 local = {s.rule: replay.run(s, at)[1] if at else 0.0 for s in runs}
                 ratio = good["adaptive"] / good["fixed 512"] if good["fixed 512"] else float("nan")
                 summary.append(
-                    f"| {key}, {name} | {p}P:{args.gpus - p}D | "
+                    f"| {key}, {name}, TPOT {slo.tpot_s * 1000:g} ms | {p}P:{args.gpus - p}D | "
                     + " | ".join(f"{good[r]:.3g}" for r in RULES)
                     + f" | {ratio:.2f} | {local['fixed 512']:.0%}, {local['adaptive']:.0%} |"
                 )

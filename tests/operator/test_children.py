@@ -261,7 +261,7 @@ def test_worker_args_parse_with_the_worker_cli():
 
 def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
     """The decode worker decides the phase boundary: it gets the TPOT target that bounds its
-    local prefill, and the fixed rule when the spec turns the adaptive one off."""
+    local prefill, and the adaptive rule when the spec turns it on."""
     from phasefleet.cli import build_parser
 
     def parsed(spec, role):
@@ -269,12 +269,12 @@ def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
         return build_parser().parse_args(_pod(dep)["containers"][0]["args"])
 
     default = parsed(make_spec(), Role.DECODE)
-    assert not default.fixed_phase_boundary and default.tpot_target_ms is None
-    spec = make_spec(slo={"tpotMs": 40}, runtime={"adaptivePhaseBoundary": False})
+    assert not default.adaptive_phase_boundary and default.tpot_target_ms is None
+    spec = make_spec(slo={"tpotMs": 40}, runtime={"adaptivePhaseBoundary": True})
     decode = parsed(spec, Role.DECODE)
-    assert decode.fixed_phase_boundary and decode.tpot_target_ms == 40
+    assert decode.adaptive_phase_boundary and decode.tpot_target_ms == 40
     prefill = parsed(spec, Role.PREFILL)  # a prefill worker has no boundary to keep
-    assert not prefill.fixed_phase_boundary and prefill.tpot_target_ms is None
+    assert not prefill.adaptive_phase_boundary and prefill.tpot_target_ms is None
 
 
 def test_engine_image_user_satisfies_run_as_non_root():

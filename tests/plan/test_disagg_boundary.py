@@ -40,7 +40,7 @@ def run(t: Trace, boundary: PhaseBoundary | None, c: Curves | None = None, **kw:
 
 def test_a_short_prompt_under_the_threshold_is_prefilled_by_the_decode_replica() -> None:
     t = trace([0.0], [100], [11])
-    fleet = run(t, PhaseBoundary(min_tokens=512, adaptive=False))
+    fleet = run(t, PhaseBoundary(min_tokens=512))
     assert fleet.local_prefills == 1
     assert fleet.first_token[0] == pytest.approx(0.1)  # one step of 100 tokens, 1 ms each
     assert (fleet.finish[0] - fleet.first_token[0]) / 10 == pytest.approx(STEP_S, rel=0.01)
@@ -51,7 +51,7 @@ def test_decodes_beside_a_local_prefill_wait_for_its_chunks() -> None:
     # request 0 decodes (prefilled remotely, 600 tokens); request 1's 400-token prompt is
     # prefilled on the decode replica in chunks of 100 (the budget less the one decode)
     t = trace([0.0, 0.7], [600, 400], [101, 2])
-    rule = PhaseBoundary(min_tokens=500, adaptive=False)
+    rule = PhaseBoundary(min_tokens=500)
     alone = run(trace([0.0], [600], [101]), rule, curves(101))
     beside = run(t, rule, curves(101))
     assert beside.local_prefills == 1
@@ -64,8 +64,8 @@ def test_decodes_beside_a_local_prefill_wait_for_its_chunks() -> None:
 def test_a_backlogged_prefill_pool_moves_long_prompts_to_the_decode_replica() -> None:
     # ten 1000-token prompts at once: 1 s each on the prefill replica
     t = trace([0.0] * 10, [1000] * 10, [3] * 10)
-    fixed = run(t, PhaseBoundary(min_tokens=512, adaptive=False))
-    adaptive = run(t, PhaseBoundary(min_tokens=512, busy_backlog_s=0.5, local_max_tokens=3000))
+    fixed = run(t, PhaseBoundary(min_tokens=512))
+    adaptive = run(t, PhaseBoundary(512, adaptive=True, local_max_tokens=3000))
     assert fixed.local_prefills == 0
     assert adaptive.local_prefills == 3  # as many as its 3000 tokens of room hold at once
     assert np.nanmax(adaptive.first_token) < np.nanmax(fixed.first_token) - 2.5
@@ -73,13 +73,14 @@ def test_a_backlogged_prefill_pool_moves_long_prompts_to_the_decode_replica() ->
 
 def test_a_decode_replica_over_its_tpot_share_takes_no_prefill() -> None:
     t = trace([0.0] * 10, [1000] * 10, [3] * 10)
-    rule = PhaseBoundary(min_tokens=512, busy_backlog_s=0.5)
+    rule = PhaseBoundary(min_tokens=512, adaptive=True)
     # the first is taken by an idle replica; beside it a step is over 0.8 of the target
     assert run(t, rule, tpot_target_s=STEP_S).local_prefills == 1
-    assert run(t, rule, tpot_target_s=2.0).local_prefills == 4  # 1 s steps; 4096 tokens of room
+    # steps of 1 s (the prompt in progress) + this one's 1 s over 3-token answers: within 2 s
+    assert run(t, rule, tpot_target_s=2.5).local_prefills == 4  # as 4096 tokens of room hold
 
 
 def test_an_idle_prefill_pool_takes_prompts_under_the_threshold() -> None:
     t = trace([0.0, 5.0], [200, 200], [5, 5])  # the pool is idle at each arrival
-    assert run(t, PhaseBoundary(min_tokens=512, adaptive=False)).local_prefills == 2
-    assert run(t, PhaseBoundary(min_tokens=512, idle_min_tokens=128)).local_prefills == 0
+    assert run(t, PhaseBoundary(min_tokens=512)).local_prefills == 2
+    assert run(t, PhaseBoundary(512, adaptive=True, idle_min_tokens=128)).local_prefills == 0

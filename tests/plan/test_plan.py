@@ -103,6 +103,8 @@ def test_the_command_prints_the_candidates_and_writes_a_service_the_crd_accepts(
     assert all(1 <= (p.min_replicas or 0) <= (p.max_replicas or 0) for p in pools)
     assert spec["slo"] == {"ttftMs": 500, "tpotMs": 30, "percentile": 0.99}
     assert spec["model"]["hf"]["repoId"] == "org/model"
+    if spec["mode"] == "disaggregated":  # every prompt handed off, as the simulator ran it
+        assert parsed.runtime.remote_prefill_min_tokens == 0
 
 
 def test_the_command_refuses_bad_input_saying_what_to_fix(

@@ -123,7 +123,9 @@ def test_the_router_names_the_prefill_worker_and_its_backlog_in_seconds() -> Non
     )
     state = prefill.workers[url] = WorkerState(url, healthy=True)
     state.load = WorkerLoad(0, 1, 0.0, prefill_pending=300, prefill_waiting=900)
-    assert router.choose_prefill([]) == (url, None)  # throughput not measured yet
+    chosen = router.choose_prefill([])
+    assert chosen is not None and chosen[0].url == url and chosen[1] is None  # not measured yet
     state.prefill_rate = 2400.0
-    assert router.choose_prefill([]) == (url, 0.5)
+    chosen = router.choose_prefill([])
+    assert chosen is not None and chosen[0].prefill_rate == 2400 and chosen[1] == 0.5
     asyncio.run(prefill.upstream.aclose())

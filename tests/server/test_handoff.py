@@ -18,6 +18,7 @@ from phasefleet.api.contract import (
     INTERNAL_TOKEN_ENV,
     INTERNAL_TOKEN_HEADER,
     PREFILL_BACKLOG_HEADER,
+    PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
 )
 from tests.server.worker_proc import Worker, run_worker
@@ -176,12 +177,13 @@ def test_the_phase_boundary_follows_the_prefill_workers_backlog(
     ]
     with run_worker(
         tiny_model, "--role", "decode", "--remote-prefill-min-tokens", "200",
-        "--num-kv-blocks", "64", "--no-prefix-caching",
+        "--adaptive-phase-boundary", "--num-kv-blocks", "64", "--no-prefix-caching",
     ) as decode:  # fmt: skip
         for prompt, backlog, where, moved in cases:
             headers = {PREFILL_URL_HEADER: prefill.base_url, INTERNAL_TOKEN_HEADER: TOKEN}
             if backlog is not None:
                 headers[PREFILL_BACKLOG_HEADER] = backlog
+                headers[PREFILL_SPEED_HEADER] = "2000"  # prompt tokens/s
             before = {
                 w: decode.counter("phasefleet_prefills_total", where=w) for w in ("local", "remote")
             }

@@ -27,6 +27,7 @@ PREFILL_URL_HEADER = "X-PhaseFleet-Prefill-Url"
 # Set with it when the router has measured that prefill worker's throughput: its backlog of
 # prompt tokens in milliseconds of that throughput (the adaptive phase boundary reads it).
 PREFILL_BACKLOG_HEADER = "X-PhaseFleet-Prefill-Backlog-Ms"
+PREFILL_SPEED_HEADER = "X-PhaseFleet-Prefill-Tokens-Per-S"  # and that throughput
 
 # Labels on every child object and pod of an InferenceService.
 ISVC_LABEL = "phasefleet.dev/inferenceservice"  # the owning InferenceService's name
@@ -67,7 +68,7 @@ class WorkerFlag:
     DRAIN_TIMEOUT = "--drain-timeout"
     KV_LEASE_SECONDS = "--kv-lease-seconds"
     REMOTE_PREFILL_MIN_TOKENS = "--remote-prefill-min-tokens"
-    FIXED_PHASE_BOUNDARY = "--fixed-phase-boundary"
+    ADAPTIVE_PHASE_BOUNDARY = "--adaptive-phase-boundary"
     BOUNDARY_BUSY_BACKLOG_MS = "--boundary-busy-backlog-ms"
     BOUNDARY_IDLE_MIN_TOKENS = "--boundary-idle-min-tokens"
     BOUNDARY_LOCAL_MAX_TOKENS = "--boundary-local-max-tokens"

@@ -148,12 +148,13 @@ class RuntimeSpec(ApiModel):
         ),
     )
     adaptive_phase_boundary: bool = Field(
-        default=True,
+        default=False,
         description=(
-            "Disaggregated mode: move that threshold with the load. A decode worker with room"
-            " (under 0.8 of slo.tpotMs, 4096 prompt tokens of its own) prefills prompts of any"
-            " length while the prefill worker is 0.5 s behind; prompts from 128 tokens go to"
-            " an idle prefill worker."
+            "Disaggregated mode: move that threshold with the load (off by default: it gains in"
+            " the simulator, not yet on a real fleet). A decode worker with room"
+            " (its TPOT with that prefill under 0.8 of slo.tpotMs, 4096 prompt tokens of its"
+            " own) prefills prompts of any length while the prefill worker is 0.5 s behind;"
+            " prompts from 128 tokens go to an idle prefill worker."
         ),
     )
     kv_lease_seconds: int = Field(

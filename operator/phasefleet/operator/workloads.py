@@ -109,8 +109,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
     if not spec.runtime.enable_prefix_caching:
         args.append(WorkerFlag.NO_PREFIX_CACHING)
     if role is Role.DECODE:  # the phase boundary is the decode worker's decision
-        if not spec.runtime.adaptive_phase_boundary:
-            args.append(WorkerFlag.FIXED_PHASE_BOUNDARY)
+        if spec.runtime.adaptive_phase_boundary:
+            args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)
         if spec.slo.tpot_ms is not None:
             args += [WorkerFlag.TPOT_TARGET_MS, str(spec.slo.tpot_ms)]
     return args + list(spec.runtime.extra_args)

@@ -21,8 +21,9 @@ What is exact and what is approximated:
 - Phase boundary (`boundary`, None: every prompt is prefilled remotely): the decode replica the
   router would pick (the least loaded) prefills a prompt itself when `PhaseBoundary.remote`
   says so, given the least busy prefill replica's backlog (seconds until it is free), the
-  prompt tokens this replica already holds unprefilled and its current step time (as its
-  recent inter-token latency). Such a replica runs the engine's mixed steps: its batch decodes
+  prompt tokens this replica already holds unprefilled, its current step time (as its
+  recent inter-token latency), the prompt's prefill_s and the mean answer of the requests
+  so far. Such a replica runs the engine's mixed steps: its batch decodes
   one token per step while a chunk of the oldest local prompt (the step's token budget less
   the batch) is prefilled; a step lasts decode_step_s + a + what the chunk adds to its prompt's
   prefill_s - min(a, d0), as in aggregated_sim. The step that ends a prompt gives its first
@@ -106,6 +107,7 @@ class Fleet:
         self.trace, self.curves, self.dt = trace, curves, dt
         self.boundary, self.tpot_target_s = boundary, tpot_target_s
         self.local_prefills = 0  # requests a decode replica prefilled itself
+        self.output_sums = np.cumsum(trace.output)
         n = len(trace.arrival)
         self.prefill_start = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
@@ -182,7 +184,16 @@ class Fleet:
             return False
         d = min(decoders, key=lambda r: r.load())
         n = float(self.trace.prompt[i])
-        local = LocalLoad(int(d.local_tokens), self._step_s(d), self.tpot_target_s)
+        answer = float(self.output_sums[i]) / (i + 1)  # the mean answer so far
+        busy = len(d.batch) + len(d.local)
+        local = LocalLoad(
+            int(d.local_tokens),
+            self._step_s(d),
+            self.tpot_target_s,
+            self.curves.prefill_s(n),
+            answer,
+            busy,
+        )
         if self.boundary.remote(int(n), backlog_s, local):
             return False
         d.local.append([float(i), n])

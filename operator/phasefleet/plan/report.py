@@ -114,6 +114,7 @@ def service(
     else:
         spec["prefill"] = _pool(shape.prefill, quiet_share(trace, trace.prompt), shape, curves, gpu)
         spec["decode"] = _pool(shape.decode, quiet_share(trace, trace.output), shape, curves, gpu)
+        spec["runtime"] = {"remotePrefillMinTokens": 0}  # every prompt handed off, as simulated
     spec["slo"] = {
         "ttftMs": max(1, round(slo.ttft_s * 1000)),
         "tpotMs": max(1, round(slo.tpot_s * 1000)),

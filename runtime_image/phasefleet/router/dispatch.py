@@ -31,11 +31,13 @@ from starlette.types import Receive, Scope, Send
 from phasefleet.api.contract import (
     INTERNAL_TOKEN_HEADER,
     PREFILL_BACKLOG_HEADER,
+    PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
 )
 from phasefleet.router.config import RouterConfig
 from phasefleet.router.metrics import RouterMetrics, StreamTimer
 from phasefleet.router.policy import (
+    Candidate,
     PrefixIndex,
     prefill_backlog_s,
     prefix_chunks,
@@ -130,10 +132,10 @@ class Router:
                 self.prefix_index.forget(url)
                 self.prefill_index.forget(url)
 
-    def choose_prefill(self, chunks: list[int]) -> tuple[str, float | None] | None:
+    def choose_prefill(self, chunks: list[int]) -> tuple[Candidate, float | None] | None:
         """The prefill worker for a request in disaggregated mode and its backlog in seconds
-        (None until measured); None: the decode worker prefills it (no prefill pool, none
-        ready, or no token to authorize the hand-off)."""
+        (None until its throughput is measured); None: the decode worker prefills it (no
+        prefill pool, none ready, or no token to authorize the hand-off)."""
         pool = self.pools.get("prefill")
         if pool is None or not self.config.internal_token:
             return None
@@ -144,7 +146,8 @@ class Router:
         url = rank_prefill(self.config.policy, candidates, self.turn, matched)[0]
         if chunks:
             self.prefill_index.record(chunks, url)
-        return url, prefill_backlog_s(next(c for c in candidates if c.url == url))
+        chosen = next(c for c in candidates if c.url == url)
+        return chosen, prefill_backlog_s(chosen)
 
     def choose(self, pool: WorkerPool, chunks: list[int], tried: set[str]) -> str | None:
         candidates = pool.candidates(self.clock(), exclude=tried)
@@ -166,10 +169,12 @@ class Router:
         headers = {"content-type": "application/json"}
         prefill = self.choose_prefill(chunks)
         if prefill is not None and self.config.internal_token:
-            headers[PREFILL_URL_HEADER] = prefill[0]
+            chosen, backlog_s = prefill
+            headers[PREFILL_URL_HEADER] = chosen.url
             headers[INTERNAL_TOKEN_HEADER] = self.config.internal_token
-            if prefill[1] is not None:
-                headers[PREFILL_BACKLOG_HEADER] = f"{prefill[1] * 1000:.0f}"
+            if backlog_s is not None and chosen.prefill_rate:
+                headers[PREFILL_BACKLOG_HEADER] = f"{backlog_s * 1000:.0f}"
+                headers[PREFILL_SPEED_HEADER] = f"{chosen.prefill_rate:.0f}"
         tried: set[str] = set()
         retries: list[_Retry] = []
         while len(tried) < self.config.max_attempts:

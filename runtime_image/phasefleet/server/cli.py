@@ -133,10 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0: every prompt is handed off, whatever the load",
     )
     handoff.add_argument(
-        WorkerFlag.FIXED_PHASE_BOUNDARY,
+        WorkerFlag.ADAPTIVE_PHASE_BOUNDARY,
         action="store_true",
-        help="decode role: the threshold alone decides; by default it moves with the load\n"
-        "(the prefill worker's backlog, this worker's own prefill and inter-token latency)",
+        help="decode role: move the threshold with the load (the prefill worker's backlog,\n"
+        "this worker's own prefill and TPOT); off: the threshold alone decides",
     )
     handoff.add_argument(
         WorkerFlag.BOUNDARY_BUSY_BACKLOG_MS,
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
         args.phase_boundary = PhaseBoundary(  # for _serve
             min_tokens=args.remote_prefill_min_tokens,
-            adaptive=not args.fixed_phase_boundary,
+            adaptive=args.adaptive_phase_boundary,
             busy_backlog_s=args.boundary_busy_backlog_ms / 1000,
             idle_min_tokens=args.boundary_idle_min_tokens,
             local_max_tokens=args.boundary_local_max_tokens,

@@ -58,6 +58,7 @@ GAUGES = {
     ),
 }
 ITL_WEIGHT = 0.05  # a new gap's weight in the moving average (about the last 20 gaps)
+ANSWER_WEIGHT = 0.1  # a finished answer's weight in the moving average of their lengths
 
 COUNTERS = {
     M.PROMPT_TOKENS_TOTAL: ("Prompt tokens processed.", "prompt_tokens_total"),
@@ -168,6 +169,7 @@ class WorkerMetrics:
         )
         self.boundary_moves = {to: moves.labels(*labels, to) for to in ("local", "remote")}
         self.recent_itl_s: float | None = None  # inter-token latency, a moving average
+        self.recent_output_tokens: float | None = None  # finished answers' lengths, the same
         self.registry.register(_EngineStatsCollector(stats, labels))
 
     def observe_itl(self, seconds: float) -> None:
@@ -175,6 +177,13 @@ class WorkerMetrics:
         self.inter_token_latency.observe(seconds)
         recent = self.recent_itl_s
         self.recent_itl_s = seconds if recent is None else recent + ITL_WEIGHT * (seconds - recent)
+
+    def observe_answer(self, tokens: int) -> None:
+        """A finished request's output tokens, for the moving average of answer lengths."""
+        recent = self.recent_output_tokens
+        self.recent_output_tokens = (
+            tokens if recent is None else recent + ANSWER_WEIGHT * (tokens - recent)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from phasefleet.api.boundary import LocalLoad, PhaseBoundary
 from phasefleet.api.contract import (
     INTERNAL_TOKEN_HEADER,
     PREFILL_BACKLOG_HEADER,
+    PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
 )
 from phasefleet.server.async_engine import AsyncEngine
@@ -25,14 +26,13 @@ from phasefleet.server.metrics import WorkerMetrics
 ROLES = ("both", "prefill", "decode")
 
 
-def backlog_s(headers: Mapping[str, str]) -> float | None:
-    """The prefill worker's backlog the router sent, in seconds (None: none, or not a number)."""
-    value = headers.get(PREFILL_BACKLOG_HEADER)
+def _number(headers: Mapping[str, str], name: str) -> float | None:
+    """A header's non-negative finite number; None: absent or not one."""
     try:
-        ms = float(value) if value is not None else None
-    except ValueError:
+        value = float(headers[name])
+    except (KeyError, ValueError):
         return None
-    return ms / 1000 if ms is not None and ms >= 0 and ms != float("inf") else None
+    return value if 0 <= value < float("inf") else None
 
 
 T = TypeVar("T")
@@ -83,17 +83,26 @@ class WorkerState:
             return None
         cached = self.engine.cached_prefix_tokens(prompts[0])
         uncached = len(prompts[0]) - cached
-        remote = self.boundary.remote(uncached, backlog_s(headers), self.local_load())
+        backlog_ms = _number(headers, PREFILL_BACKLOG_HEADER)
+        speed = _number(headers, PREFILL_SPEED_HEADER)  # prompt tokens/s, the pools' hardware
+        backlog_s = backlog_ms / 1000 if backlog_ms is not None and speed else None
+        prefill_s = uncached / speed if speed else 0.0
+        remote = self.boundary.remote(uncached, backlog_s, self.local_load(prefill_s))
         if remote != self.boundary.fixed(uncached):
             self.metrics.boundary_moves["remote" if remote else "local"].inc()
         if not remote:
             return None
         return RemotePrefill(self.handoff, url, self.first_token_text, cached)
 
-    def local_load(self) -> LocalLoad:
-        stats = self.engine.stats()
-        tokens = 0 if stats is None else stats.prefill_tokens_pending + stats.prefill_tokens_waiting
-        return LocalLoad(tokens, self.metrics.recent_itl_s, self.tpot_target_s)
+    def local_load(self, prefill_s: float) -> LocalLoad:
+        stats, m = self.engine.stats(), self.metrics
+        if stats is None:
+            return LocalLoad(0, None, self.tpot_target_s, prefill_s, decoding=0)
+        tokens = stats.prefill_tokens_pending + stats.prefill_tokens_waiting
+        return LocalLoad(
+            tokens, m.recent_itl_s, self.tpot_target_s, prefill_s, m.recent_output_tokens,
+            stats.num_running,
+        )  # fmt: skip
 
     async def first_token_text(self, token: int, stop: list[str]) -> tuple[str, bool]:
         """The text a first token adds and whether a stop string ends the request there."""
