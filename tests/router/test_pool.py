@@ -12,7 +12,7 @@ from phasefleet.router.config import RouterConfig
 from phasefleet.router.discovery import Endpoint
 from phasefleet.router.dispatch import Router
 from phasefleet.router.metrics import RouterMetrics
-from phasefleet.router.policy import WorkerLoad
+from phasefleet.router.policy import WorkerLoad, prefill_backlog_s
 from phasefleet.router.pool import RATE_WEIGHT, WorkerPool, WorkerState
 from phasefleet.router.upstream import Upstream
 from tests.server.worker_proc import free_port
@@ -112,7 +112,7 @@ def test_a_workers_prefill_throughput_is_measured_from_its_counters() -> None:
     assert state.load == load(10, 0.5)
 
 
-def test_the_router_names_the_prefill_worker_and_its_backlog_in_seconds() -> None:
+def test_the_router_picks_a_prefill_worker_whose_backlog_it_can_state_in_seconds() -> None:
     url = "http://p:8000"
     listed = ListedEndpoints()
     prefill = WorkerPool("prefill", listed, Upstream())
@@ -124,8 +124,9 @@ def test_the_router_names_the_prefill_worker_and_its_backlog_in_seconds() -> Non
     state = prefill.workers[url] = WorkerState(url, healthy=True)
     state.load = WorkerLoad(0, 1, 0.0, prefill_pending=300, prefill_waiting=900)
     chosen = router.choose_prefill([])
-    assert chosen is not None and chosen[0].url == url and chosen[1] is None  # not measured yet
+    assert chosen is not None and chosen.url == url
+    assert prefill_backlog_s(chosen) is None  # its throughput is not measured yet
     state.prefill_rate = 2400.0
     chosen = router.choose_prefill([])
-    assert chosen is not None and chosen[0].prefill_rate == 2400 and chosen[1] == 0.5
+    assert chosen is not None and prefill_backlog_s(chosen) == 0.5
     asyncio.run(prefill.upstream.aclose())

@@ -188,7 +188,7 @@ class Fleet:
         busy = len(d.batch) + len(d.local)
         local = LocalLoad(
             int(d.local_tokens),
-            self._step_s(d),
+            self._mixed_step(d)[0],  # its step now: the recent inter-token latency
             self.tpot_target_s,
             self.curves.prefill_s(n),
             answer,
@@ -202,10 +202,6 @@ class Fleet:
         self.prefill_start[i] = t
         self.local_prefills += 1
         return True
-
-    def _step_s(self, r: Replica) -> float:
-        """The replica's step time now, with the chunk its oldest local prompt adds."""
-        return self._mixed_step(r)[0]
 
     def _mixed_step(self, r: Replica) -> tuple[float, float]:
         """(step seconds, prompt tokens the step prefills) for the replica as it is now."""

@@ -132,10 +132,9 @@ class Router:
                 self.prefix_index.forget(url)
                 self.prefill_index.forget(url)
 
-    def choose_prefill(self, chunks: list[int]) -> tuple[Candidate, float | None] | None:
-        """The prefill worker for a request in disaggregated mode and its backlog in seconds
-        (None until its throughput is measured); None: the decode worker prefills it (no
-        prefill pool, none ready, or no token to authorize the hand-off)."""
+    def choose_prefill(self, chunks: list[int]) -> Candidate | None:
+        """The prefill worker for a request in disaggregated mode; None: the decode worker
+        prefills it (no prefill pool, none ready, or no token to authorize the hand-off)."""
         pool = self.pools.get("prefill")
         if pool is None or not self.config.internal_token:
             return None
@@ -146,8 +145,7 @@ class Router:
         url = rank_prefill(self.config.policy, candidates, self.turn, matched)[0]
         if chunks:
             self.prefill_index.record(chunks, url)
-        chosen = next(c for c in candidates if c.url == url)
-        return chosen, prefill_backlog_s(chosen)
+        return next(c for c in candidates if c.url == url)
 
     def choose(self, pool: WorkerPool, chunks: list[int], tried: set[str]) -> str | None:
         candidates = pool.candidates(self.clock(), exclude=tried)
@@ -169,12 +167,12 @@ class Router:
         headers = {"content-type": "application/json"}
         prefill = self.choose_prefill(chunks)
         if prefill is not None and self.config.internal_token:
-            chosen, backlog_s = prefill
-            headers[PREFILL_URL_HEADER] = chosen.url
+            headers[PREFILL_URL_HEADER] = prefill.url
             headers[INTERNAL_TOKEN_HEADER] = self.config.internal_token
-            if backlog_s is not None and chosen.prefill_rate:
+            backlog_s = prefill_backlog_s(prefill)
+            if backlog_s is not None and prefill.prefill_rate:  # a backlog implies the rate
                 headers[PREFILL_BACKLOG_HEADER] = f"{backlog_s * 1000:.0f}"
-                headers[PREFILL_SPEED_HEADER] = f"{chosen.prefill_rate:.0f}"
+                headers[PREFILL_SPEED_HEADER] = f"{prefill.prefill_rate:.0f}"
         tried: set[str] = set()
         retries: list[_Retry] = []
         while len(tried) < self.config.max_attempts:
