@@ -516,3 +516,15 @@ def test_the_worked_example_in_the_docs() -> None:
         "prefill 9->8: busy 0.30 <= target 0.75; no ask above 4 for 300 s, older asks still hold 8"
     )
     assert "older asks" not in changes[1185.0]  # 4 is what the window's asks say
+
+
+def test_a_backlog_allowance_under_10_ms_is_said_in_milliseconds() -> None:
+    from phasefleet.autoscale.demand import Targets, backlog_term
+
+    pool = PoolSignals(
+        reporting=1, busy_fraction=1.0, prefill_backlog_tokens=400, prompt_tokens_per_s=2000
+    )
+    tight = backlog_term(pool, Targets(0.001, None, 0.9, 0.7), window_s=15.0)
+    assert tight is not None and tight.sentence == "prompt backlog 0.2 s > 0.5 ms"
+    loose = backlog_term(pool, Targets(0.1, None, 0.9, 0.7), window_s=15.0)
+    assert loose is not None and loose.sentence == "prompt backlog 0.2 s > 0.05 s"

@@ -49,6 +49,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
 
 
+def _allowance(seconds: float) -> str:
+    """Seconds as the backlog sentence shows them: milliseconds below 10 ms (a 1 ms TTFT
+    target allows 0.5 ms, which two decimals of a second would show as 0.00 s)."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 0.01 else f"{seconds:.2f} s"
+
+
 def _cmp(value: float, target: float) -> str:
     return ">" if value > target else "<="
 
@@ -95,7 +101,7 @@ def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term |
     return Term(
         _size(pool.reporting, 1 + (backlog_s - allowed) / max(window_s, EPSILON)),
         backlog_s / allowed,
-        f"prompt backlog {backlog_s:.1f} s > {allowed:.2f} s",
+        f"prompt backlog {backlog_s:.1f} s > {_allowance(allowed)}",
     )
 
 
