@@ -21,7 +21,15 @@ import numpy as np
 from autoscale_curves import h100_8b
 from autoscale_plot import plot_runs
 from autoscale_policies import demand, held, hpa, keda, oracle, oracle_sizes, ours, static
-from autoscale_traces import NAMES, add_spike, compress_bursts, load, scale_rate
+from autoscale_traces import (
+    NAMES,
+    add_spike,
+    code_lengths,
+    compress_bursts,
+    load,
+    on_off,
+    scale_rate,
+)
 
 from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
 from phasefleet.plan.curves import Curves
@@ -242,6 +250,13 @@ def replay(name: str, trace: Trace, curves: Curves, slo: Slo, out_dir: Path) -> 
     print(f"  plot: {path}; our policy's first decisions:", *log[:6], sep="\n    ")
 
 
+def code_completion(trace: Trace, curves: Curves, peak: float) -> Trace:
+    """`trace`'s arrivals with code-completion lengths (Mooncake conversation prompts, answers
+    of 1-30 tokens), rate-scaled as the traces are (the busiest minute needs `peak` replicas)."""
+    code = code_lengths(trace, load("mooncake_conversation"), seed=0)
+    return scale_rate(code, rate_factor(code, replace(curves, streamed=False), peak))
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--traces", type=lambda v: v.split(","), default=list(NAMES))
@@ -252,7 +267,8 @@ def parse_args() -> argparse.Namespace:
         "--variants",
         type=lambda v: v.split(","),
         default=["bursts", "spike"],
-        help="which harder variants; with --hard-only, the traces themselves are not replayed",
+        help="which harder variants (bursts, spike, onoff_chat, onoff_code); with --hard-only,\n"
+        "the traces themselves are not replayed",
     )
     p.add_argument("--hard-only", action="store_true", help="only the harder variants")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).parent)
@@ -286,12 +302,15 @@ def main() -> None:
         return
     base = scaled[args.hard]
     variants = {
-        "bursts": compress_bursts(base),
-        "spike": add_spike(base, at_s=base.duration / 2),
+        "bursts": lambda: compress_bursts(base),
+        "spike": lambda: add_spike(base, at_s=base.duration / 2),
+        "onoff_chat": lambda: on_off(base, seed=0),
+        "onoff_code": lambda: on_off(code_completion(load(args.hard), curves, args.peak), seed=0),
     }
-    for label, trace in variants.items():
+    for label, make in variants.items():
         if label not in args.variants:
             continue
+        trace = make()
         print(f"\n## {args.hard}, harder ({label}): {trace.note}", flush=True)
         replay(f"{args.hard}_{label}", trace, curves, SLOS[args.hard], args.out_dir)
 

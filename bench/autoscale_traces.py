@@ -75,3 +75,47 @@ def add_spike(trace: Trace, at_s: float, length_s: float = 60.0, times: float = 
     o = np.concatenate([trace.output, trace.output[extra]])
     note = f"{trace.note}; {times:g}x spike for {length_s:.0f} s at {at_s:.0f} s"
     return from_arrays(trace.name, t, p, o, note)
+
+
+def on_off(
+    trace: Trace,
+    seed: int = 0,
+    period_s: tuple[float, float] = (60.0, 300.0),
+    peak: tuple[float, float] = (4.0, 10.0),
+) -> Trace:
+    """On/off bursts: the trace cut into cycles of random length (uniform in `period_s`), each
+    cycle's arrivals squeezed into its first cycle / p seconds (p uniform in `peak`, per cycle):
+    the same requests, p times the cycle's mean rate while on, then silence."""
+    rng = np.random.default_rng(seed)
+    cycles = rng.uniform(*period_s, int(trace.duration / period_s[0]) + 2)
+    starts = np.concatenate([[0.0], np.cumsum(cycles)])
+    peaks = rng.uniform(*peak, len(cycles))
+    k = np.searchsorted(starts, trace.arrival, side="right") - 1
+    t = starts[k] + (trace.arrival - starts[k]) / peaks[k]
+    note = (
+        f"{trace.note}; on/off: cycles of {period_s[0]:.0f}-{period_s[1]:.0f} s, each on for "
+        f"1/{peak[0]:g}-1/{peak[1]:g} of it (seed {seed})"
+    )
+    return from_arrays(trace.name, t, trace.prompt, trace.output, note)
+
+
+def code_lengths(
+    trace: Trace,
+    donor: Trace,
+    seed: int = 0,
+    prompts: tuple[int, int] = (1000, 8192),
+    max_answer: int = 30,
+) -> Trace:
+    """Code-completion lengths on `trace`'s arrivals: prompts drawn from `donor`'s that fall
+    in `prompts` (thousands of tokens: Mooncake's conversations), answers uniform in
+    1..max_answer."""
+    rng = np.random.default_rng(seed)
+    n = len(trace.arrival)
+    pool = donor.prompt[(donor.prompt >= prompts[0]) & (donor.prompt <= prompts[1])]
+    prompt = rng.choice(pool, n)
+    output = rng.integers(1, max_answer + 1, n)
+    note = (
+        f"{trace.note}; code-completion lengths: {donor.name} prompts of {prompts[0]}-"
+        f"{prompts[1]} tokens, answers 1-{max_answer}"
+    )
+    return from_arrays(trace.name, trace.arrival, prompt, output, note)

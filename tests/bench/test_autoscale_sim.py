@@ -10,7 +10,7 @@ import pytest
 from autoscale_curves import h100_8b
 from autoscale_observe import Observer
 from autoscale_policies import Hpa, demand, held, oracle, oracle_sizes, ours, static
-from autoscale_traces import add_spike, compress_bursts, scale_rate
+from autoscale_traces import add_spike, code_lengths, compress_bursts, on_off, scale_rate
 
 from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
 from phasefleet.plan.curves import Curves
@@ -217,6 +217,29 @@ def test_scale_rate_keeps_the_shape_and_variants_add_what_they_say() -> None:
     assert len(spiked.arrival) - len(base.arrival) == 9 * inside
     squeezed = compress_bursts(base, block_s=120.0, squeeze=4.0)
     assert ((squeezed.arrival % 120) < 30).all() and len(squeezed.arrival) == 1000
+
+
+def test_on_off_bursts_keep_every_request_and_peak_4_to_10x_the_cycle_mean() -> None:
+    rng = np.random.default_rng(0)
+    base = make_trace(list(np.sort(rng.uniform(0, 3600, 20_000))))
+    bursty = on_off(base, seed=3)
+    assert len(bursty.arrival) == 20_000 and (np.diff(bursty.arrival) >= 0).all()
+    np.testing.assert_array_equal(bursty.prompt, base.prompt)
+    per_10s = np.bincount((bursty.arrival // 10).astype(int))
+    mean = 20_000 / 360
+    assert 3.0 * mean < per_10s.max() < 11.0 * mean  # on: 4-10x the mean rate
+    assert (per_10s == 0).mean() > 0.5  # off most of the time
+    np.testing.assert_array_equal(on_off(base, seed=3).arrival, bursty.arrival)  # seeded
+    assert not np.array_equal(on_off(base, seed=4).arrival, bursty.arrival)
+
+
+def test_code_lengths_are_long_prompts_with_short_answers() -> None:
+    base = make_trace([float(t) for t in range(200)])
+    donor = Trace("d", np.zeros(4), np.array([200, 2000, 4000, 9000]), np.array([5, 5, 5, 5]))
+    code = code_lengths(base, donor, seed=1)  # prompts of 1000-8192 tokens only
+    assert set(code.prompt) == {2000, 4000}
+    assert code.output.min() >= 1 and code.output.max() <= 30
+    np.testing.assert_array_equal(code.arrival, base.arrival)
 
 
 def test_h100_curves_follow_the_roofline() -> None:
