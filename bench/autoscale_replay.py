@@ -275,12 +275,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--pull", action="store_true", help="the KV pulled after the prefill (before streaming)"
     )
+    p.add_argument(
+        "--startup-s", type=float, help="a new replica's start-up (default: the curves', 60 s)"
+    )
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     curves = replace(h100_8b(), streamed=not args.pull)
+    if args.startup_s is not None:
+        curves = replace(curves, startup_s=args.startup_s)
     print(f"curves: {curves}")
     scaled: dict[str, Trace] = {}
     for name in args.traces:
