@@ -127,13 +127,20 @@ def predict(args: argparse.Namespace, segment: list, clock: str) -> tuple[np.nda
     return fleet.first_token - trace.arrival, tpot
 
 
-def main() -> None:
-    args = parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"  # each worker, as the curves were measured
+def cpu_segment(args: argparse.Namespace) -> tuple[list, int]:
+    """(the Azure segment the flags name, every --every-th request; the bench model's
+    vocabulary), with one thread per worker from here on, as the curves were measured."""
+    os.environ["OMP_NUM_THREADS"] = "1"
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     segment = load_segment(
         AZURE_CONV, args.start, args.duration, args.scale, args.max_prompt, vocab
     )[:: args.every]
+    return segment, vocab
+
+
+def main() -> None:
+    args = parse_args()
+    segment, vocab = cpu_segment(args)
     print(
         f"{len(segment)} requests, {args.start:.0f}+{args.duration:.0f} s of {AZURE_CONV.name}, "
         f"lengths / {args.scale:g}; {args.mode}, {args.chunk} tokens per step; "

@@ -14,7 +14,7 @@ roofline and this CPU's measured ones (lengths / CPU_TOKEN_SCALE, as disagg_vs_a
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from autoscale_curves import cpu_curves, h100_8b
@@ -80,13 +80,11 @@ def scaled_rule(rule: PhaseBoundary | None, scale: int) -> PhaseBoundary | None:
     """The rule's token knobs divided as the trace's lengths are (the CPU curves)."""
     if rule is None or scale == 1:
         return rule
-    return PhaseBoundary(
+    return replace(
+        rule,
         min_tokens=rule.min_tokens // scale,
-        adaptive=rule.adaptive,
-        busy_backlog_s=rule.busy_backlog_s,
         idle_min_tokens=rule.idle_min_tokens // scale,
         local_max_tokens=rule.local_max_tokens // scale,
-        tpot_share=rule.tpot_share,
     )
 
 

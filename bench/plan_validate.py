@@ -14,14 +14,13 @@ attainment predicted and measured, with the error, and TTFT and TPOT at the perc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 from autoscale_curves import BENCH_KV_BYTES_PER_TOKEN
-from autoscale_validate import measure_fleet
-from trace_segment import AZURE_CONV, as_trace, load_segment
+from autoscale_validate import cpu_segment, measure_fleet
+from trace_segment import AZURE_CONV, as_trace
 
 from phasefleet.plan.cli import LINK_GBPS
 from phasefleet.plan.curves import measured
@@ -57,11 +56,7 @@ def pools(shape: Shape) -> dict[str, int]:
 
 def main() -> None:
     args = parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"  # each worker, as the curves were measured
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    segment = load_segment(
-        AZURE_CONV, args.start, args.duration, args.scale, args.max_prompt, vocab
-    )[:: args.every]
+    segment, vocab = cpu_segment(args)
     trace = as_trace(segment)
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.percentile)
     curves = measured(args.curves, BENCH_KV_BYTES_PER_TOKEN, LINK_GBPS["cpu"] * 1e9)
