@@ -16,6 +16,10 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("phasefleet.local.cli", "run a local fleet: router + prefill and decode workers"),
     "worker": ("phasefleet.server.cli", "run one engine worker (the container entrypoint)"),
+    "fetch-model": (
+        "phasefleet.server.model_cache",
+        "download a Hub model into a cache pods share, once (the pods' init container)",
+    ),
     "router": ("phasefleet.router.cli", "run the router: the OpenAI front door over the workers"),
     "make-tiny": ("phasefleet.engine.tiny", "write a small random model and tokenizer to a folder"),
     "crd": ("phasefleet.api.cli", "print the InferenceService CustomResourceDefinition"),

@@ -12,7 +12,9 @@ It speaks what `HfApi.model_info` and `hf_hub_download` use (huggingface_hub 0.3
   header"; a missing repo RepoNotFound (401 without a token, 404 with one); a gated repo's
   files GatedRepo (401 without a token, 403 with one lacking access); RevisionNotFound and
   EntryNotFound 404.
-Every request is recorded in `requests` (method, path, Range header) for tests to check.
+Every request is recorded in `requests` (method, path, Range header) for tests to check;
+`downloads()` counts the downloads of each repository file. While `gate` is clear, GETs of LFS
+blobs wait (a download held in flight, so tests can race others against it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import json
 import re
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -82,6 +85,8 @@ class FakeHub:
         # sha256 -> bytes to send before stalling the next GET of that blob (one-shot)
         self.stall_after: dict[str, int] = {}
         self.release = threading.Event()  # ends a stalled response (the connection is closed)
+        self.gate = threading.Event()  # clear: GETs of LFS blobs wait until it is set again
+        self.gate.set()
         for repo in repos.values():
             for files in repo.revisions.values():
                 self.blobs.update({hashlib.sha256(d).hexdigest(): d for d in files.values()})
@@ -99,6 +104,7 @@ class FakeHub:
 
     def __exit__(self, *_: object) -> None:
         self.release.set()
+        self.gate.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
@@ -109,18 +115,23 @@ class FakeHub:
 
     def fetched_files(self) -> set[str]:
         """Repository files whose contents were downloaded (CDN blobs mapped back to names)."""
+        return set(self.downloads())
+
+    def downloads(self) -> Counter[str]:
+        """How many times each repository file's contents were requested (a resumed download
+        counts again)."""
         names = {}
         for repo in self.repos.values():
             for files in repo.revisions.values():
                 names.update({hashlib.sha256(d).hexdigest(): n for n, d in files.items()})
-        fetched = set()
+        fetched: Counter[str] = Counter()
         for path in self.gets():
             cdn = CDN_PATH.match(path)
             resolve = RESOLVE_PATH.match(path)
             if cdn:
-                fetched.add(names[cdn["sha"]])
+                fetched[names[cdn["sha"]]] += 1
             elif resolve and not resolve["file"].endswith(LFS_SUFFIXES):
-                fetched.add(unquote(resolve["file"]))
+                fetched[unquote(resolve["file"])] += 1
         return fetched
 
 
@@ -232,6 +243,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if not body:
                 return
+            if stall_key is not None:
+                hub.gate.wait(120)
             stall = hub.stall_after.pop(stall_key, None) if stall_key else None
             payload = data[start:] if stall is None else data[start : start + stall]
             for offset in range(0, len(payload), CHUNK):

@@ -75,6 +75,18 @@ class WorkerFlag:
     TPOT_TARGET_MS = "--tpot-target-ms"
 
 
+class FetchModelFlag:
+    """`phasefleet fetch-model` flags the operator sets (the model cache's init container)."""
+
+    MODEL = "--model"
+    CACHE = "--cache"
+
+
+# huggingface_hub's cache inside a model cache volume: where `phasefleet fetch-model` downloads
+# and the worker reads (its HF_HUB_CACHE).
+MODEL_CACHE_HUB = "hub"
+
+
 # A prompt with fewer uncached tokens than this is prefilled by the decode worker itself (a
 # transfer would cost more than it saves): the worker flag's and the CRD field's one default.
 DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512
