@@ -119,6 +119,8 @@ def test_reading_secrets_is_opt_in(cluster: ControlPlane) -> None:
     # Nothing else on pods.
     assert verbs("pods") == {"list", "watch", "patch"}
     assert verbs("secrets", "--set", "rbac.readSecrets=true") == {"create", "get"}
+    # The model PVC is checked; a model cache claim is created once, never changed or deleted.
+    assert verbs("persistentvolumeclaims") == {"get", "create"}
 
 
 def test_rights_never_go_to_the_default_service_account(cluster: ControlPlane) -> None:
@@ -215,6 +217,10 @@ def test_install_namespaced_with_least_privilege(
         assert not can_i(cluster, sa, "patch", "pods", "-n", "default")
         for verb in ("get", "update", "delete", "create"):
             assert not can_i(cluster, sa, verb, "pods", *ns), verb
+        assert can_i(cluster, sa, "create", "persistentvolumeclaims", *ns)  # spec.model.cache
+        for verb in ("list", "watch", "update", "patch", "delete"):
+            assert not can_i(cluster, sa, verb, "persistentvolumeclaims", *ns), verb
+        assert not can_i(cluster, sa, "create", "persistentvolumeclaims", "-n", "default")
         assert not can_i(cluster, sa, "update", "deployments.apps", *ns)
         assert not can_i(cluster, sa, "delete", "inferenceservices.serving.phasefleet.dev", *ns)
         assert not can_i(cluster, sa, "patch", "deployments.apps", "-n", "default")

@@ -129,6 +129,9 @@ class FakeApi:
     def create(self, obj: dict[str, Any]) -> bool:
         """As kube.Kube.create: an existing object of that name is left as it is."""
         meta = obj["metadata"]
+        if (obj["kind"], meta["name"]) in self.refuse:
+            code, message = self.refuse[(obj["kind"], meta["name"])]
+            raise Rejected(f"POST {obj['kind']}/{meta['name']}", code, message)
         if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
             return False
         self.writes.append(("create", obj["kind"], meta["name"]))

@@ -319,13 +319,13 @@ def test_rollout_settings_do_not_roll_the_pods():
 
 
 def test_runtime_env_cannot_shadow_the_operators_variables():
-    spec = make_spec(
-        model={"hf": {"repoId": "o/m", "revision": "v1", "tokenSecret": {"name": "s"}}}
-    )
-    env = worker_deployment(make_owner(), spec, Role.DECODE, 1)["spec"]["template"]["spec"][
-        "containers"
-    ][0]["env"]
-    assert {e["name"] for e in env} == set(OPERATOR_ENV)  # every one the CRD forbids to users
+    hf = {"repoId": "o/m", "revision": "v1", "tokenSecret": {"name": "s"}}
+    names: set[str] = set()
+    for model in ({"hf": hf}, {"hf": hf, "cache": {"claimName": "models"}}):
+        pod = worker_deployment(make_owner(), make_spec(model=model), Role.DECODE, 1)
+        for container in [*_pod(pod).get("initContainers", []), *_pod(pod)["containers"]]:
+            names |= {e["name"] for e in container["env"]}
+    assert names == set(OPERATOR_ENV)  # every one the CRD forbids to users
 
 
 def test_containers_leave_their_fatal_error_where_kubernetes_reads_it():

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from phasefleet.operator.compare import contains, quantity
+from phasefleet.api.base import quantity
+from phasefleet.operator.compare import contains
 
 
 @pytest.mark.parametrize(

@@ -226,3 +226,24 @@ def test_a_degraded_condition_is_news_once_per_text():
     assert degraded_news(degraded("True", "b"), degraded("True", "a")) == Problem("R", "b")
     assert degraded_news(degraded("True", "a"), degraded("True", "a")) is None
     assert degraded_news(degraded("False"), degraded("True", "a")) is None
+
+
+def test_a_failing_model_cache_download_is_the_init_containers_message() -> None:
+    said = "model org/m: https://huggingface.co answered HTTP 503: retry later"
+    fetch = {
+        "name": "fetch-model",
+        "image": "ghcr.io/phasefleet/engine:0.4.0",
+        "imageID": "",
+        "ready": False,
+        "started": False,
+        "restartCount": 2,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": said}},
+    }
+    waiting = engine(state={"waiting": {"reason": "PodInitializing"}}, restartCount=0)
+    problem = pod_problem([pod("llm-decode-1", initContainerStatuses=[fetch], **waiting)])
+    assert problem is not None and problem.reason == "ContainerFailing"
+    assert "container fetch-model exited with code 1 (model org/m:" in problem.message
+    done = {**fetch, "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    done.pop("lastState")
+    assert pod_problem([pod("llm-decode-1", initContainerStatuses=[done], **waiting)]) is None

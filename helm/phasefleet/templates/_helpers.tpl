@@ -78,10 +78,12 @@ Roles. docs/operator.md explains each rule.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create]
-# Check that the model's PVC exists before creating pods that would hang on it.
+# Check that the model's PVC (or a named model cache claim) exists before creating pods that
+# would hang on it; create spec.model.cache.pvc's claim once (owned by the service, so the
+# garbage collector deletes it). Never updated, patched or deleted; no list or watch.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
-  verbs: [get]
+  verbs: [get, create]
 # Read why a pool's pods cannot run (unschedulable, a missing token Secret, a container's
 # last words), by label, for status: the watch is how a failing pod, which changes no
 # Deployment, reaches the Degraded condition. The autoscaler marks the pod a scale-down

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, WithJsonSchema, model_validator
@@ -25,6 +27,29 @@ Quantity = Annotated[
         }
     ),
 ]
+
+_SUFFIXES = {
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+    "P": Decimal("1e15"), "E": Decimal("1e18"),
+}  # fmt: skip
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes resource quantity as a number ("1536Mi" -> 1610612736), or None."""
+    text = str(value)
+    if isinstance(value, bool) or not re.match(QUANTITY_PATTERN, text):
+        return None
+    match = re.match(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9.]+)?)([KMGTPE]i|[numkMGTPE]?)$", text)
+    try:
+        if match is None:
+            return None
+        return Decimal(match.group(1)) * _SUFFIXES[match.group(2)]
+    except InvalidOperation:
+        return None
+
 
 # A Kubernetes core type we pass through unchanged (affinity, valueFrom): kept as-is by the
 # API server, checked by Kubernetes when it lands in a pod template.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
-from phasefleet.api.base import ApiModel, FreeForm, Quantity, Rule
+from phasefleet.api.base import ApiModel, FreeForm, Quantity, Rule, quantity
 from phasefleet.api.contract import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, INTERNAL_TOKEN_ENV
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -58,7 +59,8 @@ class ImageSource(ApiModel):
 
 
 class HuggingFaceSource(ApiModel):
-    """A Hugging Face Hub repository, downloaded by each worker at start."""
+    """A Hugging Face Hub repository, downloaded by each worker at start (with spec.model.cache:
+    once, into the cache)."""
 
     repo_id: str = Field(
         min_length=1, pattern=r"^[\w.-]+(/[\w.-]+)?$", description="Repository id, org/name."
@@ -70,12 +72,120 @@ class HuggingFaceSource(ApiModel):
     )
 
 
+# A number of bytes as a quantity ("20Gi"); checked by a rule whose message says what to write,
+# where a bare schema pattern would quote a regular expression.
+ByteQuantity = Annotated[
+    int | str,
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "maxLength": 64,
+        }
+    ),
+]
+CACHE_PATH_CEL = "self.path.matches('^(/[^/]+)+/?$') && !self.path.matches('(^|/)[.][.]?(/|$)')"
+
+
+def _positive_quantity(value: int | str) -> bool:
+    amount = quantity(value)
+    return amount is not None and amount > 0
+
+
+def _cache_path(path: str) -> bool:
+    return bool(re.fullmatch(r"(/[^/]+)+/?", path)) and not re.search(r"(^|/)\.\.?(/|$)", path)
+
+
+class CacheClaim(ApiModel):
+    """A PersistentVolumeClaim the operator creates for the cache, once: `<name>-model-cache`,
+    owned by the InferenceService (deleted with it), never resized or recreated."""
+
+    size: ByteQuantity = Field(
+        description="Storage to ask for (bytes, a quantity such as 20Gi): room for the model's"
+        " safetensors and tokenizer, for every revision the service will use."
+    )
+    storage_class_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="StorageClass (default: the cluster's default class); it must offer"
+        ' accessMode. "" binds to a PersistentVolume without a class.',
+    )
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        default="ReadWriteMany",
+        description="ReadWriteMany: pods on every node share the claim (NFS, CephFS, EFS and"
+        " the like). ReadWriteOnce: only pods on one node can mount it.",
+    )
+
+    rules = (
+        Rule(
+            cel="isQuantity(string(self.size))"
+            " && quantity(string(self.size)).isGreaterThan(quantity('0'))",
+            message="spec.model.cache.pvc.size must be a positive quantity of bytes, such as 20Gi",
+            check=lambda c: _positive_quantity(c.size),
+            field_path=".size",
+        ),
+    )
+
+
+class HostPathCache(ApiModel):
+    """A folder on each node: pods on one node share it, each node downloads once."""
+
+    path: str = Field(
+        max_length=4096,
+        description="Absolute folder on the node, writable by the image's user (uid 10001);"
+        " made if missing, but then owned by root: prepare it on every node.",
+    )
+
+    rules = (
+        Rule(
+            cel=CACHE_PATH_CEL,
+            message="spec.model.cache.hostPath.path must be an absolute folder other than /,"
+            " without . or .. parts, such as /var/cache/phasefleet",
+            check=lambda h: _cache_path(h.path),
+            field_path=".path",
+        ),
+    )
+
+
+class ModelCache(ApiModel):
+    """Where an hf model is kept between pods: downloaded once, under a lock, by an init
+    container, and mounted read-only by the workers. Exactly one of pvc, claimName or hostPath."""
+
+    pvc: CacheClaim | None = Field(default=None, description="A claim the operator creates.")
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="An existing PersistentVolumeClaim in the service's namespace (ReadWriteMany"
+        " when pods run on several nodes); the operator creates nothing.",
+    )
+    host_path: HostPathCache | None = Field(default=None, description="A folder on each node.")
+
+    rules = (
+        Rule(
+            cel="(has(self.pvc) ? 1 : 0) + (has(self.claimName) ? 1 : 0)"
+            " + (has(self.hostPath) ? 1 : 0) == 1",
+            message="spec.model.cache: set exactly one of pvc, claimName or hostPath (leave"
+            " cache out for a download per pod into its own emptyDir)",
+            check=lambda c: sum(k is not None for k in (c.pvc, c.claim_name, c.host_path)) == 1,
+        ),
+    )
+
+    def kind(self) -> str:
+        return "pvc" if self.pvc else "claimName" if self.claim_name else "hostPath"
+
+
 class ModelSpec(ApiModel):
     """The model to serve: exactly one of pvc, image or hf."""
 
     pvc: PvcSource | None = None
     image: ImageSource | None = None
     hf: HuggingFaceSource | None = None
+    cache: ModelCache | None = Field(
+        default=None,
+        description="hf only: keep the download between pods (one download, under a lock)."
+        " Absent: each pod downloads into its own emptyDir.",
+    )
     served_name: str | None = Field(
         default=None,
         description="Model name clients send in the OpenAI API (default: the object's name).",
@@ -97,6 +207,13 @@ class ModelSpec(ApiModel):
             message="spec.model: set exactly one model source: pvc, image or hf",
             check=lambda m: sum(s is not None for s in (m.pvc, m.image, m.hf)) == 1,
         ),
+        Rule(
+            cel="!has(self.cache) || has(self.hf)",
+            message="spec.model.cache is only for spec.model.hf: a pvc or image model is read"
+            " where it is, with no download; remove spec.model.cache",
+            check=lambda m: m.cache is None or m.hf is not None,
+            field_path=".cache",
+        ),
     )
 
     def source_kind(self) -> str:
@@ -114,6 +231,8 @@ OPERATOR_ENV = (
     "POD_NAME",
     "HF_REVISION",
     "HF_TOKEN",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
     INTERNAL_TOKEN_ENV,
 )
 
@@ -177,7 +296,8 @@ class RuntimeSpec(ApiModel):
             message=(
                 f"spec.runtime.env may not set {', '.join(OPERATOR_ENV)}: the operator sets them"
                 " (HF_TOKEN comes from spec.model.hf.tokenSecret, HF_REVISION from"
-                " spec.model.hf.revision, the cache folders are emptyDirs it mounts)"
+                " spec.model.hf.revision, the cache folders are volumes it mounts: see"
+                " spec.model.cache)"
             ),
             check=lambda r: not any(e.name in OPERATOR_ENV for e in r.env),
             field_path=".env",

@@ -9,36 +9,13 @@ env var: extra items in keyed lists). Fields the operator stops setting are caug
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from phasefleet.api.base import QUANTITY_PATTERN
+from phasefleet.api.base import quantity
 
 # Keys that identify an item of a Kubernetes list-map (containers, env, volumes, ports, ...).
 LIST_KEYS = ("name", "mountPath", "containerPort", "port")
 QUANTITY_FIELDS = {"limits", "requests"}  # maps whose values are resource quantities
-_SUFFIXES = {
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
-    "P": Decimal("1e15"), "E": Decimal("1e18"),
-}  # fmt: skip
-
-
-def quantity(value: Any) -> Decimal | None:
-    """A Kubernetes resource quantity as a number ("1536Mi" -> 1610612736), or None."""
-    text = str(value)
-    if isinstance(value, bool) or not re.match(QUANTITY_PATTERN, text):
-        return None
-    match = re.match(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9.]+)?)([KMGTPE]i|[numkMGTPE]?)$", text)
-    try:
-        if match is None:
-            return None
-        return Decimal(match.group(1)) * _SUFFIXES[match.group(2)]
-    except InvalidOperation:
-        return None
 
 
 def _list_key(items: list[Any]) -> str | None:

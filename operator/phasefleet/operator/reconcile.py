@@ -19,6 +19,7 @@ from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.crd import API_VERSION, KIND
 from phasefleet.api.names import InvalidService, validate_service
 from phasefleet.api.spec import InferenceServiceSpec
+from phasefleet.operator.cache_claim import cache_claim, claim_conflict, claim_notice
 from phasefleet.operator.children import desired_children, internal_token_secret, key
 from phasefleet.operator.compare import in_sync
 from phasefleet.operator.kube import Api, NamespaceTerminating, Rejected
@@ -127,6 +128,14 @@ def preflight(api: Api, owner: Owner, spec: InferenceServiceSpec) -> Problem | N
             f"PersistentVolumeClaim {ns}/{pvc.claim_name} not found: create it with the model"
             " folder, or change spec.model.pvc.claimName",
         )
+    claim = spec.model.cache.claim_name if spec.model.cache else None
+    if claim is not None and api.get("PersistentVolumeClaim", ns, claim) is None:
+        return Problem(
+            "ModelCacheMissing",
+            f"PersistentVolumeClaim {ns}/{claim} (spec.model.cache.claimName) not found: create"
+            " it (ReadWriteMany when the pods run on several nodes), or use"
+            " spec.model.cache.pvc to have the operator create one",
+        )
     token = spec.model.hf.token_secret if spec.model.hf else None
     if token is not None:
         try:
@@ -147,6 +156,36 @@ def preflight(api: Api, owner: Owner, spec: InferenceServiceSpec) -> Problem | N
                 " spec.model.hf.tokenSecret.key",
             )
     return None
+
+
+@dataclass(frozen=True)
+class ClaimCheck:
+    """The model cache's claim after `ensure_cache_claim`."""
+
+    blocked: Problem | None = None  # a claim of that name the service does not own: stop here
+    notice: Problem | None = None  # the service's claim differs from the spec: Degraded only
+
+
+def ensure_cache_claim(
+    api: Api, owner: Owner, spec: InferenceServiceSpec, outcome: Outcome
+) -> ClaimCheck:
+    """Creates the model cache's claim (spec.model.cache.pvc) if it is not there; a live one
+    is only compared with the spec, never applied. Raises Rejected when the create is refused."""
+    desired = cache_claim(owner, spec)
+    cache = spec.model.cache
+    if desired is None or cache is None or cache.pvc is None:
+        return ClaimCheck()
+    name = desired["metadata"]["name"]
+    live = api.get("PersistentVolumeClaim", owner.namespace, name)
+    if live is None:
+        log.info("create %s/PersistentVolumeClaim/%s: not there", owner.namespace, name)
+        if api.create(desired):
+            outcome.applied.append(f"PersistentVolumeClaim/{name}")
+        return ClaimCheck()
+    conflict = claim_conflict(owner, live)
+    if conflict is not None:
+        return ClaimCheck(blocked=conflict)
+    return ClaimCheck(notice=claim_notice(owner, cache.pvc, live))
 
 
 ALL_KINDS = tuple(child.kind for child in CHILD_KINDS)
@@ -216,10 +255,12 @@ def write_status(
     now: str,
     problem: Problem | None = None,
     retiring: tuple[str, ...] = (),
+    notice: Problem | None = None,
 ) -> dict[str, Any] | None:
     """Applies the operator's status fields if they changed; returns what it wrote, if it did.
 
-    With a `problem`, this generation's children were not all applied: it is not observed.
+    With a `problem`, this generation's children were not all applied: it is not observed. A
+    `notice` is Degraded while nothing worse is.
     """
     owner = Owner.from_body(body)
     previous = dict(body.get("status") or {})
@@ -227,7 +268,7 @@ def write_status(
     pods = _pods(api, owner, deployments) if problem is None else []
     status = compute_status(
         owner, generation, spec, deployments, previous, now, problem,
-        applied=problem is None, retiring=retiring, pods=pods,
+        applied=problem is None, retiring=retiring, pods=pods, notice=notice,
     )  # fmt: skip
     if not status_changed(status, previous):
         return None
@@ -271,6 +312,15 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
         raise _blocked(api, body, spec, deployments, now, problem)
 
     outcome = Outcome(parent=body)
+    try:
+        claim = ensure_cache_claim(api, owner, spec, outcome)
+    except NamespaceTerminating:
+        raise
+    except Rejected as exc:
+        problem = rejected_problem(owner, cache_claim(owner, spec) or {}, exc)
+        raise _blocked(api, body, spec, deployments, now, problem) from exc
+    if claim.blocked is not None:
+        raise _blocked(api, body, spec, deployments, now, claim.blocked)
     live_replicas = {name: int(d["spec"].get("replicas") or 0) for name, d in deployments.items()}
     autoscaled = frozenset(
         name for name, d in deployments.items() if AUTOSCALER_FIELD_MANAGER in replicas_managers(d)
@@ -320,7 +370,9 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
                 deployments.pop(name, None)
             outcome.deleted.append(_ref(obj))
     previous = dict(body.get("status") or {})
-    written = write_status(api, body, spec, deployments, now, retiring=retiring)
+    written = write_status(
+        api, body, spec, deployments, now, retiring=retiring, notice=claim.notice
+    )
     outcome.status_written = written is not None
     if written is not None:
         outcome.degraded = degraded_news(written, previous)

@@ -131,7 +131,12 @@ def _problem_of(pod: dict[str, Any]) -> Problem | None:
     unscheduled = _unschedulable(pod, where, role)
     if unscheduled is not None:
         return unscheduled
-    for container in status.get("containerStatuses") or []:
+    # Init containers first (the model cache's download): the others wait on them.
+    containers = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for container in containers:
         waiting = (container.get("state") or {}).get("waiting") or {}
         fix = POD_FIXES.get(waiting.get("reason", ""))
         if fix is not None:
@@ -244,6 +249,7 @@ def compute_status(
     applied: bool = True,
     retiring: tuple[str, ...] = (),
     pods: list[dict[str, Any]] | None = None,
+    notice: Problem | None = None,
 ) -> dict[str, Any]:
     """The operator-owned status fields (camelCase), ready to apply to the status subresource.
 
@@ -252,6 +258,8 @@ def compute_status(
     this generation's children could not all be applied (`problem` says why): the generation
     is then neither observed nor Ready. `retiring` names old pools kept serving until the new
     ones are ready (a mode switch); `pods` are the service's pods, read when a pool is short.
+    `notice` is a difference that leaves the service working (a model cache claim that is not
+    as specified): Degraded when nothing worse is.
     """
     roles = [r.value for r in spec.pools()] + [ROUTER]
     pools = {role: _pool(deployments.get(child_name(owner.name, role))) for role in roles}
@@ -311,6 +319,8 @@ def compute_status(
         degraded = _condition(DEGRADED, True, problem.reason, problem.message, generation)
     elif stuck:
         degraded = _condition(DEGRADED, True, "RolloutStuck", "; ".join(stuck), generation)
+    elif notice is not None:
+        degraded = _condition(DEGRADED, True, notice.reason, notice.message, generation)
     else:
         degraded = _condition(DEGRADED, False, "AsExpected", "", generation)
 

@@ -28,9 +28,19 @@ from phasefleet.operator.meta import (
     metadata,
     selector,
 )
+from phasefleet.operator.model_cache import (
+    FETCH_CONTAINER,
+    cache_mount,
+    cache_volume,
+    fetch_args,
+    pod_security_context,
+    worker_cache_env,
+)
 
 MODEL_MOUNT = "/models"  # where a PVC source is mounted, read-only
-CACHE_DIR = "/cache"  # emptyDir: Hugging Face downloads, Triton and inductor caches
+CACHE_DIR = (
+    "/cache"  # emptyDir: Hugging Face downloads (without spec.model.cache), Triton, inductor
+)
 PRESTOP_SLEEP_SECONDS = 5  # endpoints and the router drop the pod before SIGTERM arrives
 DRAIN_MARGIN_SECONDS = 5  # between the worker giving up on requests and SIGKILL
 WORKER_STARTUP_SECONDS = 900  # weights may take minutes to download and load
@@ -126,27 +136,46 @@ def internal_token_env(owner_name: str) -> dict[str, Any]:
     return {"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
 
 
-def _env(owner_name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
+def _hub_env(spec: InferenceServiceSpec, token: bool) -> list[dict[str, Any]]:
+    """HF_REVISION, and HF_TOKEN by reference to its Secret (only for whoever downloads)."""
+    hf = spec.model.hf
+    env: list[dict[str, Any]] = []
+    if hf is not None and hf.revision:
+        env.append({"name": "HF_REVISION", "value": hf.revision})
+    if token and hf is not None and hf.token_secret is not None:
+        ref = {"name": hf.token_secret.name, "key": hf.token_secret.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def _home_env() -> list[dict[str, Any]]:
+    return [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+    ]
+
+
+def _env(owner_name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The worker's environment. With a model cache it reads the cache offline and gets no
+    token: the init container downloads."""
+    cached = spec.model.cache is not None
+    env: list[dict[str, Any]] = [
+        *_home_env(),
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         internal_token_env(owner_name),
+        *(worker_cache_env() if cached else []),
+        *_hub_env(spec, token=not cached),
     ]
-    hf = spec.model.hf
-    if hf is not None and hf.revision:
-        env.append({"name": "HF_REVISION", "value": hf.revision})
-    if hf is not None and hf.token_secret is not None:
-        ref = {"name": hf.token_secret.name, "key": hf.token_secret.key}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     env += [e.to_wire() for e in spec.runtime.env]
     return env
 
 
-def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    owner_name: str, spec: InferenceServiceSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
@@ -161,7 +190,44 @@ def _volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dic
         claim = {"claimName": spec.model.pvc.claim_name, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if spec.model.cache is not None:
+        volumes.append(cache_volume(owner_name, spec.model.cache))
+        mounts.append(cache_mount(read_only=True))
     return volumes, mounts
+
+
+def fetch_container(owner_name: str, spec: InferenceServiceSpec, pool: PoolSpec) -> dict[str, Any]:
+    """The init container that fills the model cache (once per cache, under its lock). It gets
+    the pool's CPU and memory (so the pod asks for no more than its worker does), no GPU, and
+    the token; a failed download is its termination message, which status quotes."""
+    env = [
+        *_home_env(),
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *_hub_env(spec, token=True),
+        *(e.to_wire() for e in spec.runtime.env),
+    ]
+    resources = pool.resources.to_wire()
+    kept = {
+        kind: {k: v for k, v in values.items() if k in ("cpu", "memory")}
+        for kind, values in resources.items()
+    }
+    return {
+        "name": FETCH_CONTAINER,
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["phasefleet"],
+        "args": fetch_args(spec),
+        "env": env,
+        "resources": {k: v for k, v in kept.items() if v},
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            cache_mount(read_only=False),
+        ],
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+    }
 
 
 # Startup and readiness wait for /health (ready for work); liveness asks only whether the
@@ -231,7 +297,7 @@ def _pod_template(
     return {
         "metadata": {"labels": labels(owner.name, role), "annotations": annotations},
         "spec": {
-            "securityContext": POD_SECURITY_CONTEXT,
+            "securityContext": POD_SECURITY_CONTEXT,  # pod_spec may widen it (model_cache)
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             **pod_spec,
@@ -276,7 +342,7 @@ def worker_deployment(
     """The Deployment of one worker pool; `replicas` comes from `pool_replicas` (None: left
     out, the autoscaler owns it)."""
     pool = spec.pools()[role]
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(owner.name, spec)
     resources = pool.resources.to_wire()
     container = {
         "name": "engine",
@@ -294,6 +360,9 @@ def worker_deployment(
         "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
         "volumes": volumes,
     }
+    if spec.model.cache is not None:
+        pod_spec["securityContext"] = pod_security_context(POD_SECURITY_CONTEXT, spec.model.cache)
+        pod_spec["initContainers"] = [fetch_container(owner.name, spec, pool)]
     if pool.node_selector:
         pod_spec["nodeSelector"] = pool.node_selector
     if pool.tolerations:
