@@ -92,7 +92,12 @@ def decode_batch(
     """b requests of prompt_len tokens, prefilled, then TIMED_STEPS decode steps timed."""
     gen = torch.Generator().manual_seed(b)
     vocab = eng.hf_config.vocab_size
-    params = SamplingParams(max_tokens=TIMED_STEPS + 30, temperature=0, ignore_eos=True)
+    # The first requests prefilled decode beside the later ones' prefill chunks (mixed steps):
+    # their answers must outlast every prefill step, the warm-up, the timed and the eager steps.
+    prefill_steps = -(-b * prompt_len // eng.config.max_num_batched_tokens)
+    params = SamplingParams(
+        max_tokens=prefill_steps + TIMED_STEPS + 40, temperature=0, ignore_eos=True
+    )
     ids = [f"decode{b}-{i}" for i in range(b)]
     for rid in ids:
         eng.add_request(rid, _random_prompt(gen, prompt_len, vocab), params)
@@ -100,6 +105,7 @@ def decode_batch(
         eng.step()
     for _ in range(3):
         eng.step()
+    generated_before = eng.stats().generation_tokens_total
     walls, spans = [], []
     for _ in range(TIMED_STEPS):
         if cuda:
@@ -114,6 +120,7 @@ def decode_batch(
             spans.append(start.elapsed_time(end) / 1000)
         if len(outs) != b:
             raise RuntimeError(f"a decode step of {b} requests returned {len(outs)} outputs")
+    generated_after = eng.stats().generation_tokens_total
     row: dict[str, Any] = {"batch": b, "wall_ms": 1000 * statistics.median(walls)}
     row["event_ms"] = 1000 * statistics.median(spans) if spans else None
     graphs = eng.runner.graphs
@@ -130,7 +137,8 @@ def decode_batch(
             eager.append(time.perf_counter() - t)
         eng.runner.graphs = graphs
         row["eager_wall_ms"] = 1000 * statistics.median(eager)
-    context = prompt_len + 4 + TIMED_STEPS / 2  # mean context of the timed steps
+    # mean context of the timed steps: the prompt plus the mean answer so far, over the window
+    context = prompt_len + (generated_before + generated_after) / (2 * b)
     row["context"] = context
     row["kv_bytes_read"] = b * context * kv_bytes_per_token
     for rid in ids:
