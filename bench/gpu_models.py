@@ -119,28 +119,27 @@ def llama3_8b_config(ctx: CheckContext) -> Path:
 
 @contextmanager
 def random_weights(device: torch.device, std: float = 0.02) -> Iterator[None]:
-    """While active, the engine's loader gets random weights made on `device` (norms at 1)
-    instead of reading the safetensors file: an 8B model in seconds, through the engine's own
-    load_model (fusing, rope tables, the dtype cast) and everything after it."""
+    """While active, the engine's loader reads random weights made on `device` (norms at 1),
+    one tensor at a time, instead of the safetensors files: an 8B model in seconds, through
+    the engine's own load_model (placing, fusing, rope tables, the dtype cast) and everything
+    after it."""
 
-    def load_file(path: str) -> dict[str, torch.Tensor]:
+    def read_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(Path(path).parent)
+        config = AutoConfig.from_pretrained(folder)
         dtype = getattr(torch, str(config.dtype).removeprefix("torch."))
         with torch.device("meta"):
             shapes = {k: v.shape for k, v in CausalLM(config).state_dict().items()}
         gen = torch.Generator(device=device).manual_seed(0)
-        state = {}
         for name, shape in shapes.items():
             if name.endswith("norm.weight"):
-                state[name] = torch.ones(shape, dtype=dtype, device=device)
+                yield name, torch.ones(shape, dtype=dtype, device=device)
             else:
                 t = torch.randn(shape, dtype=dtype, device=device, generator=gen)
-                state[name] = t.mul_(std)
-        return state
+                yield name, t.mul_(std)
 
-    with mock.patch.object(loader, "load_file", load_file):
+    with mock.patch.object(loader, "read_checkpoint", read_checkpoint):
         yield
 
 

@@ -396,5 +396,14 @@ def test_metrics_after_traffic(worker: Worker, client: openai.OpenAI) -> None:
         assert value(f"{name}_bucket", f'le="{top}",') == count
         assert value(f"{name}_bucket", 'le="+Inf",') == count
         assert value(f"{name}_sum") > 0
+    startup = {  # phase -> seconds, in the order the phases ran
+        k.split('phase="')[1].split('"')[0]: v
+        for k, v in samples.items()
+        if k.startswith("phasefleet_worker_startup_seconds{")
+        and all(label in k for label in labels.split(","))
+    }
+    assert list(startup)[:4] == ["imports", "model_fetch", "config", "weights"]
+    assert list(startup)[-1] == "kv_cache"
+    assert startup["imports"] > 0 and startup["weights"] > 0
     assert "# TYPE phasefleet_time_to_first_token_seconds histogram" in text
     assert "# TYPE phasefleet_prompt_tokens_total counter" in text

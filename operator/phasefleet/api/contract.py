@@ -134,6 +134,7 @@ class Metric:
     # would, label `to`: local (prefill pool backlogged) | remote (prefill pool idle)
     PHASE_BOUNDARY_MOVES_TOTAL = "phasefleet_phase_boundary_moves_total"
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
+    WORKER_STARTUP_SECONDS = "phasefleet_worker_startup_seconds"  # label `phase`
     # The operator's autoscaler, on the operator's own /metrics (--metrics-port). Its own
     # labels `namespace`, `inferenceservice` and `pool` name the service: scrape with
     # honorLabels (the chart's operator PodMonitor does).

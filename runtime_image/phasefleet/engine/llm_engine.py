@@ -29,6 +29,7 @@ from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
+from phasefleet.engine.startup import StartupTimes
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
@@ -38,16 +39,25 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, separate_device: bool | None = None) -> None:
-        """`separate_device`: see ModelRunner (tests run the GPU path's host side on the CPU)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        separate_device: bool | None = None,
+        startup: StartupTimes | None = None,
+    ) -> None:
+        """`separate_device`: see ModelRunner (tests run the GPU path's host side on the CPU).
+        `startup` gets the time of each loading phase (engine/startup.py)."""
         config.validate()
         self.config = config
+        self.startup = startup = startup or StartupTimes()
         folder = Path(config.model)
         if not (folder / "config.json").is_file():
             raise ValueError(f"model must be a Hugging Face folder with config.json, got {folder}")
         self.model_name = folder.resolve().name
-        self.hf_config: Any = AutoConfig.from_pretrained(folder)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(folder)
+        with startup.phase("config"):
+            self.hf_config: Any = AutoConfig.from_pretrained(folder)
+            self.tokenizer: Any = AutoTokenizer.from_pretrained(folder)
         limit = int(self.hf_config.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
@@ -67,17 +77,20 @@ class LLMEngine:
             self.max_model_len,
             config.max_num_seqs,
             separate_device,
+            startup,
         )
-        num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
-            config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens
-        )
-        self.runner.allocate_kv(num_blocks)
+        with startup.phase("kv_cache"):
+            num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
+                config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens
+            )
+            self.runner.allocate_kv(num_blocks)
         if (
             self.device.type == "cuda"
             and self.runner.decode_backend == "triton"
             and os.environ.get("PHASEFLEET_CUDA_GRAPHS", "1") != "0"
         ):
-            self.runner.enable_decode_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH))
+            with startup.phase("cuda_graphs"):
+                self.runner.enable_decode_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,

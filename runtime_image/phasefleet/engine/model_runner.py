@@ -26,11 +26,13 @@ from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
+from phasefleet.engine.models.cpu_linear import choose_cpu_linear
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.sampler import DeviceSampling, SamplingBatch, SamplingRow, sample
 from phasefleet.engine.scheduler import SchedulerOutput
 from phasefleet.engine.staging import HostStaging
+from phasefleet.engine.startup import StartupTimes
 from phasefleet.engine.step_plan import StepPlan, plan_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,10 +92,13 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int = 64,
         separate_device: bool | None = None,
+        startup: StartupTimes | None = None,
     ) -> None:
         """`separate_device`: keep the block tables and the step's inputs in device memory of
         their own, sent by copies as on a GPU (default: on CUDA only); tests set it on the CPU
-        to run the GPU path's host side."""
+        to run the GPU path's host side. `startup` gets the weights and cpu_linear_plan
+        phases."""
+        startup = startup or StartupTimes()
         self.device = device
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
@@ -107,7 +112,11 @@ class ModelRunner:
             raise ValueError(
                 f"{hf_config.model_type} with use_sliding_window=true is not supported"
             )
-        self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
+        with startup.phase("weights"):
+            self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
+        if choose_cpu_linear(device, self.dtype) == "onednn":
+            with startup.phase("cpu_linear_plan"):
+                self.model.pack_for_cpu()
         self.max_model_len = max_model_len
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers = hf_config.num_hidden_layers
@@ -138,13 +147,13 @@ class ModelRunner:
         self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int
     ) -> int:
         """Pool size when the config leaves it open. On a GPU: GPU_MEMORY_FRACTION of the memory
-        free after loading (the unfused weights `fuse()` replaced are given back first), less
+        free after loading (what the allocator caches is given back first), less
         an explicit reserve for a step's activations, logits and graphs; logged. On the CPU:
         enough for every sequence at full length, capped by CPU_KV_BUDGET_BYTES."""
         if self.device.type != "cuda":
             wanted = max_num_seqs * -(-max_model_len // self.block_size) + 1
             return max(2, min(wanted, CPU_KV_BUDGET_BYTES // self.block_bytes()))
-        torch.cuda.empty_cache()  # the allocator still caches what fuse() freed
+        torch.cuda.empty_cache()  # the allocator still caches what loading freed
         free, _ = torch.cuda.mem_get_info(self.device)
         reserve = self.activation_reserve(max_num_seqs, max_num_batched_tokens)
         budget = int(free * GPU_MEMORY_FRACTION) - reserve

@@ -342,8 +342,9 @@ class AsyncEngine:
             self._shared.stats = engine.stats()
         self.ready = True
         logger.info(
-            "engine ready: %s, %s on %s, linears %s, max_model_len=%d", engine.model_name,
-            engine.dtype, engine.device, engine.runner.model.linear_backend, engine.max_model_len,
+            "engine ready: %s, %s on %s, linears %s, max_model_len=%d; start-up: %s",
+            engine.model_name, engine.dtype, engine.device, engine.runner.model.linear_backend,
+            engine.max_model_len, engine.startup.describe(),
         )  # fmt: skip
         try:
             self._loop(engine)

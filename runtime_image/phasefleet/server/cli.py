@@ -25,6 +25,7 @@ from phasefleet.api.contract import (
     WorkerFlag,
 )
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
+from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 
@@ -167,10 +168,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def import_serving() -> None:
+    """What serving needs and takes seconds to import (torch, transformers, the server), at once:
+    the start-up's imports phase."""
+    import torch  # noqa: F401
+    import uvicorn  # noqa: F401
+
+    import phasefleet.engine.llm_engine  # noqa: F401
+    import phasefleet.server.app  # noqa: F401
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from phasefleet.server import prefetch
+
+    prefetch.start(args.model, args.revision)  # overlaps the imports below
+    startup = StartupTimes()
+    with startup.phase("imports"):
+        import_serving()
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -217,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     from phasefleet.server.model_source import ModelFetchError, resolve_model, served_name
 
     try:  # settings first: a bad flag is not found out after a long download or conversion
-        folder = resolve_model(args.model, args.revision, dtype)  # a folder: as is, or made
+        with startup.phase("model_fetch"):
+            folder = resolve_model(args.model, args.revision, dtype)  # a folder: as is, or made
     except ModelFetchError as exc:
         return fail(PROGRAM, str(exc))
     args.served_model_name = args.served_model_name or served_name(args.model, folder)
@@ -227,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
     try:
-        return _serve(args, config)
+        return _serve(args, config, startup)
     except Exception as exc:  # anything before serving: its one line goes where Kubernetes reads
         write_termination_message(engine_failure(args.model, exc, loaded=False))
         raise
@@ -283,7 +301,7 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
     )
 
 
-def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
+def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes) -> int:
     import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
@@ -309,7 +327,10 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
             "no $%s: /internal/* is refused and no prompt is prefilled remotely", INTERNAL_TOKEN_ENV
         )
     engine = AsyncEngine(
-        lambda: LLMEngine(config), args.max_queue_len, on_fatal, stall_timeout=args.stall_timeout
+        lambda: LLMEngine(config, startup=startup),
+        args.max_queue_len,
+        on_fatal,
+        stall_timeout=args.stall_timeout,
     )
     state = WorkerState(
         engine=engine,
@@ -317,7 +338,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> int:
         vocab_size=int(AutoConfig.from_pretrained(args.model).vocab_size),
         served_model_name=served_name,
         role=args.role,
-        metrics=WorkerMetrics(served_name, args.role, engine.stats),
+        metrics=WorkerMetrics(served_name, args.role, engine.stats, startup.seconds),
         max_request_bytes=args.max_request_bytes,
         internal_token=token,
         handoff=None if token is None else HandoffClient(token),

@@ -67,7 +67,7 @@ def fetch_model(
     cache = str(cache_dir or _cache_folder())
     where = f"model {repo_id}" + (f" at revision {revision}" if revision else "")
     try:
-        if _offline():
+        if offline():
             folder = _from_cache(repo_id, revision, cache, endpoint)
         else:
             folder = _download(repo_id, revision, cache, endpoint)
@@ -121,7 +121,7 @@ def _cache_folder() -> str:
     return constants.HF_HUB_CACHE
 
 
-def _offline() -> bool:
+def offline() -> bool:
     return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE
 
 

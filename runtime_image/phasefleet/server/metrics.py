@@ -110,8 +110,30 @@ class _EngineStatsCollector(Collector):
             yield counter
 
 
+class _StartupCollector(Collector):
+    def __init__(self, seconds: Callable[[], dict[str, float]], labels: list[str]) -> None:
+        self.seconds = seconds
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            M.WORKER_STARTUP_SECONDS,
+            "Seconds each phase of this worker's start-up took (phases so far while loading).",
+            labels=[*LABELS, "phase"],
+        )
+        for phase, seconds in self.seconds().items():
+            family.add_metric([*self.labels, phase], seconds)
+        yield family
+
+
 class WorkerMetrics:
-    def __init__(self, model_name: str, role: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        role: str,
+        stats: Callable[[], EngineStats | None],
+        startup: Callable[[], dict[str, float]] = dict,
+    ) -> None:
         disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
         self.registry = CollectorRegistry()
         labels = [model_name, role]
@@ -171,6 +193,7 @@ class WorkerMetrics:
         self.recent_itl_s: float | None = None  # inter-token latency, a moving average
         self.recent_output_tokens: float | None = None  # finished answers' lengths, the same
         self.registry.register(_EngineStatsCollector(stats, labels))
+        self.registry.register(_StartupCollector(startup, labels))
 
     def observe_itl(self, seconds: float) -> None:
         """One gap between two output tokens: the histogram and the moving average."""

@@ -20,6 +20,8 @@ from phasefleet.engine.models.rope import apply_rope
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+# fused projection -> the checkpoint's projections whose outputs it concatenates, in order
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def head_dim(config: Any) -> int:
@@ -72,7 +74,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer kernel launches per layer)."""
-        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = _fuse_linears([getattr(self, p) for p in FUSED_PARTS["qkv_proj"]])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -106,7 +108,7 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None  # set by fuse(), after loading
 
     def fuse(self) -> None:
-        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        self.gate_up_proj = _fuse_linears([getattr(self, p) for p in FUSED_PARTS["gate_up_proj"]])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,7 +182,8 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def fuse(self) -> None:
-        """Merge q/k/v and gate/up projections; call once the weights are loaded."""
+        """Merge q/k/v and gate/up projections (FUSED_PARTS). The loader fuses the model while
+        it is still on the meta device and fills the fused weights from the checkpoint."""
         for layer in self.model.layers:
             decoder = cast(DecoderLayer, layer)
             decoder.self_attn.fuse()

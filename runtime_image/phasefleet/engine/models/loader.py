@@ -1,43 +1,121 @@
-"""Builds a CausalLM from a Hugging Face folder: config.json plus *.safetensors."""
+"""Builds a CausalLM from a Hugging Face folder: config.json plus *.safetensors.
+
+Each checkpoint tensor is read once and copied straight into its place: the fused q/k/v and
+gate/up weights are allocated on the device in the model's dtype and filled slice by slice, the
+others are moved (and cast) one at a time. The host never holds more than one tensor of the
+checkpoint, and nothing is concatenated or cast after loading.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from phasefleet.engine.models.cpu_linear import choose_cpu_linear
-from phasefleet.engine.models.llama import CausalLM
+from phasefleet.engine.models.llama import FUSED_PARTS, CausalLM
 from phasefleet.engine.models.rope import rope_tables
+
+IGNORED = ("rotary_emb.inv_freq",)  # old checkpoints store the rope frequencies
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a checkpoint tensor goes: rows [start, start + shape[0]) of a fused parameter, or
+    a whole parameter (start None)."""
+
+    target: str
+    shape: torch.Size
+    start: int | None = None
+
+
+def read_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's *.safetensors files, one at a time, on the host."""
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def places(unfused: dict[str, torch.Size]) -> dict[str, Place]:
+    """Checkpoint name -> its Place in the fused model, from the unfused model's shapes."""
+    out: dict[str, Place] = {}
+    for name, shape in unfused.items():
+        module_name, _, param = name.rpartition(".")  # model.layers.0.self_attn.q_proj, weight
+        parent, _, module = module_name.rpartition(".")
+        for fused, parts in FUSED_PARTS.items():
+            if module in parts:
+                before = parts[: parts.index(module)]
+                start = sum(unfused[f"{parent}.{p}.{param}"][0] for p in before)
+                out[name] = Place(f"{parent}.{fused}.{param}", shape, start)
+                break
+        else:
+            out[name] = Place(name, shape)
+    return out
 
 
 def load_model(
     folder: str | Path, config: Any, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> CausalLM:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
+    """The fused model with the folder's weights in `dtype` on `device`, rope tables set.
+    Raises ValueError when the weights do not match the config."""
+    folder = Path(folder)
+    if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors files")
     with torch.device("meta"):
         model = CausalLM(config)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    state = {k: v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
+        unfused = {k: v.shape for k, v in model.state_dict().items()}
+        model.fuse()
     if model.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        unfused.pop("lm_head.weight", None)
+    where = places(unfused)
+    fused_shapes = {k: v.shape for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in read_checkpoint(folder):
+        place = where.get(name)
+        if place is None:
+            if not name.endswith(IGNORED) and not (
+                model.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                unexpected.append(name)
+            continue
+        if tensor.shape != place.shape:
+            raise ValueError(
+                f"weights in {folder} do not match {config.model_type}: {name} has shape "
+                f"{tuple(tensor.shape)}, the config makes it {tuple(place.shape)}"
+            )
+        if place.start is None:
+            state[place.target] = _to(tensor, device, dtype)
+        else:
+            if place.target not in state:
+                state[place.target] = torch.empty(
+                    fused_shapes[place.target], dtype=dtype, device=device
+                )
+            rows = slice(place.start, place.start + tensor.shape[0])
+            state[place.target][rows].copy_(tensor.to(device))
+        seen.add(name)
+    missing = sorted(set(where) - seen)
     if missing or unexpected:
         raise ValueError(
             f"weights in {folder} do not match {config.model_type}: "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            f"missing {missing[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model = model.to(device=device, dtype=dtype).eval()
-    model.fuse()
-    if choose_cpu_linear(device, dtype) == "onednn":
-        model.pack_for_cpu()
+    model.load_state_dict(state, strict=True, assign=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
     cos, sin = rope_tables(config, max_positions)
     model.rope_cos = cos.to(device=device, dtype=dtype)
     model.rope_sin = sin.to(device=device, dtype=dtype)
     return model
+
+
+def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The checkpoint's bytes to the device, then cast there (a GPU casts faster than the host;
+    on the host, a tensor already in place is not copied)."""
+    return tensor.to(device).to(dtype)
