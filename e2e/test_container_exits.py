@@ -1,9 +1,11 @@
 """The pod runner's containers exit as a kubelet reports them (real processes, no cluster):
 exit code and reason, the termination message or the log's tail, OOMKilled from a real memory
-cgroup, restarts with back-off; and its image "pulls"."""
+cgroup, restarts with back-off; a readOnly mount that cannot be written; and its image "pulls"."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
 import sys
 import time
@@ -154,3 +156,24 @@ def test_only_images_from_invalid_registries_fail_to_pull() -> None:
         ' reference "registry.invalid:5000/engine:1": dial tcp: lookup registry.invalid:'
         " no such host"
     )
+
+
+def test_a_read_only_mount_cannot_be_written_by_the_container(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "kept").write_text("model")
+    script = (
+        "import errno, pathlib, sys\n"
+        f"folder = pathlib.Path({str(folder)!r})\n"
+        "assert (folder / 'kept').read_text() == 'model'\n"
+        "try:\n"
+        "    (folder / 'new').write_text('x')\n"
+        "except OSError as exc:\n"
+        "    sys.exit(100 + exc.errno)\n"
+    )
+    c = container(tmp_path, script)
+    c.plan = dataclasses.replace(c.plan, read_only=[folder])
+    status = run_until_exit(c)
+    assert status["lastState"]["terminated"]["exitCode"] == 100 + errno.EROFS
+    assert not (folder / "new").exists()
+    (folder / "new").write_text("x")  # read-only only inside the container

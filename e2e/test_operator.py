@@ -100,7 +100,7 @@ def bind_pvc(cluster: ControlPlane, namespace: str, claim: str) -> None:
         "metadata": {"name": f"{namespace}-{claim}"},
         "spec": {
             "capacity": {"storage": "100Gi"},
-            "accessModes": ["ReadOnlyMany", "ReadWriteOnce"],
+            "accessModes": ["ReadOnlyMany", "ReadWriteOnce", "ReadWriteMany"],
             "hostPath": {"path": f"/tmp/{namespace}-{claim}"},
             "claimRef": {"namespace": namespace, "name": claim},
             "persistentVolumeReclaimPolicy": "Delete",
@@ -121,9 +121,11 @@ def test_example_gets_children_status_and_columns(
     for doc in docs:
         if doc["kind"] == "PersistentVolumeClaim":
             bind_pvc(cluster, namespace, doc["metadata"]["name"])
-    apply(cluster, namespace, example.read_text())
     (isvc,) = [d for d in docs if d["kind"] == "InferenceService"]
     name, spec = isvc["metadata"]["name"], isvc["spec"]
+    if "pvc" in spec["model"].get("cache", {}):  # the model cache's claim, made by the operator
+        bind_pvc(cluster, namespace, f"{name}-model-cache")
+    apply(cluster, namespace, example.read_text())
     roles = ["worker"] if spec.get("mode") == "aggregated" else ["prefill", "decode"]
 
     wait(lambda: is_ready(cluster, namespace, name), 120, f"{name} Ready")

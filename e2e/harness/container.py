@@ -74,15 +74,21 @@ class ProbeState:
 
 
 def wrap_binds(plan: LaunchPlan) -> list[str]:
-    """The argv, run in a private mount namespace with the plan's bind mounts when it has
-    any (a tmpfs over /run makes room for /run/secrets/... without touching the host)."""
-    if not plan.binds:
+    """The argv, run in a private mount namespace with the plan's bind mounts (a tmpfs over
+    /run makes room for /run/secrets/... without touching the host) and its read-only folders
+    (each bound over itself, then remounted read-only), when it has any."""
+    if not plan.binds and not plan.read_only:
         return plan.argv
-    steps = ["mount -t tmpfs tmpfs /run"]
+    steps = ["mount -t tmpfs tmpfs /run"] if plan.binds else []
     for bind in plan.binds:
         target = "/run/" + bind.target.removeprefix("/var/run/").removeprefix("/run/")
         steps.append(f"mkdir -p {shlex.quote(target)}")
         steps.append(f"mount --bind {shlex.quote(str(bind.source))} {shlex.quote(target)}")
+    for folder in plan.read_only:
+        quoted = shlex.quote(str(folder))
+        steps.append(f"mkdir -p {quoted}")
+        steps.append(f"mount --bind {quoted} {quoted}")
+        steps.append(f"mount -o remount,bind,ro {quoted}")
     script = " && ".join([*steps, 'exec "$@"'])
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"] + (
         plan.argv

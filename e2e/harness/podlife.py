@@ -1,7 +1,9 @@
 """One run pod's life, as the kubelet lives it: its images "pulled" (images.py), its containers
-planned (env, volumes, paths, memory limit, termination-message file), started, probed and
-restarted; its status written through pods/status when it changes; on deletion its containers
-stopped within the grace period, then the pod object deleted."""
+planned (env, volumes, paths, memory limit, termination-message file); its init containers run
+one at a time, each to success (a failed one restarts with back-off, unless restartPolicy is
+Never), before the others start, are probed and restarted; its status written through
+pods/status when it changes; on deletion its containers stopped within the grace period, then
+the pod object deleted."""
 
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ class PodLife(threading.Thread):
         self.pod = pod
         self.folder = runner.pods_dir / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
         self.containers: list[Container] = []
+        self.inits: list[Container] = []  # initContainers, in order
         self.waiting: dict[str, dict[str, str]] = {}  # before the containers start: why not
         self.pulls = 0  # failed pull attempts, for the back-off
         self.gone = threading.Event()  # the pod object vanished (force delete)
@@ -119,16 +122,24 @@ class PodLife(threading.Thread):
             if self._pull_failed():
                 continue
             try:
-                self.containers = self._plan()
+                self.inits, self.containers = self._plan()
                 self.waiting = {}
             except ContainerConfigError as exc:
                 reason = {"reason": "CreateContainerConfigError", "message": str(exc)}
-                self.waiting = {c["name"]: reason for c in self.pod["spec"]["containers"]}
+                self.waiting = {c["name"]: reason for c in self._specs()}
                 self._report()
                 time.sleep(CONFIG_RETRY_SECONDS)
-        while not (self.deleting or self.gone.is_set() or self.runner.stopping.is_set()):
-            for container in self.containers:
-                container.step(terminating=False)
+        for init in self.inits:
+            while not (self.ending or init.done):
+                init.step(terminating=False)
+                self._report()
+                time.sleep(TICK_SECONDS)
+            if (init.last_terminated or {}).get("exitCode") != 0:
+                break  # stopping, or failed under restartPolicy Never: the rest never start
+        while not self.ending:
+            if self.initialized:
+                for container in self.containers:
+                    container.step(terminating=False)
             self._report()
             time.sleep(TICK_SECONDS)
         if self.runner.stopping.is_set():
@@ -139,12 +150,21 @@ class PodLife(threading.Thread):
             self._report()
             delete_now(self.runner.api, self.pod)
 
+    def _specs(self) -> list[dict[str, Any]]:
+        spec = self.pod["spec"]
+        return [*(spec.get("initContainers") or []), *spec["containers"]]
+
+    @property
+    def initialized(self) -> bool:
+        """Every init container has run to success."""
+        return all(i.done and (i.last_terminated or {}).get("exitCode") == 0 for i in self.inits)
+
     def _pull_failed(self) -> bool:
         """One pull of every image; a failure is reported as ErrImagePull, then as
         ImagePullBackOff while the kubelet's back-off (10 s doubling, to 300 s) runs."""
         errors = {
             c["name"]: (c.get("image", ""), error)
-            for c in self.pod["spec"]["containers"]
+            for c in self._specs()
             if (error := pull_error(c.get("image", ""))) is not None
         }
         if not errors:
@@ -169,98 +189,109 @@ class PodLife(threading.Thread):
             container.stop(grace)
             container.release()
 
-        threads = [threading.Thread(target=stop, args=(c,)) for c in self.containers]
+        threads = [threading.Thread(target=stop, args=(c,)) for c in self.inits + self.containers]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
 
-    def _plan(self) -> list[Container]:
-        api, pod = self.runner.api, self.pod
-        namespace = pod["metadata"]["namespace"]
-        spec = pod["spec"]
+    def _plan(self) -> tuple[list[Container], list[Container]]:
+        """(init containers, containers), planned; raises ContainerConfigError."""
+        pod, spec = self.pod, self.pod["spec"]
         if not is_local(pod["status"]["podIP"]):
             raise ContainerConfigError(not_local_message(pod["status"]["podIP"]))
-        containers = []
-        for item in spec["containers"]:
-            env = container_env(
-                pod, item, lambda kind, name, key: lookup_key(api, namespace, kind, name, key)
-            )
-            paths = path_map(
-                api, pod, item, self.folder / "volumes", self.runner.image_root.resolve()
-            )
-            plan = launch_plan(
-                pod,
-                item,
-                env,
-                paths,
-                self.runner.python,
-                self.runner.base_env(pod),
-                self.runner.max_probe_period,
-            )
-            # The kubelet mounts a fresh file at terminationMessagePath; here the program is
-            # told where it is (phasefleet.termination reads this env).
-            message_path = self.folder / f"{item['name']}.termination-log"
-            plan = dataclasses.replace(
-                plan, env={**plan.env, TERMINATION_LOG_ENV: str(message_path)}
-            )
-            try:
-                limit = memory_limit(item)
-            except ValueError as exc:
-                raise ContainerConfigError(f"container {item['name']}: {exc}") from exc
-            containers.append(
-                Container(
-                    plan=plan,
-                    host=pod["status"]["podIP"],
-                    log_path=self.folder / f"{item['name']}.log",
-                    pid_path=self.folder / f"{item['name']}.pid",
-                    restart_policy=spec.get("restartPolicy", "Always"),
-                    grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
-                    backoff_base=self.runner.backoff_base,
-                    message_path=message_path,
-                    fallback_to_logs=item.get("terminationMessagePolicy")
-                    == "FallbackToLogsOnError",
-                    memory_limit=limit,
-                    cgroup_name=f"phasefleet-pod-{pod['metadata']['uid']}-{item['name']}",
-                )
-            )
-        return containers
+        # An init container runs until it succeeds, or once under restartPolicy Never.
+        init_policy = "Never" if spec.get("restartPolicy") == "Never" else "OnFailure"
+        inits = [self._container(item, init_policy) for item in spec.get("initContainers") or []]
+        policy = spec.get("restartPolicy", "Always")
+        return inits, [self._container(item, policy) for item in spec["containers"]]
+
+    def _container(self, item: dict[str, Any], restart_policy: str) -> Container:
+        api, pod = self.runner.api, self.pod
+        namespace, spec = pod["metadata"]["namespace"], pod["spec"]
+        env = container_env(
+            pod, item, lambda kind, name, key: lookup_key(api, namespace, kind, name, key)
+        )
+        paths = path_map(api, pod, item, self.folder / "volumes", self.runner.image_root.resolve())
+        plan = launch_plan(
+            pod,
+            item,
+            env,
+            paths,
+            self.runner.python,
+            self.runner.base_env(pod),
+            self.runner.max_probe_period,
+        )
+        # The kubelet mounts a fresh file at terminationMessagePath; here the program is told
+        # where it is (phasefleet.termination reads this env).
+        message_path = self.folder / f"{item['name']}.termination-log"
+        plan = dataclasses.replace(plan, env={**plan.env, TERMINATION_LOG_ENV: str(message_path)})
+        try:
+            limit = memory_limit(item)
+        except ValueError as exc:
+            raise ContainerConfigError(f"container {item['name']}: {exc}") from exc
+        return Container(
+            plan=plan,
+            host=pod["status"]["podIP"],
+            log_path=self.folder / f"{item['name']}.log",
+            pid_path=self.folder / f"{item['name']}.pid",
+            restart_policy=restart_policy,
+            grace_seconds=float(spec.get("terminationGracePeriodSeconds", 30)),
+            backoff_base=self.runner.backoff_base,
+            message_path=message_path,
+            fallback_to_logs=item.get("terminationMessagePolicy") == "FallbackToLogsOnError",
+            memory_limit=limit,
+            cgroup_name=f"phasefleet-pod-{pod['metadata']['uid']}-{item['name']}",
+        )
 
     def _report(self) -> None:
         """Writes status through the status subresource when it changed."""
-        images = {c["name"]: c.get("image", "") for c in self.pod["spec"]["containers"]}
+        spec = self.pod["spec"]
+        images = {c["name"]: c.get("image", "") for c in self._specs()}
+
+        def waiting(name: str, default: str) -> dict[str, Any]:
+            return {
+                "name": name,
+                "image": images[name],
+                "imageID": "",
+                "ready": False,
+                "started": False,
+                "restartCount": 0,
+                "state": {"waiting": self.waiting.get(name, {"reason": default})},
+            }
+
+        names = [c["name"] for c in spec["containers"]]
+        init_names = [c["name"] for c in spec.get("initContainers") or []]
         if not self.containers:
-            statuses = [
-                {
-                    "name": name,
-                    "image": image,
-                    "imageID": "",
-                    "ready": False,
-                    "started": False,
-                    "restartCount": 0,
-                    "state": {"waiting": self.waiting.get(name, {"reason": "ContainerCreating"})},
-                }
-                for name, image in images.items()
-            ]
+            statuses = [waiting(name, "ContainerCreating") for name in names]
+            init_statuses = [waiting(name, "PodInitializing") for name in init_names]
         else:
-            statuses = [c.status(images[c.plan.name]) for c in self.containers]
+            init_statuses = [i.status(images[i.plan.name]) for i in self.inits]
+            if self.initialized:
+                statuses = [c.status(images[c.plan.name]) for c in self.containers]
+            else:
+                statuses = [waiting(name, "PodInitializing") for name in names]
         ready = bool(statuses) and all(s["ready"] for s in statuses)
         unready = [s["name"] for s in statuses if not s["ready"]]
         phase = "Running" if any("running" in s["state"] for s in statuses) else "Pending"
         if statuses and all("terminated" in s["state"] for s in statuses):
             codes = [s["state"]["terminated"]["exitCode"] for s in statuses]
             phase = "Succeeded" if not any(codes) else "Failed"
-        key = (statuses_key(statuses), phase)
+        if any(i.done and (i.last_terminated or {}).get("exitCode") for i in self.inits):
+            phase = "Failed"  # an init container failed under restartPolicy Never
+        key = (statuses_key(init_statuses + statuses), phase)
         if key == self.last_status:
             return
         message = f"containers with unready status: [{' '.join(unready)}]"
-        body = {
+        body: dict[str, Any] = {
             "status": {
                 "phase": phase,
                 "conditions": conditions(self.pod, ready, message),
                 "containerStatuses": statuses,
             }
         }
+        if init_statuses:
+            body["status"]["initContainerStatuses"] = init_statuses
         try:
             self.pod = self.runner.api.patch(f"{pod_path(self.pod)}/status", body, MERGE_PATCH)
             self.last_status = key

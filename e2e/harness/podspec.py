@@ -6,7 +6,9 @@ hostPath PersistentVolume, ...); any other absolute path is a file of the image 
 the image root. The table is applied to every argument and env value that is an absolute path
 (or `--flag=/path`), so `--model /models/tiny-llama` reads `<image root>/models/tiny-llama` and
 `HOME=/tmp` is the pod's own tmp emptyDir. Programs that find a file by a fixed path of their
-own (the ServiceAccount token) get it by a bind mount instead (`BindMount`).
+own (the ServiceAccount token) get it by a bind mount instead (`BindMount`). A `readOnly` mount's
+local folder is read-only for that process (a read-only bind over itself in its own mount
+namespace), so a program that writes there fails as it would in a pod.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class LaunchPlan:
     readiness: Probe | None
     liveness: Probe | None
     pre_stop_sleep: float  # seconds of a `preStop: sleep` hook, else 0
+    read_only: list[Path] = field(default_factory=list)  # readOnly mounts' local folders
 
 
 def expand(value: str, env: Mapping[str, str]) -> str:
@@ -242,12 +245,18 @@ def launch_plan(
         for target, local in paths.mounts.items()
         if target.startswith(BIND_PREFIXES)
     ]
+    read_only = [
+        paths.local(mount["mountPath"])
+        for mount in container.get("volumeMounts") or []
+        if mount.get("readOnly") and not mount["mountPath"].startswith(BIND_PREFIXES)
+    ]
     hook = ((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}
     return LaunchPlan(
         name=container["name"],
         argv=argv,
         env={**base_env, **{k: paths.rewrite(v) for k, v in env.items()}},
         binds=binds,
+        read_only=read_only,
         startup=probe(container, "startupProbe", max_probe_period),
         readiness=probe(container, "readinessProbe", max_probe_period),
         liveness=probe(container, "livenessProbe", max_probe_period),
