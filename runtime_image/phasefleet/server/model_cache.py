@@ -95,7 +95,7 @@ def write_marker(root: Path, marker: Marker) -> None:
 Fetch = Callable[[str, str, Path], Path]  # (repo id, revision, hub cache) -> snapshot folder
 
 
-def hub_fetch(repo_id: str, revision: str, hub_cache: Path) -> Path:
+def fetch_from_hub(repo_id: str, revision: str, hub_cache: Path) -> Path:
     from phasefleet.server.hub import fetch_model
 
     return fetch_model(repo_id, revision, cache_dir=hub_cache)
@@ -106,7 +106,7 @@ def ensure_model(
     repo_id: str,
     revision: str = DEFAULT_REVISION,
     *,
-    fetch: Fetch = hub_fetch,
+    fetch: Fetch = fetch_from_hub,
     lock: CacheLock | None = None,
 ) -> Ensured:
     """Makes sure the cache holds `repo_id` at `revision`; raises ModelFetchError (one line)
