@@ -39,7 +39,9 @@ def test_child_kinds_have_rest_paths():
 def test_worker_metrics_expose_every_contract_name():
     from phasefleet.server.metrics import WorkerMetrics
 
-    text = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: IDLE).render().decode()
+    startup = {"imports": 3.5, "weights": 1.25}
+    role = contract.EngineRole.BOTH.value
+    text = WorkerMetrics("m", role, lambda: IDLE, lambda: startup).render().decode()
     names = [
         value
         for attr, value in vars(contract.Metric).items()
@@ -48,10 +50,12 @@ def test_worker_metrics_expose_every_contract_name():
         and isinstance(value, str)
         and not attr.startswith("AUTOSCALER_")  # the operator's, not a worker's
     ]
-    assert len(names) == 23
+    assert len(names) == 24
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name
+    startup_line = f'{contract.Metric.WORKER_STARTUP_SECONDS}{{model_name="m",phase="weights",'
+    assert f'{startup_line}role="{role}"}} 1.25' in text
     # while the model loads there are no engine stats: the engine's series are left out
     loading = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: None).render().decode()
     assert contract.Metric.NUM_REQUESTS_RUNNING not in loading
