@@ -36,6 +36,16 @@ def test_child_kinds_have_rest_paths():
     assert groups["Role"] == "rbac.authorization.k8s.io"
 
 
+def test_router_metrics_expose_the_held_gauge_per_pool():
+    from phasefleet.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics("m")
+    metrics.set_held("decode", 3)
+    text = metrics.render().decode()
+    held = contract.Metric.ROUTER_REQUESTS_HELD
+    assert f'{held}{{model_name="m",pool="decode",role="router"}} 3.0' in text
+
+
 def test_worker_metrics_expose_every_contract_name():
     from phasefleet.server.metrics import WorkerMetrics
 
@@ -48,7 +58,7 @@ def test_worker_metrics_expose_every_contract_name():
         if attr.isupper()
         and attr != "PREFIX"
         and isinstance(value, str)
-        and not attr.startswith("AUTOSCALER_")  # the operator's, not a worker's
+        and not attr.startswith(("AUTOSCALER_", "ROUTER_"))  # the operator's, the router's
     ]
     assert len(names) == 24
     for name in names:

@@ -98,6 +98,8 @@ class RouterFlag:
     PORT = "--port"
     SERVED_MODEL_NAME = "--served-model-name"
     POLICY = "--policy"
+    HOLD_SECONDS = "--hold-seconds"
+    MAX_HELD_REQUESTS = "--max-held-requests"
 
     @staticmethod
     def pool_service(pool: str) -> str:
@@ -135,6 +137,8 @@ class Metric:
     PHASE_BOUNDARY_MOVES_TOTAL = "phasefleet_phase_boundary_moves_total"
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
     WORKER_STARTUP_SECONDS = "phasefleet_worker_startup_seconds"  # label `phase`
+    # router: requests waiting for a pool with no ready worker, label `pool`
+    ROUTER_REQUESTS_HELD = "phasefleet_router_requests_held"
     # The operator's autoscaler, on the operator's own /metrics (--metrics-port). Its own
     # labels `namespace`, `inferenceservice` and `pool` name the service: scrape with
     # honorLabels (the chart's operator PodMonitor does).

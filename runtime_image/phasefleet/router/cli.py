@@ -28,6 +28,7 @@ from phasefleet.router.endpointslices import (
     EndpointSliceDiscovery,
     KubeAccess,
 )
+from phasefleet.router.hold import DEFAULT_HOLD_SECONDS, DEFAULT_MAX_HELD
 from phasefleet.router.policy import POLICIES
 from phasefleet.termination import fail, write_termination_message
 
@@ -86,6 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_REFRESH_INTERVAL,
         help="seconds between discovery and load polls",
     )
+    server.add_argument(
+        RouterFlag.HOLD_SECONDS,
+        type=float,
+        default=DEFAULT_HOLD_SECONDS,
+        help="seconds a request waits for a ready worker in a pool that has none (scaled to "
+        "zero, waking) before 503; 0: no holding",
+    )
+    server.add_argument(
+        RouterFlag.MAX_HELD_REQUESTS,
+        type=int,
+        default=DEFAULT_MAX_HELD,
+        help="requests held per pool at once; more get 503 at once",
+    )
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
@@ -137,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         refresh_interval=args.refresh_interval,
         internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
+        hold_seconds=args.hold_seconds,
+        max_held_requests=args.max_held_requests,
     )
     try:
         config.validate()

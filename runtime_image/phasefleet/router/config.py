@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phasefleet.router.hold import DEFAULT_HOLD_SECONDS, DEFAULT_MAX_HELD
 from phasefleet.router.policy import POLICIES
 
 DEFAULT_MAX_ATTEMPTS = 3  # workers tried per request
@@ -17,6 +18,8 @@ class RouterConfig:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS  # workers tried per request before giving up
     refresh_interval: float = DEFAULT_REFRESH_INTERVAL  # seconds between discovery + load polls
     internal_token: str | None = None  # the service's token: needed to name a prefill worker
+    hold_seconds: float = DEFAULT_HOLD_SECONDS  # a request's longest wait for a ready worker
+    max_held_requests: int = DEFAULT_MAX_HELD  # requests held per pool at once
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -25,3 +28,7 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.refresh_interval <= 0:
             raise ValueError(f"refresh_interval must be > 0 seconds, got {self.refresh_interval}")
+        if self.hold_seconds < 0:
+            raise ValueError(f"hold_seconds must be >= 0 (0: no holding), got {self.hold_seconds}")
+        if self.max_held_requests < 1:
+            raise ValueError(f"max_held_requests must be >= 1, got {self.max_held_requests}")

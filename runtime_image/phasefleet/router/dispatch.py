@@ -14,6 +14,10 @@ affinity balanced with prompt-token backlog) and the internal token in two heade
 worker runs the KV hand-off itself, or prefills locally when its cache already holds most of
 the prompt (docs/architecture.md "Prefill to decode hand-off"). With no ready prefill worker the
 decode worker prefills every prompt itself.
+
+A request that finds no ready worker in the generation pool (a pool scaled to zero, waking) is
+held until one is ready, within the bounds of `phasefleet.router.hold`; past them it gets 503
+with Retry-After.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from phasefleet.api.contract import (
     PREFILL_URL_HEADER,
 )
 from phasefleet.router.config import RouterConfig
+from phasefleet.router.hold import Held, HeldRequests
 from phasefleet.router.metrics import RouterMetrics, StreamTimer
 from phasefleet.router.policy import (
     Candidate,
@@ -51,6 +56,7 @@ from phasefleet.server.errors import APIError
 logger = logging.getLogger(__name__)
 
 DEFAULT_RETRY_AFTER = 1  # seconds, when a worker's 429 says nothing
+HELD_RETRY_AFTER = 5  # seconds, after a hold that no worker ended (the pool is still waking)
 PASSED_HEADERS = ("content-type", "retry-after")  # kept from a worker's error answer
 
 
@@ -120,6 +126,11 @@ class Router:
         self.prefix_index = PrefixIndex()  # the generation pool's workers
         self.prefill_index = PrefixIndex()  # the prefill pool's workers
         self.turn = 0  # rotation counter for round-robin and tie-breaks
+        self.held = HeldRequests(
+            config.hold_seconds, config.max_held_requests, on_change=metrics.set_held
+        )
+        for name in pools:
+            metrics.set_held(name, 0)
 
     @property
     def generation_pool(self) -> WorkerPool:
@@ -127,10 +138,14 @@ class Router:
         return self.pools.get("worker") or self.pools["decode"]
 
     async def refresh(self) -> None:
-        for pool in self.pools.values():
+        for name, pool in self.pools.items():
             for url in await pool.refresh():
                 self.prefix_index.forget(url)
                 self.prefill_index.forget(url)
+            if pool.ready_count():
+                released = self.held.release(name)
+                if released:
+                    logger.info("%s has a ready worker: %d held requests go", name, released)
 
     def choose_prefill(self, chunks: list[int]) -> Candidate | None:
         """The prefill worker for a request in disaggregated mode; None: the decode worker
@@ -162,6 +177,10 @@ class Router:
     async def generate(self, path: str, body: bytes, arrival: float) -> Response:
         """POST `path` (/v1/completions or /v1/chat/completions) with the client's raw body."""
         pool = self.generation_pool
+        if not pool.candidates(self.clock()):
+            held = await self.held.wait(pool.name)
+            if held is Held.FULL or held is Held.TIMED_OUT:
+                return self._not_woken(pool, held)
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(prompt_text(body)) if affinity else []
         headers = {"content-type": "application/json"}
@@ -188,6 +207,20 @@ class Router:
                 logger.info("worker %s failed before the first token: %s", url, retry)
                 retries.append(retry)
         return self._give_up(pool, retries)
+
+    def _not_woken(self, pool: WorkerPool, held: Held) -> Response:
+        if held is Held.FULL:
+            why = f"{self.held.max_held} requests are already held for it"
+        else:
+            why = f"none became ready within {self.held.hold_seconds:g} s"
+        return APIError(
+            503,
+            f"no ready worker in {pool.describe()} and {why}; it may be waking from zero, "
+            "retry later",
+            type="service_unavailable",
+            code="no_ready_worker",
+            headers={"Retry-After": str(HELD_RETRY_AFTER)},
+        ).response()
 
     def _give_up(self, pool: WorkerPool, retries: list[_Retry]) -> Response:
         full = [r.retry_after for r in retries if r.retry_after is not None]

@@ -11,11 +11,13 @@ from __future__ import annotations
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
 )
 
+from phasefleet.api.contract import Metric
 from phasefleet.server.metrics import (
     LABELS,
     REQUEST_LATENCY_BUCKETS,
@@ -62,6 +64,16 @@ class RouterMetrics:
             LABELS,
             registry=self.registry,
         ).labels(*labels)
+        self.held = Gauge(
+            Metric.ROUTER_REQUESTS_HELD,
+            "Requests waiting for a ready worker in a pool that has none (scaled to zero).",
+            [*LABELS, "pool"],
+            registry=self.registry,
+        )
+        self.labels = labels
+
+    def set_held(self, pool: str, held: int) -> None:
+        self.held.labels(*self.labels, pool).set(held)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
