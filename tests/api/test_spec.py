@@ -92,6 +92,24 @@ def test_gpu_budget_counts_minimum_replicas_times_gpus():
     assert spec.min_gpus() == 1 * 2 + 3 * 1
 
 
+def test_pools_may_scale_to_zero_with_a_hold_bound_and_an_idle_window():
+    spec = parse_spec(
+        {
+            "model": {"image": {"path": "/m"}},
+            "mode": "aggregated",
+            "worker": {"replicas": 1, "minReplicas": 0, "maxReplicas": 2},
+            "autoscaling": {"enabled": True, "scaleToZeroAfterSeconds": 30},
+            "router": {"holdSeconds": 60, "maxHeldRequests": 20},
+        }
+    )
+    assert spec.worker is not None and spec.worker.min_size == 0
+    assert spec.autoscaling.scale_to_zero_after_seconds == 30
+    assert (spec.router.hold_seconds, spec.router.max_held_requests) == (60, 20)
+    defaults = parse_spec({"model": {"image": {"path": "/m"}}, "prefill": {}, "decode": {}})
+    assert defaults.autoscaling.scale_to_zero_after_seconds == 600
+    assert (defaults.router.hold_seconds, defaults.router.max_held_requests) == (120, 256)
+
+
 def test_wire_form_round_trips_in_camel_case():
     spec = parse_spec(example_services()[0][1]["spec"])
     wire = spec.to_wire()

@@ -211,6 +211,8 @@ def test_router_points_at_the_pools():
     assert args[args.index("--prefill-service") + 1] == "llm-prefill.team-a.svc:8000"
     assert args[args.index("--decode-service") + 1] == "llm-decode.team-a.svc:8000"
     assert args[args.index("--policy") + 1] == "round-robin"
+    assert args[args.index("--hold-seconds") + 1] == "120"  # the spec's defaults
+    assert args[args.index("--max-held-requests") + 1] == "256"
 
 
 def test_spec_hash_changes_with_the_template_inputs_but_not_replicas():

@@ -452,6 +452,19 @@ class RouterSpec(ApiModel):
     policy: Literal["least-loaded", "round-robin", "prefix-aware"] = Field(
         default="least-loaded", description="How the router picks a worker for a request."
     )
+    hold_seconds: int = Field(
+        default=120,
+        ge=0,
+        le=3600,
+        description="Seconds a request waits for a ready worker in a pool that has none (scaled"
+        " to zero, waking) before a 503 with Retry-After (0: 503 at once).",
+    )
+    max_held_requests: int = Field(
+        default=256,
+        ge=1,
+        le=100000,
+        description="Requests held per pool at once while it has no ready worker; more get 503.",
+    )
 
 
 class SloSpec(ApiModel):
@@ -464,11 +477,17 @@ class SloSpec(ApiModel):
     )
 
 
+DEFAULT_INTERVAL_SECONDS = 15  # the autoscaler's decision interval (seconds)
+DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS = 600  # idle seconds before a minReplicas-0 pool goes to 0
+
+
 class AutoscalingSpec(ApiModel):
     """Per-pool autoscaling between minReplicas and maxReplicas."""
 
     enabled: bool = False
-    interval_seconds: int = Field(default=15, ge=1, le=3600, description="Seconds per decision.")
+    interval_seconds: int = Field(
+        default=DEFAULT_INTERVAL_SECONDS, ge=1, le=3600, description="Seconds per decision."
+    )
     kv_cache_target: float = Field(
         default=0.7, ge=0.05, le=1.0, description="Decode KV-cache usage to aim for (0..1)."
     )
@@ -488,6 +507,25 @@ class AutoscalingSpec(ApiModel):
     max_step: int = Field(default=2, ge=1, le=100, description="Most replicas added per decision.")
     gpu_budget: int | None = Field(
         default=None, ge=0, description="Most GPUs all pools together may use (GPUs)."
+    )
+    scale_to_zero_after_seconds: int = Field(
+        default=DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS,
+        ge=1,
+        le=86400,
+        description="Seconds without requests (running, waiting or held at the router) after"
+        " which a pool with minReplicas 0 goes to zero replicas.",
+    )
+
+    rules = (
+        Rule(
+            cel="(has(self.scaleToZeroAfterSeconds) ? self.scaleToZeroAfterSeconds :"
+            f" {DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS}) >= (has(self.intervalSeconds) ?"
+            f" self.intervalSeconds : {DEFAULT_INTERVAL_SECONDS})",
+            message="scaleToZeroAfterSeconds must be at least intervalSeconds: idleness is"
+            " seen one decision at a time",
+            check=lambda a: a.scale_to_zero_after_seconds >= a.interval_seconds,
+            field_path=".scaleToZeroAfterSeconds",
+        ),
     )
 
 

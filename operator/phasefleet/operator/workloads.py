@@ -390,6 +390,8 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         RouterFlag.PORT, str(ROUTER_PORT),
         RouterFlag.SERVED_MODEL_NAME, served_name(owner.name, spec),
         RouterFlag.POLICY, spec.router.policy,
+        RouterFlag.HOLD_SECONDS, str(spec.router.hold_seconds),
+        RouterFlag.MAX_HELD_REQUESTS, str(spec.router.max_held_requests),
     ]  # fmt: skip
     for role in spec.pools():
         args += [RouterFlag.pool_service(role.value), worker_service_address(owner, role)]
