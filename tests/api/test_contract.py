@@ -43,7 +43,7 @@ def test_router_metrics_expose_the_held_gauge_per_pool():
     metrics.set_held("decode", 3)
     text = metrics.render().decode()
     held = contract.Metric.ROUTER_REQUESTS_HELD
-    assert f'{held}{{model_name="m",pool="decode",role="router"}} 3.0' in text
+    assert f'{held}{{model_name="m",role="router",worker_pool="decode"}} 3.0' in text
 
 
 def test_worker_metrics_expose_every_contract_name():

@@ -15,7 +15,7 @@ from phasefleet.router.hold import Held, HeldRequests
 from tests.router.router_proc import run_router
 from tests.server.worker_proc import run_worker
 
-HELD = 'phasefleet_router_requests_held{model_name="tiny",pool="worker",role="router"}'
+HELD = 'phasefleet_router_requests_held{model_name="tiny",role="router",worker_pool="worker"}'
 
 
 def make_held(hold_seconds: float = 30.0, max_held: int = 8) -> tuple[HeldRequests, list[int]]:

@@ -137,8 +137,10 @@ class Metric:
     PHASE_BOUNDARY_MOVES_TOTAL = "phasefleet_phase_boundary_moves_total"
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
     WORKER_STARTUP_SECONDS = "phasefleet_worker_startup_seconds"  # label `phase`
-    # router: requests waiting for a pool with no ready worker, label `pool`
+    # router: requests waiting for a pool with no ready worker, label `worker_pool` (the
+    # chart's PodMonitor sets `pool` to the scraped pod's own role)
     ROUTER_REQUESTS_HELD = "phasefleet_router_requests_held"
+    ROUTER_HELD_POOL_LABEL = "worker_pool"
     # The operator's autoscaler, on the operator's own /metrics (--metrics-port). Its own
     # labels `namespace`, `inferenceservice` and `pool` name the service: scrape with
     # honorLabels (the chart's operator PodMonitor does).

@@ -67,7 +67,7 @@ class RouterMetrics:
         self.held = Gauge(
             Metric.ROUTER_REQUESTS_HELD,
             "Requests waiting for a ready worker in a pool that has none (scaled to zero).",
-            [*LABELS, "pool"],
+            [*LABELS, Metric.ROUTER_HELD_POOL_LABEL],
             registry=self.registry,
         )
         self.labels = labels
