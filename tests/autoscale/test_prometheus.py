@@ -85,6 +85,7 @@ def test_queries_select_the_service_by_its_labels_and_pools_by_engine_role() -> 
         f"avg by (role) (rate(phasefleet_engine_busy_seconds_total{{{SELECTOR}}}[60s]))"
     )
     assert q["sampled_at"] == f"max(timestamp(phasefleet_num_requests_running{{{SELECTOR}}}))"
+    assert q["held"] == f"sum by (worker_pool) (phasefleet_router_requests_held{{{router}}})"
     odd = PrometheusSource("http://p", 'a"b', "c\\d", ["worker"]).selector("both")
     assert odd == 'namespace="a\\"b",inferenceservice="c\\\\d",role=~"both"'
 
@@ -142,6 +143,14 @@ def test_no_worker_series_is_no_samples(prom: FakePrometheus) -> None:
         source(prom.url).read(now=0.0)
     assert failed.value.reason == "NoSamples"
     assert "ns/llm" in failed.value.message and prom.url in failed.value.message
+
+
+def test_scaled_to_zero_the_routers_held_requests_are_read(prom: FakePrometheus) -> None:
+    src = source(prom.url)
+    prom.answers = {src.queries()["held"]: [sample(2, worker_pool="decode")]}
+    signals = src.read(now=5.0)
+    assert signals.held == {"decode": 2.0} and signals.pools == {}
+    assert signals.sampled_at == 5.0
 
 
 @pytest.mark.parametrize("status, body", [(500, None), (400, None), (200, b"<html>not it</html>")])

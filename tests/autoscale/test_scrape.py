@@ -220,3 +220,15 @@ def test_bad_settings_name_the_field() -> None:
         ScrapeSource(lambda: ScrapeTargets(), percentile=90)
     with pytest.raises(ValueError, match="window_s"):
         ScrapeSource(lambda: ScrapeTargets(), window_s=0)
+
+
+def test_scaled_to_zero_the_router_says_how_many_requests_it_holds() -> None:
+    router = RouterMetrics("tiny")
+    router.set_held("worker", 0)
+    with serving(router) as servers:
+        source = ScrapeSource(fixed(servers, {"worker": {}}))
+        assert source.read(now=0.0).held == {"worker": 0.0}
+        router.set_held("worker", 3)
+        signals = source.read(now=1.0)
+    assert signals.held == {"worker": 3.0} and signals.pools == {}
+    assert signals.busy

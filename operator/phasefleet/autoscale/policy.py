@@ -15,6 +15,7 @@ from phasefleet.api.spec import InferenceServiceSpec, Role, pool_gpus
 from phasefleet.autoscale import demand
 from phasefleet.autoscale.budget import Ask, share
 from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, PoolSignals, Signals
+from phasefleet.autoscale.zero import to_and_from_zero
 
 # After the down window an ask still holds the pool, at a share that falls linearly from 1 to
 # this over a second window as long: a peak lets go gradually, not all at once.
@@ -45,6 +46,7 @@ class ScalingConfig:
     max_step: int = 2
     gpu_budget: int | None = None
     startup_s: float = 60.0  # a new replica's time to load before it serves
+    scale_to_zero_after_s: float = 600.0  # idle seconds before a minReplicas-0 pool goes to 0
 
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec, startup_s: float = 60.0) -> ScalingConfig:
@@ -65,6 +67,7 @@ class ScalingConfig:
             max_step=scaling.max_step,
             gpu_budget=scaling.gpu_budget,
             startup_s=startup_s,
+            scale_to_zero_after_s=float(scaling.scale_to_zero_after_seconds),
         )
 
     @property
@@ -93,6 +96,7 @@ class PolicyState:
     # Per pool: (time, ask with the forecast) over one start-up and one interval: a replica
     # added for the forecast is kept until it could have served, then the signals decide.
     forecasts: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    busy_at: float | None = None  # when a request was last seen in the service (zero.py)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,11 @@ def decide(
     for role in config.pools:
         if budget_message and desired[role] < asked[role]:
             limits[role] = budget_message
+    mins = {role: p.min_replicas for role, p in config.pools.items()}
+    zero = to_and_from_zero(
+        mins, config.scale_to_zero_after_s, signals, current, desired, state.busy_at, now
+    )
+    desired = zero.desired
 
     pools = {
         role: _explain(
@@ -206,13 +215,15 @@ def decide(
         )
         for role in config.pools
     }
+    for role, reason in zero.reasons.items():
+        pools[role] = replace(pools[role], reason=reason)
     limited = list(dict.fromkeys(limits[r] for r in config.pools if r in limits))
     grown = dict(state.last_scale_up_time)
     grown.update({r: now for r, d in pools.items() if d.desired > d.current})
     no_samples = ", ".join(missing)
     return Decision(
         pools=pools,
-        state=PolicyState(history, grown, asks, forecasts),
+        state=PolicyState(history, grown, asks, forecasts, zero.busy_at),
         metrics_available=not missing,
         metrics_reason=NO_SAMPLES if missing else "MetricsFresh",
         metrics_message=(

@@ -109,6 +109,7 @@ class PrometheusSource:
             "pod_running": f"{M.NUM_REQUESTS_RUNNING}{{{workers}}}",
             "pod_kv": f"{M.KV_CACHE_USAGE_PERC}{{{workers}}}",
             "sampled_at": f"max(timestamp({M.NUM_REQUESTS_RUNNING}{{{workers}}}))",
+            "held": f"sum by ({M.ROUTER_HELD_POOL_LABEL}) ({M.ROUTER_REQUESTS_HELD}{{{router}}})",
         }
 
     def read(self, now: float) -> Signals:
@@ -117,6 +118,9 @@ class PrometheusSource:
         queries = self.queries(self.leaving())
         results = {name: self._query(promql) for name, promql in queries.items()}
         pod_running = results["pod_running"]
+        held = _by_label(results["held"], M.ROUTER_HELD_POOL_LABEL)
+        if not pod_running and results["held"]:  # scaled to zero: the router's series remain
+            return Signals(sampled_at=now, window_s=self.window_s, held=held)
         if not pod_running:
             raise MetricsUnavailable(
                 NO_SAMPLES,
@@ -149,6 +153,7 @@ class PrometheusSource:
             tpot_s=_scalar(results["tpot"]),
             itl_s=_scalar(results["itl"]),
             request_rate=_scalar(results["request_rate"]),
+            held=held,
         )
 
     def _query(self, promql: str) -> list[dict[str, Any]]:
@@ -200,11 +205,15 @@ def _scalar(result: list[dict[str, Any]]) -> float | None:
 
 
 def _by_role(result: list[dict[str, Any]]) -> dict[str, float]:
+    return _by_label(result, "role")
+
+
+def _by_label(result: list[dict[str, Any]], label: str) -> dict[str, float]:
     out = {}
     for sample in result:
-        role, value = sample["metric"].get("role"), _value(sample)
-        if role is not None and value is not None:
-            out[role] = value
+        key, value = sample["metric"].get(label), _value(sample)
+        if key is not None and value is not None:
+            out[key] = value
     return out
 
 

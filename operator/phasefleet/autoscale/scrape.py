@@ -27,7 +27,8 @@ from phasefleet.autoscale.signals import (
     Signals,
 )
 
-# One exposition: (sample name, `le` or "") -> value, summed over the other labels.
+# One exposition: (sample name, `le` of a bucket, the router's held gauge's worker pool, or "")
+# -> value, summed over the other labels.
 Samples = dict[tuple[str, str], float]
 
 
@@ -44,8 +45,13 @@ def parse_exposition(text: str) -> Samples:
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            le = sample.labels.get("le", "") if sample.name.endswith("_bucket") else ""
-            key = (sample.name, le)
+            if sample.name.endswith("_bucket"):
+                second = sample.labels.get("le", "")
+            elif sample.name == M.ROUTER_REQUESTS_HELD:
+                second = sample.labels.get(M.ROUTER_HELD_POOL_LABEL, "")
+            else:
+                second = ""
+            key = (sample.name, second)
             samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
@@ -108,11 +114,15 @@ class ScrapeSource:
         """One scrape of every target; `now` is the caller's clock, the rates' time base."""
         targets = self.targets()
         urls = [*targets.routers, *(u for pool in targets.workers.values() for u in pool.values())]
+        answered = self._scrape_all(urls)
+        routers = [u for u in targets.routers if u in answered]
+        held = _held(answered[u] for u in routers)
         if not any(targets.workers.values()):
+            if routers:  # scaled to zero: the router says whether requests wait for a worker
+                return Signals(sampled_at=now, window_s=self.window_s, held=held)
             raise MetricsUnavailable(
                 NO_SAMPLES, "No worker to scrape: the service has no running worker pods yet."
             )
-        answered = self._scrape_all(urls)
         for url in list(self._history):
             if url not in urls:
                 del self._history[url]
@@ -131,7 +141,6 @@ class ScrapeSource:
                 f"No worker answered GET {METRICS_PATH} (tried {', '.join(sorted(urls))}): check "
                 "that the workers are running and reachable from here.",
             )
-        routers = [u for u in targets.routers if u in answered]
         # Without a router (an aggregated fleet) the users' latencies are the workers' own: the
         # workers that answer clients, so not the prefill pool's internal prefill-only requests.
         latency_urls = routers or [
@@ -150,6 +159,7 @@ class ScrapeSource:
             tpot_s=self._quantile(pairs, M.TIME_PER_OUTPUT_TOKEN),
             itl_s=self._quantile(pairs, M.INTER_TOKEN_LATENCY),
             request_rate=_sum_rates(pairs, f"{M.E2E_REQUEST_LATENCY}_count"),
+            held=held,
         )
 
     def _scrape_all(self, urls: list[str]) -> dict[str, Samples]:
@@ -201,6 +211,16 @@ class ScrapeSource:
             for bound, count in bucket_increase(new, old, name).items():
                 merged[bound] = merged.get(bound, 0.0) + count
         return histogram_quantile(self.percentile, merged.items())
+
+
+def _held(routers: Iterable[Samples]) -> dict[str, float]:
+    """Requests the routers hold, by worker pool."""
+    out: dict[str, float] = {}
+    for samples in routers:
+        for (name, pool), value in samples.items():
+            if name == M.ROUTER_REQUESTS_HELD and pool:
+                out[pool] = out.get(pool, 0.0) + value
+    return out
 
 
 def _sum_rates(pairs: Iterable[tuple[float, Samples, Samples]], name: str) -> float | None:

@@ -64,3 +64,11 @@ class Signals:
     tpot_s: float | None = None
     itl_s: float | None = None
     request_rate: float | None = None  # requests finished per second at the router
+    # Requests the router holds for a pool with no ready worker (scaled to zero), by pool.
+    held: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is running, waiting or held anywhere in the service."""
+        queued = ((p.running or 0.0) + (p.waiting or 0.0) for p in self.pools.values())
+        return sum(queued) + sum(self.held.values()) > 0
