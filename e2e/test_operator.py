@@ -191,13 +191,15 @@ def test_example_gets_children_status_and_columns(
     table = cluster.kubectl("get", "inferenceservices", "-n", namespace).stdout
     row = columns(table)[0]
     assert list(row) == [
-        "NAME", "MODE", "PREFILL", "DECODE", "WORKERS", "TTFT", "TPOT", "KV", "READY", "AGE"
+        "NAME", "MODE", "PREFILL", "DECODE", "WORKERS", "TTFT", "TPOT", "KV", "SCALE", "READY",
+        "AGE",
     ]  # fmt: skip
     assert row["NAME"] == name and row["MODE"] == spec.get("mode", "disaggregated")
     for column, role in (("PREFILL", "prefill"), ("DECODE", "decode"), ("WORKERS", "worker")):
         want = spec[role].get("replicas", 1) if role in roles else None
         assert row[column] == ("" if want is None else f"{want}/{want}"), (column, table)
     assert row["TTFT"] in ("", "<none>")  # metrics come from the autoscaler, not running here
+    assert row["SCALE"] in ("", "<none>")  # not scaled to zero
     assert row["READY"] == "True"
 
     events = get(

@@ -98,3 +98,63 @@ def test_status_written_by_others_is_not_a_change():
     live["pools"] = {k: {**v, "lastScaleReason": "kv usage"} for k, v in mine["pools"].items()}
     live["conditions"] = [*mine["conditions"], {"type": "MetricsAvailable", "status": "True"}]
     assert not status_changed(mine, live)
+
+
+def zero_spec() -> Any:
+    return make_spec(
+        mode="aggregated",
+        prefill=None,
+        decode=None,
+        worker={"replicas": 1, "minReplicas": 0, "maxReplicas": 2},
+        autoscaling={"enabled": True, "scaleToZeroAfterSeconds": 30},
+    )
+
+
+def test_a_service_scaled_to_zero_says_so_and_stays_ready():
+    deps = {
+        "llm-worker": deployment("llm-worker", 0, 0),
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    status = compute_status(make_owner(), 1, zero_spec(), deps, {}, NOW)
+    assert status["scale"] == "ScaledToZero"
+    assert printed(status)["Workers"] == "0/0"
+    ready = conditions(status)["Ready"]
+    assert ready["status"] == "True"
+    assert ready["message"] == "all pools and the router are ready (worker scaled to 0)"
+
+
+def test_a_pool_waking_from_zero_keeps_the_service_ready_while_requests_are_held():
+    deps = {
+        "llm-worker": deployment("llm-worker", 1, 0),
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    status = compute_status(make_owner(), 1, zero_spec(), deps, {}, NOW)
+    assert status["scale"] == "WakingFromZero"
+    ready = conditions(status)["Ready"]
+    assert ready["status"] == "True" and "worker waking from 0" in ready["message"]
+    # once it serves, scale is left out, and that is a change to write
+    deps["llm-worker"] = deployment("llm-worker", 1, 1)
+    serving = compute_status(make_owner(), 1, zero_spec(), deps, status, NOW)
+    assert "scale" not in serving
+    assert status_changed(serving, status)
+
+
+def test_a_waking_pool_whose_pod_cannot_start_is_not_ready():
+    deps = {
+        "llm-worker": deployment("llm-worker", 1, 0),
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    problem = Problem("PodCannotStart", "Pod team-a/llm-worker-x (pool worker) cannot start")
+    status = compute_status(make_owner(), 1, zero_spec(), deps, {}, NOW, problem=problem)
+    assert conditions(status)["Ready"]["status"] == "False"
+    assert conditions(status)["Degraded"]["reason"] == "PodCannotStart"
+
+
+def test_without_scale_to_zero_a_pool_with_no_ready_pod_is_not_ready():
+    spec = make_spec(mode="aggregated", prefill=None, decode=None, worker={"replicas": 1})
+    deps = {
+        "llm-worker": deployment("llm-worker", 1, 0),
+        "llm-router": deployment("llm-router", 1, 1),
+    }
+    status = compute_status(make_owner(), 1, spec, deps, {}, NOW)
+    assert conditions(status)["Ready"]["status"] == "False" and "scale" not in status

@@ -107,6 +107,8 @@ PRINTER_COLUMNS = [
      "description": "Time per output token at the SLO percentile (ms)"},
     {"name": "KV", "type": "number", "jsonPath": ".status.metrics.kvCacheUsage",
      "description": "Decode KV-cache usage (0..1)"},
+    {"name": "Scale", "type": "string", "jsonPath": ".status.scale",
+     "description": "ScaledToZero, WakingFromZero, or blank"},
     {"name": "Ready", "type": "string",
      "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -67,6 +67,11 @@ class InferenceServiceStatus(ApiModel):
     workers_ready: str | None = Field(
         default=None, description="Worker pool: ready/desired, for kubectl get (aggregated)."
     )
+    scale: str | None = Field(
+        default=None,
+        description="ScaledToZero (every worker pool at 0 replicas) or WakingFromZero (a pool"
+        " starting its first replica while the router holds requests); absent otherwise.",
+    )
     metrics: MetricsStatus | None = None
     endpoint: str | None = Field(default=None, description="The router's in-cluster URL.")
 

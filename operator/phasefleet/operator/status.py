@@ -2,8 +2,9 @@
 
 Pure: the caller passes in the live Deployments, the previous status and the time. The
 operator owns the Ready, Progressing and Degraded conditions, `pools.*.{replicas,
-readyReplicas, desiredReplicas}`, the ready summaries and the endpoint; the autoscaler owns
-the metrics, its own conditions and `pools.*.lastScale*` (server-side apply keeps them apart).
+readyReplicas, desiredReplicas}`, the ready summaries, `scale` and the endpoint; the autoscaler
+owns the metrics, its own conditions and `pools.*.lastScale*` (server-side apply keeps them
+apart).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ SUMMARY_FIELDS = {
     Role.WORKER.value: "workersReady",
 }
 STUCK_REASONS = {"ProgressDeadlineExceeded", "ReplicaFailure"}
+# status.scale, for `kubectl get`: every worker pool at 0, or a pool at minReplicas 0 starting
+# its first replica while the router holds requests (blank otherwise).
+SCALED_TO_ZERO = "ScaledToZero"
+WAKING = "WakingFromZero"
 MAX_CAUSE = 300  # characters of an API server or kubelet message quoted in a condition
 MAX_LAST_WORDS = 600  # characters of a container's termination message (its end is kept)
 
@@ -264,7 +269,14 @@ def compute_status(
     roles = [r.value for r in spec.pools()] + [ROUTER]
     pools = {role: _pool(deployments.get(child_name(owner.name, role))) for role in roles}
 
-    missing, not_ready, rolling, stuck = [], [], [], []
+    # Pools that scale to zero: while one starts its first replica the router holds requests,
+    # so the service still serves (Ready), unless a pod of it cannot start.
+    wakes = {
+        r.value
+        for r, pool in spec.pools().items()
+        if pool.min_size == 0 and spec.autoscaling.enabled and spec.router.hold_seconds > 0
+    }
+    missing, not_ready, rolling, stuck, waking = [], [], [], [], []
     for role in roles:
         dep = deployments.get(child_name(owner.name, role))
         p = pools[role]
@@ -272,7 +284,9 @@ def compute_status(
             missing.append(role)
             continue
         # A pool scaled to 0 is what its owner asked for, not a pool that is failing.
-        if p["readyReplicas"] < p["desiredReplicas"]:
+        if role in wakes and p["readyReplicas"] == 0 < p["desiredReplicas"]:
+            waking.append(role)
+        elif p["readyReplicas"] < p["desiredReplicas"]:
             not_ready.append(f"{role} {p['readyReplicas']}/{p['desiredReplicas']} ready")
         if not _rolled_out(dep):
             rolling.append(role)
@@ -282,9 +296,10 @@ def compute_status(
                 f" progressing ({_cut(why)}); kubectl describe its pods for the cause"
             )
 
-    if problem is None and not_ready and pods:
+    if problem is None and (not_ready or waking) and pods:
         problem = pod_problem(pods)
     scaled_to_zero = [r for r in roles if r not in missing and pools[r]["desiredReplicas"] == 0]
+    workers = [r for r in roles if r != ROUTER]
 
     if problem is not None and not applied:
         ready = _condition(READY, False, problem.reason, problem.message, generation)
@@ -294,8 +309,12 @@ def compute_status(
         )
     elif not_ready:
         ready = _condition(READY, False, "PodsNotReady", "; ".join(not_ready), generation)
+    elif waking and problem is not None:
+        ready = _condition(READY, False, problem.reason, problem.message, generation)
     else:
         zero = f" ({', '.join(scaled_to_zero)} scaled to 0)" if scaled_to_zero else ""
+        if waking:
+            zero += f" ({', '.join(waking)} waking from 0: the router holds requests)"
         ready = _condition(
             READY, True, "AllPodsReady", f"all pools and the router are ready{zero}", generation
         )
@@ -332,11 +351,17 @@ def compute_status(
         if role in pools
     }
     observed = generation if applied else previous.get("observedGeneration")
+    scale = None
+    if workers and all(r in scaled_to_zero for r in workers):
+        scale = SCALED_TO_ZERO
+    elif waking:
+        scale = WAKING
     return {
         **({"observedGeneration": observed} if observed is not None else {}),
         "conditions": conditions,
         "pools": pools,
         **summaries,
+        **({"scale": scale} if scale else {}),
         "endpoint": endpoint(owner),
     }
 
@@ -388,7 +413,7 @@ def invalid_status(
 def status_changed(desired: dict[str, Any], previous: dict[str, Any]) -> bool:
     """Whether applying `desired` would change anything (so unchanged status is not written)."""
     stale_pools = set(previous.get("pools") or {}) - set(desired.get("pools") or {})
-    if stale_pools:
+    if stale_pools or previous.get("scale") != desired.get("scale"):  # scale may be left out
         return True
     without_conditions = {k: v for k, v in desired.items() if k != "conditions"}
     if not contains(previous, without_conditions):
