@@ -12,7 +12,7 @@ import pytest
 
 from phasefleet.autoscale.policy import PoolLimits
 from phasefleet.cli import build_parser
-from phasefleet.local.scaling_flags import pool_sizes, scaling_config
+from phasefleet.local.scaling_flags import hold_args, pool_sizes, scaling_config
 
 DISAGGREGATED = ["prefill", "decode"]
 
@@ -52,6 +52,20 @@ def test_flags_reach_the_policy_config() -> None:
     assert (config.interval_s, config.scale_down_stabilization_s, config.max_step) == (2.5, 60, 3)
 
 
+def test_pools_with_min_zero_start_with_one_worker_and_the_router_holds() -> None:
+    args = parse(
+        "--autoscale", "--min", "decode=0", "--min", "prefill=0", "--scale-to-zero-after", "90"
+    )
+    sizes, bounds = pool_sizes(args, DISAGGREGATED)
+    assert sizes == {"prefill": 1, "decode": 1}  # the first workers measure the load time
+    assert bounds == {"prefill": (0, 4), "decode": (0, 4)}
+    assert scaling_config(args, bounds, startup_s=5.0).scale_to_zero_after_s == 90
+    assert hold_args(bounds) == ["--hold-seconds", "120", "--max-held-requests", "256"]
+    assert hold_args({"prefill": (1, 4), "decode": (1, 4)}) == []
+    defaults = scaling_config(parse("--autoscale"), {"worker": (0, 1)}, startup_s=5.0)
+    assert defaults.scale_to_zero_after_s == 600
+
+
 def test_aggregated_fleet_has_one_pool_named_worker() -> None:
     args = parse("--aggregated", "--autoscale", "--workers", "3", "--max", "worker=5")
     assert pool_sizes(args, ["worker"]) == ({"worker": 3}, {"worker": (1, 5)})
@@ -64,7 +78,12 @@ def test_aggregated_fleet_has_one_pool_named_worker() -> None:
         (["--autoscale", "--min", "prefill"], "--min: expected POOL=N with N a whole number"),
         (["--autoscale", "--max", "decode=-1"], "--max: expected POOL=N"),
         (["--autoscale", "--min", "worker=2"], "--min worker=2: no pool 'worker'"),
-        (["--autoscale", "--min", "decode=0"], "--min decode=0: a local pool needs at least 1"),
+        (["--autoscale", "--max", "decode=0"], "--max decode=0: must be at least 1"),
+        (["--autoscale", "--min", "decode=0", "--decode", "0"], "--decode 0: a pool starts"),
+        (
+            ["--autoscale", "--interval", "30", "--scale-to-zero-after", "10"],
+            "--scale-to-zero-after must be at least --interval, 30 s; got 10",
+        ),
         (["--autoscale", "--min", "decode=3", "--max", "decode=2"], "--max decode=2 is below"),
         (["--autoscale", "--prefill", "5", "--max", "prefill=4"], "--prefill 5 is outside"),
         (["--autoscale", "--percentile", "1.5"], "--percentile must be between 0.5 and 0.999"),

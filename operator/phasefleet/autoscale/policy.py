@@ -11,7 +11,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from phasefleet.api.spec import InferenceServiceSpec, Role, pool_gpus
+from phasefleet.api.spec import (
+    DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS,
+    InferenceServiceSpec,
+    Role,
+    pool_gpus,
+)
 from phasefleet.autoscale import demand
 from phasefleet.autoscale.budget import Ask, share
 from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, PoolSignals, Signals
@@ -46,7 +51,8 @@ class ScalingConfig:
     max_step: int = 2
     gpu_budget: int | None = None
     startup_s: float = 60.0  # a new replica's time to load before it serves
-    scale_to_zero_after_s: float = 600.0  # idle seconds before a minReplicas-0 pool goes to 0
+    # idle seconds before a minReplicas-0 pool goes to 0
+    scale_to_zero_after_s: float = float(DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS)
 
     @classmethod
     def from_spec(cls, spec: InferenceServiceSpec, startup_s: float = 60.0) -> ScalingConfig:

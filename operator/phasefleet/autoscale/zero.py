@@ -43,12 +43,17 @@ def to_and_from_zero(
         if want < 1 and (held > 0 or signals.busy):
             out[role] = 1
             why = f"the router holds {held:g} requests" if held else "the service has requests"
-            reasons[role] = f"{role} {size}->1: {why} (wake from zero)"
+            reasons[role] = f"{_move(role, size, 1)}: {why} (wake from zero)"
         elif want < 1 and size > 0 and idle_s < after_s:
             out[role] = 1
-            move = "stays at 1" if size == 1 else f"{size}->1"
-            reasons[role] = f"{role} {move}: idle {idle_s:.0f} s of the {after_s:.0f} s before zero"
-        elif want > 0 and idle_s >= after_s:
+            reasons[role] = (
+                f"{_move(role, size, 1)}: idle {idle_s:.0f} s of the {after_s:.0f} s before zero"
+            )
+        elif idle_s >= after_s and (want > 0 or size > 0):
             out[role] = 0
-            reasons[role] = f"{role} {size}->0: no request for {idle_s:.0f} s (scale to zero)"
+            reasons[role] = f"{_move(role, size, 0)}: no request for {idle_s:.0f} s (scale to zero)"
     return ZeroStep(out, reasons, busy_at)
+
+
+def _move(role: str, size: int, to: int) -> str:
+    return f"{role} stays at {to}" if size == to else f"{role} {size}->{to}"

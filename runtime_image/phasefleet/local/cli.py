@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir=run_dir,
             worker_args=worker_args,
             tpot_target_ms=args.tpot_ms,
-            router_args=shlex.split(args.router_args),
+            router_args=[*scaling_flags.hold_args(bounds), *shlex.split(args.router_args)],
             host=args.host,
             drain_timeout=args.drain_timeout,
         )

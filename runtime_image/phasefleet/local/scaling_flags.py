@@ -3,7 +3,8 @@
 They mirror the InferenceService's `slo`, `autoscaling` and per-pool `minReplicas`/`maxReplicas`,
 with the same defaults, except the pool bounds: `--min` is 1 worker and `--max` is 4 (or the
 pool's `--min` or starting size, if larger). A pool starts at its `--prefill`/`--decode`/
-`--workers` count, or at its `--min` when that flag is not given.
+`--workers` count, or at its `--min` when that flag is not given (1 if `--min` is 0: the first
+workers measure the model's load time; the pool idles to zero after `--scale-to-zero-after`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ DEFAULT_MAX = 4  # workers per pool
 SIZE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "worker": "--workers"}
 SCALING_FLAGS = (
     "min", "max", "ttft_ms", "tpot_ms", "percentile", "kv_cache_target", "interval",
-    "scale_down_window", "max_step",
+    "scale_down_window", "max_step", "scale_to_zero_after",
 )  # fmt: skip
 
 
@@ -55,9 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of lower recommendations before a pool shrinks (default 300)",
     )
     group.add_argument("--max-step", type=int, help="most workers added per decision (default 2)")
+    group.add_argument(
+        "--scale-to-zero-after",
+        type=float,
+        help="seconds without requests before a pool with --min POOL=0 stops its last worker"
+        " (default 600); the router holds requests while it wakes",
+    )
 
 
-def _counts(flag: str, values: list[str] | None, pools: list[str]) -> dict[str, int]:
+def _counts(flag: str, values: list[str] | None, pools: list[str], least: int) -> dict[str, int]:
     counts: dict[str, int] = {}
     for value in values or []:
         pool, sep, number = value.partition("=")
@@ -68,8 +75,8 @@ def _counts(flag: str, values: list[str] | None, pools: list[str]) -> dict[str, 
                 f"{flag} {value}: no pool {pool!r}; this fleet's pools: {', '.join(pools)}"
             )
         counts[pool] = int(number)
-        if counts[pool] < 1:
-            raise ValueError(f"{flag} {value}: a local pool needs at least 1 worker")
+        if counts[pool] < least:
+            raise ValueError(f"{flag} {value}: must be at least {least}")
     return counts
 
 
@@ -88,7 +95,7 @@ def pool_sizes(
             raise ValueError(f"{', '.join(unused)} need --autoscale")
         return {pool: 1 if n is None else n for pool, n in given.items()}, {}
     _check_knobs(args)
-    lows, highs = _counts("--min", args.min, pools), _counts("--max", args.max, pools)
+    lows, highs = _counts("--min", args.min, pools, 0), _counts("--max", args.max, pools, 1)
     sizes: dict[str, int] = {}
     bounds: dict[str, tuple[int, int]] = {}
     for pool in pools:
@@ -101,7 +108,12 @@ def pool_sizes(
             raise ValueError(
                 f"{SIZE_FLAGS[pool]} {start} is outside --min {pool}={low} .. --max {pool}={high}"
             )
-        sizes[pool] = low if start is None else start
+        if start == 0:
+            raise ValueError(
+                f"{SIZE_FLAGS[pool]} 0: a pool starts with at least 1 worker; with"
+                f" --min {pool}=0 it idles to zero after --scale-to-zero-after"
+            )
+        sizes[pool] = max(low, 1) if start is None else start
         bounds[pool] = (low, high)
     return sizes, bounds
 
@@ -115,6 +127,8 @@ def _check(flag: str, value: float | None, low: float, high: float | None = None
 
 
 def _check_knobs(args: argparse.Namespace) -> None:
+    from phasefleet.api.spec import DEFAULT_INTERVAL_SECONDS
+
     _check("--ttft-ms", args.ttft_ms, 1)
     _check("--tpot-ms", args.tpot_ms, 1)
     _check("--percentile", args.percentile, 0.5, 0.999)
@@ -123,6 +137,12 @@ def _check_knobs(args: argparse.Namespace) -> None:
     _check("--max-step", args.max_step, 1)
     if args.interval is not None and args.interval <= 0:
         raise ValueError(f"--interval must be > 0 seconds, got {args.interval:g}")
+    interval = args.interval if args.interval is not None else DEFAULT_INTERVAL_SECONDS
+    after = args.scale_to_zero_after
+    if after is not None and after < interval:
+        raise ValueError(
+            f"--scale-to-zero-after must be at least --interval, {interval:g} s; got {after:g}"
+        )
 
 
 def scaling_config(
@@ -147,9 +167,25 @@ def scaling_config(
             args.scale_down_window, defaults.scale_down_stabilization_s
         ),
         max_step=args.max_step if args.max_step is not None else defaults.max_step,
+        scale_to_zero_after_s=_given(args.scale_to_zero_after, defaults.scale_to_zero_after_s),
         startup_s=startup_s,
     )
 
 
 def _given(value: float | None, default: float) -> float:
     return default if value is None else value
+
+
+def hold_args(bounds: dict[str, tuple[int, int]]) -> list[str]:
+    """Router flags: a fleet with a pool that may idle to zero holds requests while it wakes,
+    within the InferenceService's default bounds (`--router-args` given after may change them)."""
+    if not any(low == 0 for low, _ in bounds.values()):
+        return []
+    from phasefleet.api.contract import RouterFlag
+    from phasefleet.api.spec import RouterSpec
+
+    router = RouterSpec()
+    return [
+        RouterFlag.HOLD_SECONDS, str(router.hold_seconds),
+        RouterFlag.MAX_HELD_REQUESTS, str(router.max_held_requests),
+    ]  # fmt: skip
