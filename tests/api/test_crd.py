@@ -94,7 +94,9 @@ def test_status_subresource_and_printer_columns():
     version = build_crd()["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Mode", "Prefill", "Decode", "Workers", "TTFT", "TPOT", "KV", "Scale", "Ready", "Age"]
+    assert names == [
+        "Mode", "Prefill", "Decode", "Workers", "TTFT", "TPOT", "KV", "Scale", "Ready", "Age"
+    ]  # fmt: skip
 
 
 def test_yaml_has_no_anchors():
