@@ -2,8 +2,9 @@
 
 A real Prometheus scrapes a real worker and router every second, with the labels the chart's
 PodMonitor gives pod targets (namespace, pod, inferenceservice); PrometheusSource's PromQL and
-ScrapeSource's own scrapes of the same processes, over the same traffic, must agree. Then the
-failures: a service with no series (or whose only worker pod is being deleted), a URL that is
+ScrapeSource's own scrapes of the same processes, over the same traffic, must agree (the
+router's held gauge too). A service whose only worker pod is being deleted keeps the router's
+signals, as one scaled to zero does. Then the failures: a service with no series, a URL that is
 not Prometheus, and a stopped Prometheus.
 """
 
@@ -93,6 +94,8 @@ def test_prometheus_and_scrape_sources_agree_and_prometheus_failures_are_named(
         assert set(p.pods) == {f"{SERVICE}-worker-0"} and set(d.pods) == {"w0"}
         assert p.running == d.running == 0 and p.waiting == d.waiting == 0
         assert p.kv_usage_sum == d.kv_usage_sum and p.prefill_backlog_tokens == 0
+        # the router's held gauge keeps its worker_pool label through the PodMonitor's pool
+        assert via_prometheus.held == direct.held == {"worker": 0.0}
         # Same observations in both; PromQL's rate() extrapolates to the window's edges and
         # divides by the window, the scrape by the time between its own two scrapes.
         for name in ("ttft_s", "tpot_s", "itl_s"):
@@ -121,10 +124,11 @@ def test_prometheus_and_scrape_sources_agree_and_prometheus_failures_are_named(
             )
 
         # A pod being deleted is left out by its pod label; Prometheus takes the matcher.
+        # Without a worker series the router's remain: the signals of a service at zero (the
+        # policy holds a pool whose replicas do not report).
         assert leaving("llm-worker-9.x").read(now=now).pools["worker"].reporting == 1
-        with pytest.raises(MetricsUnavailable) as drained:
-            leaving(f"{SERVICE}-worker-0").read(now=now)
-        assert drained.value.reason == "NoSamples"
+        drained = leaving(f"{SERVICE}-worker-0").read(now=now)
+        assert drained.pools == {} and drained.held == {"worker": 0.0}
 
         not_prometheus = PrometheusSource(worker.base_url, NAMESPACE, SERVICE, ["worker"])
         with pytest.raises(MetricsUnavailable) as bad:
