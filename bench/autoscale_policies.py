@@ -52,7 +52,7 @@ class Hpa:
     metric: Mapping[str, Callable[[Fleet, float], tuple[float, int]]]
     target: Mapping[str, float]
     minimum: int = 1
-    maximum: int = 64
+    maximum: int = 200  # as our policy's maxReplicas in the replay: above every trace's peak
     average_value: bool = False
     tolerance: float = 0.1
     down_window_s: float = 300.0

@@ -164,7 +164,7 @@ def initial(oracle_control: Controller) -> dict[str, int]:
 
 def policy_config(curves: Curves, slo: Slo) -> ScalingConfig:
     limits = PoolLimits(
-        min_replicas=1, max_replicas=64, gpus_per_replica=1, max_num_seqs=curves.max_num_seqs
+        min_replicas=1, max_replicas=200, gpus_per_replica=1, max_num_seqs=curves.max_num_seqs
     )
     return ScalingConfig(
         pools={"prefill": limits, "decode": limits},

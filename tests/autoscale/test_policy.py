@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +30,7 @@ def disaggregated(**overrides: Any) -> ScalingConfig:
         interval_s=INTERVAL,
         scale_down_stabilization_s=WINDOW,
         max_step=2,
+        peak_headroom=1.0,  # the other rules' arithmetic; the headroom has tests of its own
     )
     return replace(config, **overrides)
 
@@ -356,7 +358,9 @@ def test_requests_waiting_for_a_decode_slot_grow_decode() -> None:
 
 
 def test_aggregated_pool_reads_both_phases_signals() -> None:
-    config = ScalingConfig(pools={"worker": PoolLimits(1, 8)}, ttft_s=0.5, tpot_s=0.05)
+    config = ScalingConfig(
+        pools={"worker": PoolLimits(1, 8)}, ttft_s=0.5, tpot_s=0.05, peak_headroom=1.0
+    )
     pool = PoolSignals(reporting=2, busy_fraction=0.5, kv_usage_sum=0.6)
     slow_tokens = Signals(0.0, INTERVAL, {"worker": pool}, ttft_s=0.1, tpot_s=0.1)
     assert (
@@ -528,3 +532,44 @@ def test_a_backlog_allowance_under_10_ms_is_said_in_milliseconds() -> None:
     assert tight is not None and tight.sentence == "prompt backlog 0.2 s > 0.5 ms"
     loose = backlog_term(pool, Targets(0.1, None, 0.9, 0.7), window_s=15.0)
     assert loose is not None and loose.sentence == "prompt backlog 0.2 s > 0.05 s"
+
+
+def test_a_pool_keeps_headroom_over_its_peak_ask_through_the_down_window() -> None:
+    """Burst memory: the highest ask of the last down window times peakHeadroom holds the
+    pool, both when it grows and after the burst, until the window has passed."""
+    config = disaggregated(peak_headroom=1.5, max_step=10)
+    state, sizes = PolicyState(), {"prefill": 2, "decode": 2}
+    hot = PoolSignals(reporting=2, busy_fraction=1.0, prefill_backlog_tokens=0.0)
+    burst = signals(0.0, hot, calm_decode(2), ttft=2.0)
+    decision = decide(config, burst, sizes, state, 0.0)
+    asked = int(decision.pools["prefill"].reason.split("->")[1].split(":")[0])
+    assert asked == decision.pools["prefill"].desired
+    plain = decide(replace(config, peak_headroom=1.0), burst, sizes, PolicyState(), 0.0)
+    peak = plain.pools["prefill"].desired
+    assert peak > 2 and asked == math.ceil(peak * 1.5)
+    assert f"peak ask {peak} over 300 s x 1.5" in decision.pools["prefill"].reason
+    state, sizes = decision.state, {"prefill": asked, "decode": 2}
+    now = 0.0
+    while now < WINDOW - INTERVAL:  # calm, within the window: the headroom holds
+        now += INTERVAL
+        quiet = signals(now, calm_prefill(asked, busy=0.1), calm_decode(2))
+        decision = decide(config, quiet, sizes, state, now)
+        state = decision.state
+        assert decision.pools["prefill"].desired == asked, now
+    for _ in range(3 * int(WINDOW / INTERVAL)):  # then it lets go, as before
+        now += INTERVAL
+        quiet = signals(now, calm_prefill(sizes["prefill"], busy=0.1), calm_decode(2))
+        decision = decide(config, quiet, sizes, state, now)
+        state, sizes = decision.state, {p: d.desired for p, d in decision.pools.items()}
+    assert sizes["prefill"] < asked
+
+
+def test_headroom_rounds_up_and_one_means_none() -> None:
+    from phasefleet.autoscale.policy import _peak_floor
+
+    history = ((0.0, 4), (10.0, 7), (20.0, 5))
+    assert _peak_floor(disaggregated(peak_headroom=1.0), history, 3, 25.0) == 7
+    assert _peak_floor(disaggregated(peak_headroom=1.2), history, 3, 25.0) == 9  # 8.4
+    assert _peak_floor(disaggregated(peak_headroom=1.5), history, 10, 25.0) == 15
+    # asks older than the down window are not part of the peak
+    assert _peak_floor(disaggregated(peak_headroom=1.0), history, 3, 10.0 + WINDOW + 1) == 5

@@ -28,6 +28,7 @@ def make_config() -> ScalingConfig:
         scale_down_stabilization_s=WINDOW,
         max_step=2,
         startup_s=WINDOW / 2,  # no scale-down within a start-up of a scale-up
+        peak_headroom=1.0,
     )
 
 

@@ -505,6 +505,13 @@ class AutoscalingSpec(ApiModel):
         " over as long again.",
     )
     max_step: int = Field(default=2, ge=1, le=100, description="Most replicas added per decision.")
+    peak_headroom: float = Field(
+        default=1.2,
+        ge=1.0,
+        le=3.0,
+        description="Each pool keeps at least its highest ask over the down window times this"
+        " (burst memory; 1: none).",
+    )
     gpu_budget: int | None = Field(
         default=None, ge=0, description="Most GPUs all pools together may use (GPUs)."
     )

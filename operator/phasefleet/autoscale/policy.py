@@ -49,6 +49,7 @@ class ScalingConfig:
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
     max_step: int = 2
+    peak_headroom: float = 1.2  # burst memory: the pool keeps this much over its peak ask
     gpu_budget: int | None = None
     startup_s: float = 60.0  # a new replica's time to load before it serves
     # idle seconds before a minReplicas-0 pool goes to 0
@@ -71,6 +72,7 @@ class ScalingConfig:
             scale_up_stabilization_s=float(scaling.scale_up_stabilization_seconds),
             scale_down_stabilization_s=float(scaling.scale_down_stabilization_seconds),
             max_step=scaling.max_step,
+            peak_headroom=scaling.peak_headroom,
             gpu_budget=scaling.gpu_budget,
             startup_s=startup_s,
             scale_to_zero_after_s=float(scaling.scale_to_zero_after_seconds),
@@ -302,22 +304,34 @@ def _stabilized(
     recommended: int,
     now: float,
 ) -> int:
-    """Up at once (bounded by maxStep; with an up window, to the lowest ask over it). Down to
-    the highest of: the asks over the down window, the asks of the window before it at a
-    fading share (see TAIL_FLOOR), and the recent forecasts."""
-    if recommended > size:
-        up = recommended
-        if config.scale_up_stabilization_s > 0:
-            earlier = [n for t, n in history[:-1] if now - t <= config.scale_up_stabilization_s]
-            up = min([*earlier, recommended])
-        return min(max(up, size), size + config.max_step)
+    """Up at once, by at most maxStep a decision (with an up window, to the lowest ask over
+    it). Down to the highest of: the asks over the down window, the asks of
+    the window before it at a fading share (see TAIL_FLOOR), and the recent forecasts. Either
+    way at least the highest ask over the down window times peakHeadroom (`_peak_floor`): a
+    burst met once finds room when it comes back."""
+    latest = recommended
+    if recommended > size and config.scale_up_stabilization_s > 0:
+        earlier = [n for t, n in history[:-1] if now - t <= config.scale_up_stabilization_s]
+        latest = min([*earlier, recommended])
+    floor = _peak_floor(config, history[:-1], latest, now)
+    if latest > size or floor > size:
+        return min(max(latest, floor), size + config.max_step)
     window = config.scale_down_stabilization_s
     held = [n for _, n in forecasts]
     for t, n in history:
         fade = max(0.0, now - t - window) / max(window, EPSILON)
         if fade <= 1.0:
             held.append(math.ceil(n * (1.0 - (1.0 - TAIL_FLOOR) * fade) - EPSILON))
-    return min(size, max(held))
+    return max(min(size, max(held)), floor)
+
+
+def _peak_floor(
+    config: ScalingConfig, earlier: tuple[tuple[float, int], ...], latest: int, now: float
+) -> int:
+    """The highest ask over the down window, `latest` included, times peakHeadroom."""
+    window = config.scale_down_stabilization_s
+    peak = max([latest, *(n for t, n in earlier if now - t <= window)])
+    return math.ceil(peak * config.peak_headroom - EPSILON)
 
 
 def _within_budget(
@@ -354,8 +368,15 @@ def _explain(
     limited: str | None,
     window_max: int,  # the highest ask over the down window
 ) -> PoolDecision:
-    _, sentence, _ = wanted
+    ask, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
+    floor = math.ceil(window_max * config.peak_headroom - EPSILON)
+    if config.peak_headroom > 1 and ask < desired <= floor:
+        window = config.scale_down_stabilization_s
+        sentence += (
+            f"; held at {floor}: peak ask {window_max} over {window:.0f} s x"
+            f" {config.peak_headroom:g}"
+        )
     if desired > size:
         reason = f"{role} {size}->{desired}: {sentence}{context}"
     elif desired < size:
