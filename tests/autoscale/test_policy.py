@@ -546,7 +546,7 @@ def test_a_pool_keeps_headroom_over_its_peak_ask_through_the_down_window() -> No
     assert asked == decision.pools["prefill"].desired
     plain = decide(replace(config, peak_headroom=1.0), burst, sizes, PolicyState(), 0.0)
     peak = plain.pools["prefill"].desired
-    assert peak > 2 and asked == math.ceil(peak * 1.5)
+    assert peak > 2 and asked == math.floor(peak * 1.5 + 0.5)
     assert f"peak ask {peak} over 300 s x 1.5" in decision.pools["prefill"].reason
     state, sizes = decision.state, {"prefill": asked, "decode": 2}
     now = 0.0
@@ -564,12 +564,27 @@ def test_a_pool_keeps_headroom_over_its_peak_ask_through_the_down_window() -> No
     assert sizes["prefill"] < asked
 
 
-def test_headroom_rounds_up_and_one_means_none() -> None:
+def test_headroom_rounds_to_the_nearest_replica_and_one_means_none() -> None:
     from phasefleet.autoscale.policy import _peak_floor
 
-    history = ((0.0, 4), (10.0, 7), (20.0, 5))
-    assert _peak_floor(disaggregated(peak_headroom=1.0), history, 3, 25.0) == 7
-    assert _peak_floor(disaggregated(peak_headroom=1.2), history, 3, 25.0) == 9  # 8.4
-    assert _peak_floor(disaggregated(peak_headroom=1.5), history, 10, 25.0) == 15
-    # asks older than the down window are not part of the peak
-    assert _peak_floor(disaggregated(peak_headroom=1.0), history, 3, 10.0 + WINDOW + 1) == 5
+    peaks = ((0.0, 4), (10.0, 7), (20.0, 5))
+    assert _peak_floor(disaggregated(peak_headroom=1.0), peaks) == 7
+    assert _peak_floor(disaggregated(peak_headroom=1.2), peaks) == 8  # 8.4
+    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 3),)) == 4  # 3.6
+    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 2),)) == 2  # 2.4: no room
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 10),)) == 15
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ()) == 0
+
+
+def test_a_hold_is_not_a_peak_so_headroom_never_feeds_on_itself() -> None:
+    """With no load signal the ask is the pool's own size: kept as a peak, x1.2 would grow
+    the pool every decision up to maxReplicas."""
+    config = disaggregated(peak_headroom=1.2)
+    state, sizes = PolicyState(), {"prefill": 5, "decode": 5}
+    silent = PoolSignals(reporting=5)
+    for k in range(10):
+        quiet = Signals(k * INTERVAL, INTERVAL, {"prefill": silent, "decode": silent})
+        decision = decide(config, quiet, sizes, state, k * INTERVAL)
+        state = decision.state
+        assert {p: d.desired for p, d in decision.pools.items()} == sizes, k
+        assert "no load signal" in decision.pools["prefill"].reason

@@ -26,6 +26,7 @@ from phasefleet.autoscale.zero import to_and_from_zero
 # this over a second window as long: a peak lets go gradually, not all at once.
 TAIL_FLOOR = 0.5
 EPSILON = 1e-6
+NO_LOAD_SIGNAL = "no load signal"
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class PolicyState:
     # added for the forecast is kept until it could have served, then the signals decide.
     forecasts: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     busy_at: float | None = None  # when a request was last seen in the service (zero.py)
+    # Per pool: (time, ask) over the down window, only asks a load signal made (not a hold):
+    # the peak that burst memory keeps room for.
+    peaks: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,12 @@ def decide(
     # for thousands, and the tail would otherwise hold a bounded pool for its whole length.
     bounded = {r: _bounded(config.pools[r], w[0]) for r, w in wanted.items()}
     history = _remember(config, state, bounded, current, now)
+    peaks = {
+        role: _remember_peak(config, state, role, bounded[role], now)
+        if role not in missing and wanted[role][1] != NO_LOAD_SIGNAL
+        else _remember_peak(config, state, role, None, now)
+        for role in config.pools
+    }
     memory = config.startup_s + config.interval_s
     forecasts = {
         role: tuple((t, n) for t, n in state.forecasts.get(role, ()) if now - t < memory)
@@ -190,7 +200,10 @@ def decide(
     limits: dict[str, str] = {}
     for role, limits_ in config.pools.items():
         size = current.get(role, 0)
-        target = _stabilized(config, history[role], forecasts[role], size, wanted[role][0], now)
+        target = _stabilized(
+            config, history[role], forecasts[role], size, wanted[role][0], now,
+            _peak_floor(config, peaks[role]),
+        )  # fmt: skip
         if role not in missing and target < size and demand.hot(role, signals, config.targets):
             target = size  # latency near its target: not the moment to shrink
         if target < size and _loading(config, state, signals, role, size, now):
@@ -220,6 +233,7 @@ def decide(
             signals,
             limits.get(role),
             max(n for t, n in history[role] if now - t <= config.scale_down_stabilization_s),
+            max((n for _, n in peaks[role]), default=0),
         )
         for role in config.pools
     }
@@ -231,7 +245,7 @@ def decide(
     no_samples = ", ".join(missing)
     return Decision(
         pools=pools,
-        state=PolicyState(history, grown, asks, forecasts, zero.busy_at),
+        state=PolicyState(history, grown, asks, forecasts, zero.busy_at, peaks),
         metrics_available=not missing,
         metrics_reason=NO_SAMPLES if missing else "MetricsFresh",
         metrics_message=(
@@ -273,7 +287,7 @@ def _recommend(
     pool = signals.pools.get(role) or PoolSignals(reporting=0)
     found = demand.terms(role, pool, signals, config.targets, config.pools[role].max_num_seqs)
     if not found:
-        return size, "no load signal", 0.0
+        return size, NO_LOAD_SIGNAL, 0.0
     top = max(found, key=lambda t: (t.replicas, t.pressure))
     pressure = max(t.pressure for t in found)
     return top.replicas, top.sentence, pressure
@@ -303,17 +317,16 @@ def _stabilized(
     size: int,
     recommended: int,
     now: float,
+    floor: int = 0,
 ) -> int:
     """Up at once, by at most maxStep a decision (with an up window, to the lowest ask over
-    it). Down to the highest of: the asks over the down window, the asks of
-    the window before it at a fading share (see TAIL_FLOOR), and the recent forecasts. Either
-    way at least the highest ask over the down window times peakHeadroom (`_peak_floor`): a
-    burst met once finds room when it comes back."""
+    it). Down to the highest of: the asks over the down window, the asks of the window before
+    it at a fading share (see TAIL_FLOOR), and the recent forecasts. Either way at least
+    `floor`, the burst memory (`_peak_floor`): a burst met once finds room when it returns."""
     latest = recommended
     if recommended > size and config.scale_up_stabilization_s > 0:
         earlier = [n for t, n in history[:-1] if now - t <= config.scale_up_stabilization_s]
         latest = min([*earlier, recommended])
-    floor = _peak_floor(config, history[:-1], latest, now)
     if latest > size or floor > size:
         return min(max(latest, floor), size + config.max_step)
     window = config.scale_down_stabilization_s
@@ -325,13 +338,27 @@ def _stabilized(
     return max(min(size, max(held)), floor)
 
 
-def _peak_floor(
-    config: ScalingConfig, earlier: tuple[tuple[float, int], ...], latest: int, now: float
-) -> int:
-    """The highest ask over the down window, `latest` included, times peakHeadroom."""
+def _remember_peak(
+    config: ScalingConfig, state: PolicyState, role: str, ask: int | None, now: float
+) -> tuple[tuple[float, int], ...]:
+    """The load signals' asks over the down window, with `ask` (None: this one was a hold).
+    With an up window, an ask counts as the lowest over it, as a scale-up would."""
     window = config.scale_down_stabilization_s
-    peak = max([latest, *(n for t, n in earlier if now - t <= window)])
-    return math.ceil(peak * config.peak_headroom - EPSILON)
+    kept = tuple((t, n) for t, n in state.peaks.get(role, ()) if now - t <= window)
+    if ask is None:
+        return kept
+    if config.scale_up_stabilization_s > 0:
+        up = config.scale_up_stabilization_s
+        ask = min([ask, *(n for t, n in kept if now - t <= up)])
+    return (*kept, (now, ask))
+
+
+def _peak_floor(config: ScalingConfig, peaks: tuple[tuple[float, int], ...]) -> int:
+    """The highest remembered ask times peakHeadroom, to the nearest replica (a pool asked
+    for 1 or 2 is not doubled by 1.2); 0 without one."""
+    if not peaks:
+        return 0
+    return math.floor(max(n for _, n in peaks) * config.peak_headroom + 0.5)
 
 
 def _within_budget(
@@ -367,15 +394,15 @@ def _explain(
     signals: Signals,
     limited: str | None,
     window_max: int,  # the highest ask over the down window
+    peak: int,  # the highest load signal's ask over it (burst memory)
 ) -> PoolDecision:
     ask, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
-    floor = math.ceil(window_max * config.peak_headroom - EPSILON)
+    floor = math.floor(peak * config.peak_headroom + 0.5)
     if config.peak_headroom > 1 and ask < desired <= floor:
         window = config.scale_down_stabilization_s
         sentence += (
-            f"; held at {floor}: peak ask {window_max} over {window:.0f} s x"
-            f" {config.peak_headroom:g}"
+            f"; held at {floor}: peak ask {peak} over {window:.0f} s x {config.peak_headroom:g}"
         )
     if desired > size:
         reason = f"{role} {size}->{desired}: {sentence}{context}"
