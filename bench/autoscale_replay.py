@@ -162,6 +162,9 @@ def initial(oracle_control: Controller) -> dict[str, int]:
     return dict(oracle_control(Fleet(EMPTY, h100_8b(), {p: 0 for p in POOLS}, DT_S), 0.0))
 
 
+SCALE_DOWN_S = [300.0]  # main() sets it from --scale-down-s
+
+
 def policy_config(curves: Curves, slo: Slo) -> ScalingConfig:
     limits = PoolLimits(
         min_replicas=1, max_replicas=200, gpus_per_replica=1, max_num_seqs=curves.max_num_seqs
@@ -174,6 +177,7 @@ def policy_config(curves: Curves, slo: Slo) -> ScalingConfig:
         interval_s=INTERVAL_S,
         max_step=MAX_STEP,
         startup_s=curves.startup_s,
+        scale_down_stabilization_s=SCALE_DOWN_S[0],
     )
 
 
@@ -278,11 +282,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--startup-s", type=float, help="a new replica's start-up (default: the curves', 60 s)"
     )
+    p.add_argument(
+        "--scale-down-s",
+        type=float,
+        default=300.0,
+        help="our policy's scaleDownStabilizationSeconds, and how long the held oracle holds",
+    )
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    SCALE_DOWN_S[0] = args.scale_down_s
     curves = replace(h100_8b(), streamed=not args.pull)
     if args.startup_s is not None:
         curves = replace(curves, startup_s=args.startup_s)

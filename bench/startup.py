@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", default="bench,smollm2", help="bench, smollm2, or folders")
     p.add_argument("--make-8b", type=Path, help="write a random bf16 Llama-3-8B here and use it")
     p.add_argument("--quick", action="store_true", help="--make-8b writes two small layers")
-    p.add_argument("--rounds", type=int, default=3, help="loads per loader, alternating")
+    p.add_argument("--rounds", type=int, default=3, help="loads per loader, alternating (0: none)")
+    p.add_argument("--cold-only", action="store_true", help="only the cold-disk worker starts")
     p.add_argument("--workers", type=int, default=2, help="worker start-ups per plan cache state")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or BENCH / "startup"))
     p.add_argument(
@@ -238,13 +239,16 @@ STARTS = {
 }
 
 
-def time_worker(folder: Path, device: str, starts: int, scratch: Path) -> dict[str, Any]:
+def time_worker(
+    folder: Path, device: str, starts: int, scratch: Path, cold_only: bool = False
+) -> dict[str, Any]:
     """Each kind of start `starts` times, interleaved; a cold disk only where the page cache
     can be dropped (root)."""
     plans = scratch / f"plans-{folder.name}.json"
-    out: dict[str, Any] = {label: [] for label, *_ in STARTS[device]}
+    kinds = [k for k in STARTS[device] if k[1] or not cold_only]
+    out: dict[str, Any] = {label: [] for label, *_ in kinds}
     for i in range(starts):
-        for label, cold, fresh_plans, ahead in STARTS[device]:
+        for label, cold, fresh_plans, ahead in kinds:
             if fresh_plans:
                 plans.unlink(missing_ok=True)
             if cold and not drop_page_cache():
@@ -335,6 +339,8 @@ def report(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in results["models"].items():
+        if not r["weights"]:
+            continue
         for loader_name in ("old", "new"):
             x = r["weights"][loader_name]
             lines.append(
@@ -377,10 +383,10 @@ def main() -> int:
         else:
             folder = model_folder(name, scratch)
         entry = {"folder": str(folder)}
-        entry["weights"] = time_loaders(folder, args.device, args.rounds)
+        entry["weights"] = time_loaders(folder, args.device, args.rounds) if args.rounds else {}
         print(name, "weights", json.dumps(entry["weights"]), flush=True)
         (args.out / "startup.json").write_text(json.dumps({**results, name: entry}, indent=1))
-        entry["worker"] = time_worker(folder, args.device, args.workers, scratch)
+        entry["worker"] = time_worker(folder, args.device, args.workers, scratch, args.cold_only)
         results["models"][Path(name).name] = entry
         (args.out / "startup.json").write_text(json.dumps(results, indent=1))
         (args.out / "startup.md").write_text(report(results))
