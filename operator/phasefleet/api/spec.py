@@ -510,7 +510,7 @@ class AutoscalingSpec(ApiModel):
         ge=1.0,
         le=3.0,
         description="Each pool keeps at least its highest ask over the down window times this"
-        " (burst memory; 1: none).",
+        " (burst memory; 1: no room over that ask).",
     )
     gpu_budget: int | None = Field(
         default=None, ge=0, description="Most GPUs all pools together may use (GPUs)."

@@ -399,7 +399,7 @@ def _explain(
     ask, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
     floor = math.floor(peak * config.peak_headroom + 0.5)
-    if config.peak_headroom > 1 and ask < desired <= floor:
+    if ask < desired <= floor:  # the burst memory decided (at 1: the peak ask itself)
         window = config.scale_down_stabilization_s
         sentence += (
             f"; held at {floor}: peak ask {peak} over {window:.0f} s x {config.peak_headroom:g}"
