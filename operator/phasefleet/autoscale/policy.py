@@ -234,6 +234,7 @@ def decide(
             limits.get(role),
             max(n for t, n in history[role] if now - t <= config.scale_down_stabilization_s),
             max((n for _, n in peaks[role]), default=0),
+            _peak_floor(config, peaks[role]),
         )
         for role in config.pools
     }
@@ -395,10 +396,10 @@ def _explain(
     limited: str | None,
     window_max: int,  # the highest ask over the down window
     peak: int,  # the highest load signal's ask over it (burst memory)
+    floor: int,  # what the burst memory holds: _peak_floor
 ) -> PoolDecision:
     ask, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
-    floor = math.floor(peak * config.peak_headroom + 0.5)
     if ask < desired <= floor:  # the burst memory decided (at 1: the peak ask itself)
         window = config.scale_down_stabilization_s
         sentence += (
