@@ -22,6 +22,11 @@ class EngineConfig:
     """Longest request, prompt plus output, in tokens; default: the model's
     max_position_embeddings from config.json."""
 
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over, one process and one device each (Megatron-style: heads,
+    MLP width and vocabulary split; see engine/parallel). Must divide the attention heads and
+    the MLP width, and divide or be a multiple of the KV heads. On CUDA: one GPU per rank."""
+
     # -- KV cache --
     block_size: int = 16
     """Tokens per KV block."""
@@ -49,6 +54,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("block_size", self.block_size)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(

@@ -58,12 +58,11 @@ class DecodeGraphs:
         # The split kernel's scratch for every captured batch size (triton only)
         self.workspace: triton_decode.DecodeWorkspace | None = None
         if backend == "triton":
-            c = model.config
             self.workspace = triton_decode.DecodeWorkspace.for_batches(
                 n,
-                c.num_attention_heads,
-                c.num_key_value_heads or c.num_attention_heads,
-                head_dim(c),
+                model.num_heads,  # this rank's heads
+                model.num_kv_heads,
+                head_dim(model.config),
                 block_tables.shape[1] * block_size,
                 device,
             )

@@ -1,5 +1,6 @@
 """Reading leased KV blocks out of the pool for a pull, in kv_transfer's wire order (layer-major:
-each layer's keys, then its values, each [blocks, block_size, kv_heads, head_dim]).
+each layer's keys, then its values, each [blocks, block_size, kv_heads, head_dim]; a worker whose
+KV heads are split over tensor-parallel ranks sends each one's heads in turn, shard after shard).
 
 A read is cut into chunks of at most `chunk_bytes` (CHUNK_BYTES by default): whole layers when
 they are small (several layers gathered into one device buffer, then one copy), a layer's keys
@@ -21,9 +22,14 @@ import torch
 CHUNK_BYTES = 32 << 20
 
 
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class KVExporter:
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.kv_caches = kv_caches
+    def __init__(self, shards: list[KVCache]) -> None:
+        """`shards`: the pool of each group of KV heads, in head order (one: all heads)."""
+        self.shards = shards
+        self.kv_caches = shards[0]
         self._stream: torch.cuda.Stream | None = None
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
@@ -40,14 +46,21 @@ class KVExporter:
         chunk_bytes = chunk_bytes or CHUNK_BYTES
         keys0 = self.kv_caches[0][0]
         device, n = keys0.device, len(block_ids)
-        block_bytes = keys0[0].numel() * keys0.element_size()  # one block of one layer's keys
+        # one block of one layer's keys, every shard's heads
+        block_bytes = len(self.shards) * keys0[0].numel() * keys0.element_size()
         stream = self._side_stream(device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            index = torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
+            index = {
+                c[0][0].device: torch.tensor(block_ids, dtype=torch.long).to(
+                    c[0][0].device, non_blocking=True
+                )
+                for c in self.shards
+            }
             layers = max(1, chunk_bytes // (2 * n * block_bytes))  # whole layers per chunk
             blocks = min(n, max(1, chunk_bytes // block_bytes))  # blocks per piece otherwise
             if 2 * n * block_bytes <= chunk_bytes:
-                shape = (min(layers, len(self.kv_caches)), 2, n, *keys0.shape[1:])
+                shards = len(self.shards)
+                shape = (min(layers, len(self.kv_caches)), 2, shards, n, *keys0.shape[1:])
                 yield from self._layer_groups(index, layers, shape, stream)
             else:
                 yield from self._pieces(index, blocks, stream)
@@ -64,30 +77,46 @@ class KVExporter:
 
     def _layer_groups(
         self,
-        index: torch.Tensor,
+        index: dict[torch.device, torch.Tensor],
         layers: int,
         shape: tuple[int, ...],
         stream: torch.cuda.Stream | None,
     ) -> Iterator[memoryview]:
-        gathered, host = self._buffers(shape, stream)  # [layers, k/v, n, bs, H, D]
+        gathered, host = self._buffers(shape, stream)  # [layers, k/v, shards, n, bs, H, D]
         for start in range(0, len(self.kv_caches), layers):
-            group = self.kv_caches[start : start + layers]
-            for i, (keys, values) in enumerate(group):
-                torch.index_select(keys, 0, index, out=gathered[i, 0])
-                torch.index_select(values, 0, index, out=gathered[i, 1])
-            yield _send(gathered[: len(group)], host[: len(group)], stream)
+            count = min(layers, len(self.kv_caches) - start)
+            for s, caches in enumerate(self.shards):
+                for i, (keys, values) in enumerate(caches[start : start + count]):
+                    _gather(keys, index, gathered[i, 0, s])
+                    _gather(values, index, gathered[i, 1, s])
+            yield _send(gathered[:count], host[:count], stream)
 
     def _pieces(
-        self, index: torch.Tensor, blocks: int, stream: torch.cuda.Stream | None
+        self, index: dict[torch.device, torch.Tensor], blocks: int, stream: torch.cuda.Stream | None
     ) -> Iterator[memoryview]:
         shape = (blocks, *self.kv_caches[0][0].shape[1:])
         gathered, host = self._buffers(shape, stream)  # [blocks, bs, H, D]
-        for keys, values in self.kv_caches:
-            for cache in (keys, values):
-                for start in range(0, len(index), blocks):
-                    part = index[start : start + blocks]
-                    torch.index_select(cache, 0, part, out=gathered[: len(part)])
-                    yield _send(gathered[: len(part)], host[: len(part)], stream)
+        n = len(next(iter(index.values())))
+        for layer in range(len(self.kv_caches)):
+            for which in (0, 1):
+                for caches in self.shards:
+                    cache = caches[layer][which]
+                    for start in range(0, n, blocks):
+                        part = {d: i[start : start + blocks] for d, i in index.items()}
+                        count = min(blocks, n - start)
+                        _gather(cache, part, gathered[:count])
+                        yield _send(gathered[:count], host[:count], stream)
+
+
+def _gather(
+    cache: torch.Tensor, index: dict[torch.device, torch.Tensor], out: torch.Tensor
+) -> None:
+    """out = cache's rows at index, straight into out when both live on one device."""
+    rows = index[cache.device]
+    if cache.device == out.device and out.is_contiguous():
+        torch.index_select(cache, 0, rows, out=out)
+    else:
+        out.copy_(cache.index_select(0, rows), non_blocking=True)
 
 
 def _send(

@@ -78,6 +78,7 @@ class LLMEngine:
             config.max_num_seqs,
             separate_device,
             startup,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         with startup.phase("kv_cache"):
             num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
@@ -447,6 +448,10 @@ class LLMEngine:
             num_kv_lease_expiries_total=self.num_kv_lease_expiries_total,
             busy_seconds_total=self.busy_seconds_total,
         )
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (nothing else holds resources)."""
+        self.runner.stop()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

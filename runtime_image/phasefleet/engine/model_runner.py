@@ -1,6 +1,10 @@
 """ModelRunner: all device code. Owns the model, the KV pool and the block tables on the device;
 sends a step's plan (`step_plan`) there in one copy, runs the forward pass and samples, with one
-wait on the device per step: the sampled token ids."""
+wait on the device per step: the sampled token ids.
+
+With tensor_parallel_size N > 1 this runner is rank 0 of N (parallel/ranks.py): it starts the
+other ranks, sends them each step (`run_step`), which every rank runs on its part of the model,
+and samples from the gathered logits. It reads and writes every rank's KV blocks itself."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from phasefleet.engine.attention import triton_decode
@@ -29,11 +34,14 @@ from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.models.cpu_linear import choose_cpu_linear
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
+from phasefleet.engine.parallel.group import TPGroup
+from phasefleet.engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, RankSet, RankSpec, free_address
+from phasefleet.engine.parallel.shard import unsupported
 from phasefleet.engine.sampler import DeviceSampling, SamplingBatch, SamplingRow, sample
 from phasefleet.engine.scheduler import SchedulerOutput
 from phasefleet.engine.staging import HostStaging
 from phasefleet.engine.startup import StartupTimes
-from phasefleet.engine.step_plan import StepPlan, plan_step
+from phasefleet.engine.step_plan import RankStep, StepArrays, StepPlan, plan_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30  # KV pool cap on CPU when num_kv_blocks is not given
@@ -93,12 +101,37 @@ class ModelRunner:
         max_num_seqs: int = 64,
         separate_device: bool | None = None,
         startup: StartupTimes | None = None,
+        tensor_parallel_size: int = 1,
+        tp: TPGroup | None = None,
     ) -> None:
         """`separate_device`: keep the block tables and the step's inputs in device memory of
         their own, sent by copies as on a GPU (default: on CUDA only); tests set it on the CPU
-        to run the GPU path's host side. `startup` gets the weights and cpu_linear_plan
-        phases."""
+        to run the GPU path's host side (always set with tensor parallelism). `startup` gets the
+        weights and cpu_linear_plan phases. `tensor_parallel_size` > 1: this runner is rank 0
+        and starts the others; `tp`: this runner is a rank the rank 0 started (ranks.py)."""
         startup = startup or StartupTimes()
+        self.ranks: RankSet | None = None
+        if tp is None and tensor_parallel_size > 1:
+            why = unsupported(hf_config, tensor_parallel_size)
+            if why is not None:
+                raise ValueError(why)
+            if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size {tensor_parallel_size} needs as many GPUs, "
+                    f"this machine has {torch.cuda.device_count()}"
+                )
+            threads = max(1, torch.get_num_threads() // tensor_parallel_size)
+            spec = RankSpec(
+                str(folder), dtype, device.type, block_size, max_model_len, max_num_seqs,
+                free_address(), tensor_parallel_size, threads,
+            )  # fmt: skip
+            self.ranks = RankSet(spec)  # they load while this process does
+            if device.type == "cpu":
+                torch.set_num_threads(threads)
+            tp = TPGroup.join(0, tensor_parallel_size, spec.address, device, COLLECTIVE_TIMEOUT_S)
+        self.tp = tp
+        if tp is not None:
+            separate_device = True
         self.device = device
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
@@ -113,20 +146,21 @@ class ModelRunner:
                 f"{hf_config.model_type} with use_sliding_window=true is not supported"
             )
         with startup.phase("weights"):
-            self.model = load_model(folder, hf_config, self.dtype, device, max_model_len)
+            self.model = load_model(folder, hf_config, self.dtype, device, max_model_len, tp)
         if choose_cpu_linear(device, self.dtype) == "onednn":
             with startup.phase("cpu_linear_plan"):
                 self.model.pack_for_cpu()
         self.max_model_len = max_model_len
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads or hf_config.num_attention_heads
+        self.num_kv_heads = self.model.num_kv_heads  # this rank's
         self.head_dim = head_dim(hf_config)
         window = getattr(hf_config, "sliding_window", None)
         self.sliding_window: int | None = (
             window if hf_config.model_type == "mistral" and window else None
         )
         self.kv_caches: KVCache = []
+        self.rank_caches: list[KVCache] = []  # every rank's pool, by rank (rank 0: all of them)
         self.exporter: KVExporter | None = None  # reads leased blocks for a pull
         self.decode_backend = choose_decode_backend(device, block_size)
         # SDPA's CPU kernel is slow for 16-bit one-token queries: decode groups run as matmuls.
@@ -149,7 +183,18 @@ class ModelRunner:
         """Pool size when the config leaves it open. On a GPU: GPU_MEMORY_FRACTION of the memory
         free after loading (what the allocator caches is given back first), less
         an explicit reserve for a step's activations, logits and graphs; logged. On the CPU:
-        enough for every sequence at full length, capped by CPU_KV_BUDGET_BYTES."""
+        enough for every sequence at full length, capped by CPU_KV_BUDGET_BYTES. With several
+        ranks, the fewest any rank has room for."""
+        if self.ranks is not None:
+            args = (max_num_seqs, max_model_len, max_num_batched_tokens)
+            self.ranks.call("auto_num_blocks", *args)
+            mine = self._auto_num_blocks(*args)
+            return min([mine, *self.ranks.receive()])
+        return self._auto_num_blocks(max_num_seqs, max_model_len, max_num_batched_tokens)
+
+    def _auto_num_blocks(
+        self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int
+    ) -> int:
         if self.device.type != "cuda":
             wanted = max_num_seqs * -(-max_model_len // self.block_size) + 1
             return max(2, min(wanted, CPU_KV_BUDGET_BYTES // self.block_bytes()))
@@ -173,13 +218,18 @@ class ModelRunner:
         activations at their largest batch."""
         c = self.model.config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        qkv = (c.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_token = (4 * c.hidden_size + qkv + 3 * c.intermediate_size) * elem
+        size = self.tp.size if self.tp is not None else 1
+        qkv = (self.model.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_token = (4 * c.hidden_size + qkv + 3 * c.intermediate_size // size) * elem
         logits = 4 * max_num_seqs * self.vocab_size * 4
         graphs = min(max_num_seqs, 256) * per_token
         return 2 * (max_num_batched_tokens * per_token + logits + graphs)
 
     def allocate_kv(self, num_blocks: int) -> None:
+        """This rank's pool (every rank's, from rank 0); rank 0 gets the others' back as shared
+        memory."""
+        if self.ranks is not None:
+            self.ranks.call("allocate_kv", num_blocks)
         # Zeros, not empty: masked-out slots are still multiplied by 0 and must not be NaN.
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
@@ -189,11 +239,31 @@ class ModelRunner:
             )
             for _ in range(self.num_layers)
         ]
-        self.exporter = KVExporter(self.kv_caches)
+        self.rank_caches = [self.kv_caches]
+        if self.ranks is not None:
+            self.rank_caches += self.ranks.receive()
+        self.exporter = KVExporter(self._shard_caches())
+
+    def _shard_caches(self) -> list[KVCache]:
+        """One pool per group of KV heads, in head order (the first rank holding each)."""
+        if self.tp is None:
+            return [self.kv_caches]
+        shards: dict[int, KVCache] = {}
+        for rank, caches in enumerate(self.rank_caches):
+            shards.setdefault(rank * self.kv_head_shards() // self.tp.size, caches)
+        return [shards[s] for s in sorted(shards)]
+
+    def kv_head_shards(self) -> int:
+        return self.tp.shard.kv_shards(self.model.config) if self.tp is not None else 1
 
     def kv_layout(self) -> KVLayout:
+        """The wire layout: every KV head, in one group per shard of this worker's heads."""
         dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype)
+        shards = self.kv_head_shards()
+        return KVLayout(
+            self.num_layers, self.num_kv_heads * shards, self.head_dim, self.block_size, dtype,
+            head_shards=shards,
+        )  # fmt: skip
 
     def read_kv(self, block_ids: list[int], chunk_bytes: int | None = None) -> Iterator[memoryview]:
         """The blocks' KV as raw bytes in kv_transfer's wire order, in bounded chunks gathered on
@@ -205,20 +275,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def write_kv(self, block_ids: list[int], payload: torch.Tensor, first_block: int = 0) -> None:
-        """Loads a pulled payload (uint8, wire order, covering `len(block_ids)` blocks from block
-        `first_block` of the sender's list on) into our blocks."""
-        n = len(block_ids)
-        shape = (self.num_layers, 2, -1, self.block_size, self.num_kv_heads, self.head_dim)
-        blocks = payload.view(self.dtype).view(shape)  # [layers, k/v, sent blocks, bs, H, D]
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, (keys, values) in enumerate(self.kv_caches):
-            for which, cache in enumerate((keys, values)):
-                part = blocks[layer, which, first_block : first_block + n]
-                cache.index_copy_(0, index, part.to(self.device, non_blocking=True))
+        """Loads a pulled payload (uint8, in kv_layout(), covering `len(block_ids)` blocks from
+        block `first_block` of the sender's list on) into our blocks: each group of heads into
+        the ranks that hold it."""
+        n, shards = len(block_ids), self.kv_head_shards()
+        shape = (self.num_layers, 2, shards, -1, self.block_size, self.num_kv_heads, self.head_dim)
+        blocks = payload.view(self.dtype).view(shape)  # [layers, k/v, shard, blocks, bs, H, D]
+        size = len(self.rank_caches)
+        for rank, caches in enumerate(self.rank_caches):
+            device = caches[0][0].device
+            index = torch.tensor(block_ids, dtype=torch.long, device=device)
+            shard = rank * shards // size
+            for layer, (keys, values) in enumerate(caches):
+                for which, cache in enumerate((keys, values)):
+                    part = blocks[layer, which, shard, first_block : first_block + n]
+                    cache.index_copy_(0, index, part.to(device, non_blocking=True))
 
     def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> None:
         """Run decode-only steps of up to max_batch requests through fixed-shape buffers, captured
         as CUDA graphs when `capture` (CUDA only); capture=False runs the same path eagerly."""
+        if self.ranks is not None:
+            self.ranks.call("enable_decode_graphs", max_batch, capture)
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -247,30 +324,54 @@ class ModelRunner:
         sampling = SamplingBatch.from_rows(
             sampled_rows, [s.start + s.num_tokens for s in plan.sampled], self.vocab_size
         )
-        step = self._upload(plan, sampling)
-        if graph and self.graphs is not None:
-            logits = self.graphs.run(
-                step.input_ids, step.positions, step.slots, step.decode_rows, step.decode_ctx
-            )
-        else:
-            meta = self._metadata(plan, step)
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-            self._prompt_logprobs(plan, hidden, rows)
-            if not plan.sampled:
-                return {}
-            logits = self.model.compute_logits(hidden.index_select(0, step.sample_index))
-        tokens = sample(logits, sampled_rows, step.sampling)
+        spans = _prompt_logprob_spans(plan, rows)
+        step = RankStep(
+            plan.arrays(), self.tables.pending_updates(), graph, [(a, b) for a, b, *_ in spans]
+        )
+        if self.ranks is not None:
+            self.ranks.call("run_step", step)
+        logits, span_logits, settings = self.run_step(step, sampling)
+        for (_, _, row, targets), span in zip(spans, span_logits, strict=True):
+            counts = [row.params.prompt_logprobs or 0] * len(targets)
+            row.prompt_logprobs.extend(token_logprobs(span, targets, counts))
+        if logits is None or settings is None:
+            return {}
+        tokens = sample(logits, sampled_rows, settings)
         return {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
 
-    def _upload(self, plan: StepPlan, sampling: SamplingBatch) -> StepTensors:
-        """The plan's arrays, the sampling settings and the block-table updates on the device,
+    @torch.inference_mode()
+    def run_step(
+        self, step: RankStep, sampling: SamplingBatch | None = None
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor], DeviceSampling | None]:
+        """The forward pass of a step, as every rank runs it: (the sampled rows' logits, or None
+        when nothing samples; the logits of each logit span; the sampling settings on the
+        device, rank 0 only). The other ranks run it for the collectives and drop the result."""
+        a = step.arrays
+        t = self._upload(a, step.table_updates, sampling)
+        if step.graph and self.graphs is not None:
+            logits = self.graphs.run(t.input_ids, t.positions, t.slots, t.decode_rows, t.decode_ctx)
+            return logits, [], t.sampling
+        meta = self._metadata(a, t)
+        hidden = self.model(t.input_ids, t.positions, self.kv_caches, meta)
+        spans = [self.model.compute_logits(hidden[s:e]) for s, e in step.logit_spans]
+        if not len(a.sample_index):
+            return None, spans, t.sampling
+        logits = self.model.compute_logits(hidden.index_select(0, t.sample_index))
+        return logits, spans, t.sampling
+
+    def _upload(
+        self,
+        arrays: StepArrays,
+        updates: tuple[np.ndarray, np.ndarray] | None,
+        sampling: SamplingBatch | None,
+    ) -> StepTensors:
+        """The step's arrays, the sampling settings and the block-table updates on the device,
         in one copy; the updates applied to the device tables."""
         inputs = [
-            plan.input_ids, plan.positions, plan.slots, plan.decode_rows, plan.decode_ctx,
-            plan.sample_index,
+            arrays.input_ids, arrays.positions, arrays.slots, arrays.decode_rows,
+            arrays.decode_ctx, arrays.sample_index,
         ]  # fmt: skip
-        settings = sampling.arrays()
-        updates = self.tables.pending_updates()
+        settings = sampling.arrays() if sampling is not None else []
         for array in [*inputs, *settings, *(updates or ())]:
             self.staging.add(array)
         t = self.staging.upload()  # in the order added
@@ -285,10 +386,12 @@ class ModelRunner:
             decode_rows=decode_rows,
             decode_ctx=decode_ctx,
             sample_index=sample_index,
-            sampling=DeviceSampling.take(sampling, t[len(inputs) : k]),
+            sampling=(
+                DeviceSampling.take(sampling, t[len(inputs) : k]) if sampling is not None else None
+            ),
         )
 
-    def _metadata(self, plan: StepPlan, step: StepTensors) -> AttentionMetadata:
+    def _metadata(self, plan: StepArrays, step: StepTensors) -> AttentionMetadata:
         """Attention metadata for the eager path: device ops on the uploaded inputs only."""
         table = self.tables.device_table
         n_dec = plan.num_decodes
@@ -329,27 +432,34 @@ class ModelRunner:
             sliding_window=self.sliding_window,
         )
 
-    def _prompt_logprobs(
-        self, plan: StepPlan, hidden: torch.Tensor, rows: dict[str, SamplingRow]
-    ) -> None:
-        """Appends the logprobs of the prompt tokens each chunk predicts (position p predicts
-        token p + 1) to the row of every request that asks for them; hidden: [T, hidden]. A
-        chunk computed again after a preemption adds nothing."""
-        offset = 0
-        for s in plan.batch:
-            start = offset
-            offset += s.num_tokens
-            req = s.request
-            if req.params.prompt_logprobs is None:
-                continue
-            row = rows[req.request_id]
-            end = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
-            if end <= s.start or s.start != len(row.prompt_logprobs):
-                continue
-            logits = self.model.compute_logits(hidden[start : start + end - s.start])
-            targets = req.token_ids(s.start + 1, end + 1)
-            counts = [row.params.prompt_logprobs or 0] * len(targets)
-            row.prompt_logprobs.extend(token_logprobs(logits, targets, counts))
+    def stop(self) -> None:
+        """Stops the other ranks (tensor parallelism); nothing to do otherwise."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
+
+
+def _prompt_logprob_spans(
+    plan: StepPlan, rows: dict[str, SamplingRow]
+) -> list[tuple[int, int, SamplingRow, list[int]]]:
+    """For each request that asks for prompt logprobs and has prompt tokens this step, the rows
+    [start, end) of the step's hidden states predicting its prompt tokens (position p predicts
+    token p + 1), its SamplingRow, and those tokens. A chunk computed again after a preemption
+    adds nothing."""
+    spans = []
+    offset = 0
+    for s in plan.batch:
+        start = offset
+        offset += s.num_tokens
+        req = s.request
+        if req.params.prompt_logprobs is None:
+            continue
+        row = rows[req.request_id]
+        end = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+        if end <= s.start or s.start != len(row.prompt_logprobs):
+            continue
+        spans.append((start, start + end - s.start, row, req.token_ids(s.start + 1, end + 1)))
+    return spans
 
 
 @dataclass
@@ -362,4 +472,4 @@ class StepTensors:
     decode_rows: torch.Tensor
     decode_ctx: torch.Tensor
     sample_index: torch.Tensor
-    sampling: DeviceSampling
+    sampling: DeviceSampling | None  # rank 0's

@@ -8,7 +8,7 @@ position. Plain Python and numpy: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -36,8 +36,9 @@ class PrefillPlan:
 
 
 @dataclass
-class StepPlan:
-    batch: list[ScheduledRequest]  # flat order: decodes (shortest context first), then prefills
+class StepArrays:
+    """What the forward pass needs, on every tensor-parallel rank (no scheduler objects)."""
+
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
     slots: np.ndarray  # [T] int64: block_id * block_size + offset
@@ -46,11 +47,31 @@ class StepPlan:
     groups: list[DecodeGroupPlan]  # torch decode path only (else empty)
     prefills: list[PrefillPlan]
     sample_index: np.ndarray  # [S] int64: flat index of each sampling request's last token
-    sampled: list[ScheduledRequest]  # the sampling requests, in sample_index's order
 
     @property
     def num_decodes(self) -> int:
         return len(self.decode_rows)
+
+    def arrays(self) -> StepArrays:
+        """The StepArrays part alone (a StepPlan's requests stay with the scheduler)."""
+        return StepArrays(**{f.name: getattr(self, f.name) for f in fields(StepArrays)})
+
+
+@dataclass
+class StepPlan(StepArrays):
+    batch: list[ScheduledRequest]  # flat order: decodes (shortest context first), then prefills
+    sampled: list[ScheduledRequest]  # the sampling requests, in sample_index's order
+
+
+@dataclass
+class RankStep:
+    """One step as each rank of a worker runs it: rank 0 plans it and sends it to the others."""
+
+    arrays: StepArrays
+    table_updates: tuple[np.ndarray, np.ndarray] | None  # BlockTables.pending_updates()
+    graph: bool  # a decode-only step through the decode graphs
+    logit_spans: list[tuple[int, int]]  # [start, end) rows of the hidden states whose logits
+    # are wanted besides the sampled ones (prompt logprobs)
 
 
 def plan_step(

@@ -2,6 +2,9 @@
 
 Parameter names match the Hugging Face checkpoints, so a safetensors state dict loads as is.
 Activations are flat over the batch: [T, hidden] for T tokens of all scheduled requests.
+With a TPGroup the model is one rank's part of a tensor-parallel worker (parallel/shard.py): it
+holds its heads, its slice of the MLP and of the vocabulary, and all-reduces after o_proj,
+down_proj and the embedding.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from phasefleet.engine.attention.metadata import AttentionMetadata
 from phasefleet.engine.attention.torch_paged import paged_attention
 from phasefleet.engine.models.cpu_linear import pack_linears
 from phasefleet.engine.models.rope import apply_rope
+from phasefleet.engine.parallel.group import TPGroup
+from phasefleet.engine.parallel.shard import Shard
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -57,10 +62,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        shard = tp.shard if tp is not None else Shard(0, 1)
+        self.tp = tp
+        self.num_heads = len(shard.heads(config))  # this rank's
+        self.num_kv_heads = len(shard.kv_heads(config))
         self.head_dim = head_dim(config)
         self.scale = self.head_dim**-0.5
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
@@ -69,7 +76,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)  # row-parallel
         self.qkv_proj: nn.Linear | None = None  # set by fuse(), after loading
 
     def fuse(self) -> None:
@@ -93,18 +100,20 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k heads in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, heads * self.head_dim))
+        out = self.o_proj(o.reshape(t, heads * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None) -> None:
         super().__init__()
+        self.tp = tp
         bias = bool(getattr(config, "mlp_bias", False))
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden = config.hidden_size
+        inter = len((tp.shard if tp is not None else Shard(0, 1)).mlp(config))
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)  # row-parallel
         self.gate_up_proj: nn.Linear | None = None  # set by fuse(), after loading
 
     def fuse(self) -> None:
@@ -115,14 +124,15 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             raise RuntimeError("MLP runs fused: call fuse() once the weights are loaded")
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,15 +149,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        rows = tp.shard.vocab_rows(config) if tp is not None else config.vocab_size
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size)  # vocabulary-parallel
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None = None) -> None:
+        """`tp`: this rank's group when the model is split over several ranks (None: whole)."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -155,12 +169,19 @@ class CausalLM(nn.Module):
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.config = config
-        self.model = DecoderModel(config)
+        self.tp = tp
+        shard = tp.shard if tp is not None else Shard(0, 1)
+        self.vocab_size = int(config.vocab_size)
+        self.vocab_start = shard.vocab_start(config) if tp is not None else 0
+        self.num_heads = len(shard.heads(config))  # this rank's query and KV heads
+        self.num_kv_heads = len(shard.kv_heads(config))
+        self.model = DecoderModel(config, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: None until pack_for_cpu(), and compute_logits reads the embedding.
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = self.model.embed_tokens.weight.shape[0]  # vocabulary-parallel, as the embedding
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.linear_backend = "torch"  # or pack_for_cpu()'s summary of the paths
         self.rope_cos: torch.Tensor | None = None  # [max_positions, head_dim], set by the loader
         self.rope_sin: torch.Tensor | None = None  # sin with its first half negated (rope.py)
@@ -176,10 +197,19 @@ class CausalLM(nn.Module):
         if self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("rope tables are not set; load the model with load_model()")
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return cast(torch.Tensor, self.model.embed_tokens(input_ids))
+        weight = self.model.embed_tokens.weight
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= weight.shape[0])  # another rank's row
+        x = F.embedding(local.masked_fill(outside, 0), weight)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(1), 0))
 
     def fuse(self) -> None:
         """Merge q/k/v and gate/up projections (FUSED_PARTS). The loader fuses the model while
@@ -202,7 +232,12 @@ class CausalLM(nn.Module):
         self.linear_backend = pack_linears(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, hidden] -> logits [B, vocab] float32."""
+        """hidden: [B, hidden] -> logits [B, vocab] float32 (every rank runs it: the
+        vocabulary-parallel logits are gathered)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return cast(torch.Tensor, self.lm_head(hidden)).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = cast(torch.Tensor, self.lm_head(hidden))
+        if self.tp is not None:
+            logits = self.tp.gather_last(logits)[:, : self.vocab_size]
+        return logits.float()

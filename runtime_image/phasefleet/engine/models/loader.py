@@ -3,7 +3,8 @@
 Each checkpoint tensor is read once and copied straight into its place: the fused q/k/v and
 gate/up weights are allocated on the device in the model's dtype and filled slice by slice, the
 others are moved (and cast) one at a time. The host never holds more than one tensor of the
-checkpoint, and nothing is concatenated or cast after loading.
+checkpoint, and nothing is concatenated or cast after loading. A tensor-parallel rank reads the
+same files and keeps its own slice of each tensor (parallel/shard.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from phasefleet.engine.models.llama import FUSED_PARTS, CausalLM
+from phasefleet.engine.models.llama import FUSED_PARTS, CausalLM, head_dim
 from phasefleet.engine.models.rope import rope_tables
+from phasefleet.engine.parallel.group import TPGroup
 
 IGNORED = ("rotary_emb.inv_freq",)  # old checkpoints store the rope frequencies
 
@@ -58,20 +60,27 @@ def places(unfused: dict[str, torch.Size]) -> dict[str, Place]:
 
 
 def load_model(
-    folder: str | Path, config: Any, dtype: torch.dtype, device: torch.device, max_positions: int
+    folder: str | Path,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
-    """The fused model with the folder's weights in `dtype` on `device`, rope tables set.
-    Raises ValueError when the weights do not match the config."""
+    """The fused model (this rank's part of it with `tp`) with the folder's weights in `dtype`
+    on `device`, rope tables set. Raises ValueError when the weights do not match the config."""
     folder = Path(folder)
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors files")
     with torch.device("meta"):
-        model = CausalLM(config)
+        whole = {k: v.shape for k, v in CausalLM(config).state_dict().items()}
+        model = CausalLM(config, tp)
         unfused = {k: v.shape for k, v in model.state_dict().items()}
         model.fuse()
     if model.tie_word_embeddings:
         unfused.pop("lm_head.weight", None)
     where = places(unfused)
+    dim = head_dim(config)
     fused_shapes = {k: v.shape for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
@@ -84,11 +93,13 @@ def load_model(
             ):
                 unexpected.append(name)
             continue
-        if tensor.shape != place.shape:
+        if tensor.shape != whole[name]:
             raise ValueError(
                 f"weights in {folder} do not match {config.model_type}: {name} has shape "
-                f"{tuple(tensor.shape)}, the config makes it {tuple(place.shape)}"
+                f"{tuple(tensor.shape)}, the config makes it {tuple(whole[name])}"
             )
+        if tp is not None:
+            tensor = tp.shard.take(name, tensor, config, dim)
         if place.start is None:
             state[place.target] = _to(tensor, device, dtype)
         else:
