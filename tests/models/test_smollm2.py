@@ -128,3 +128,25 @@ def test_aggregated_from_the_gguf_file_equals_transformers(
         for stream in (False, True):
             for question in QUESTIONS:
                 assert ask(client, question, stream) == reference[question], (stream, question)
+
+
+def test_prefill_split_over_three_ranks_hands_off_to_one_and_equals_transformers(
+    reference: dict[str, Answer], tmp_path: Path
+) -> None:
+    """Tensor parallelism on a trained model: the prefill worker splits SmolLM2's 9 heads and 3
+    KV heads over 3 ranks (one process each, gloo on the CPU; on CUDA this would take 3 GPUs),
+    the decode worker runs whole; every prompt's KV goes from the 3 ranks' heads to the one."""
+    args = "--remote-prefill-min-tokens 0 --num-kv-blocks 256 --device cpu --dtype float32"
+    argv = ["--model", "smollm2", "--prefill-tp", "3", "--worker-args", args]
+    with serve(tmp_path, *argv) as url:
+        members = json.loads((tmp_path / "workers.json").read_text())
+        decode = members["decode"][0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+        for question in QUESTIONS:
+            assert ask(client, question, stream=False) == reference[question], question
+        remote = counter(decode, "phasefleet_prefills_total", where="remote")
+        assert remote == len(QUESTIONS)
+        assert counter(decode, "phasefleet_kv_transfer_failures_total") == 0
+    assert "tensor-parallel" not in (tmp_path / "serve.out").read_text()  # no rank failed
+    prefill_log = "".join(p.read_text() for p in tmp_path.glob("prefill-*.log"))
+    assert " rank 1 " in prefill_log and " rank 2 " in prefill_log  # the ranks' own log lines

@@ -73,6 +73,7 @@ class WorkerFlag:
     BOUNDARY_IDLE_MIN_TOKENS = "--boundary-idle-min-tokens"
     BOUNDARY_LOCAL_MAX_TOKENS = "--boundary-local-max-tokens"
     TPOT_TARGET_MS = "--tpot-target-ms"
+    TENSOR_PARALLEL_SIZE = "--tensor-parallel-size"
 
 
 class FetchModelFlag:

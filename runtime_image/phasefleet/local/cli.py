@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--aggregated", action="store_true", help="one pool of workers that do both phases"
     )
     parser.add_argument("--workers", type=int, help=f"workers with --aggregated {start}")
+    for pool in ("prefill", "decode", "worker"):
+        parser.add_argument(
+            f"--{pool}-tp",
+            type=int,
+            metavar="N",
+            help=f"ranks each {pool} worker's model is split over (tensor parallelism; default 1)",
+        )
     parser.add_argument("--host", default="127.0.0.1", help="where the router listens")
     parser.add_argument(
         "--port", type=int, default=8000, help="the router's port (0: a free one, printed)"
@@ -144,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
             run_dir=run_dir,
             worker_args=worker_args,
             tpot_target_ms=args.tpot_ms,
+            tensor_parallel={
+                pool: degree
+                for pool in ("prefill", "decode", "worker")
+                if (degree := getattr(args, f"{pool}_tp")) is not None
+            },
             router_args=[*scaling_flags.hold_args(bounds), *shlex.split(args.router_args)],
             host=args.host,
             drain_timeout=args.drain_timeout,

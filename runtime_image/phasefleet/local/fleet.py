@@ -80,6 +80,7 @@ class FleetConfig:
     run_dir: Path  # logs and the membership file
     worker_args: list[str] = field(default_factory=list)  # passed to every worker
     tpot_target_ms: int | None = None  # passed to decode workers (their phase boundary)
+    tensor_parallel: dict[str, int] = field(default_factory=dict)  # pool -> ranks per worker
     router_args: list[str] = field(default_factory=list)  # passed to the router
     host: str = "127.0.0.1"  # where the router listens
     startup_timeout: float = 300.0  # seconds a worker gets to load its model
@@ -90,6 +91,11 @@ class FleetConfig:
             raise ValueError(
                 f"pools must be prefill and decode, or worker, got {sorted(self.pools)}"
             )
+        for pool, degree in self.tensor_parallel.items():
+            if pool not in self.pools:
+                raise ValueError(f"--{pool}-tp names no pool of this fleet ({sorted(self.pools)})")
+            if degree < 1:
+                raise ValueError(f"--{pool}-tp must be >= 1, got {degree}")
         for pool, count in self.pools.items():
             if count < 1:
                 raise ValueError(f"--{pool} must be >= 1 worker, got {count}")
@@ -138,6 +144,9 @@ class Fleet:
             WorkerFlag.DRAIN_TIMEOUT, str(self.config.drain_timeout),
             *self.config.worker_args,
         ]  # fmt: skip
+        degree = self.config.tensor_parallel.get(pool, 1)
+        if degree > 1:
+            argv += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(degree)]
         if role is EngineRole.DECODE and self.config.tpot_target_ms is not None:
             argv += [WorkerFlag.TPOT_TARGET_MS, str(self.config.tpot_target_ms)]
         log = self.config.run_dir / f"{name}.log"

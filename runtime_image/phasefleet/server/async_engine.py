@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 DEFAULT_STALL_TIMEOUT = 120.0  # seconds one round of engine work may take before it is stalled
 IDLE_WAIT_SECONDS = 0.05  # a step computed nothing: the longest wait before stepping again
+RANK_CHECK_SECONDS = 1.0  # how often an idle tensor-parallel worker looks at its ranks
 LEASE_CHECK_SECONDS = 1.0  # while idle with KV leased, how often expired leases are freed
 
 
@@ -212,6 +213,8 @@ class AsyncEngine:
         round of work has run longer than stall_timeout)."""
         if self.fatal_error is not None:
             return "engine_failed"
+        if self.rank_failure() is not None:
+            return "rank_failed"
         thread = self._thread
         if thread is not None and not thread.is_alive() and not self._stop:
             return "engine_failed"
@@ -219,6 +222,12 @@ class AsyncEngine:
         if self.ready and busy_since is not None and self.clock() - busy_since > self.stall_timeout:
             return "engine_stalled"
         return None
+
+    def rank_failure(self) -> str | None:
+        """Why one of the engine's other tensor-parallel ranks is gone; None while all live."""
+        engine = self._engine
+        ranks = engine.runner.ranks if engine is not None else None
+        return ranks.failure() if ranks is not None else None
 
     # -- the hand-off: narrow calls that are safe from any thread while the engine steps --
 
@@ -351,6 +360,8 @@ class AsyncEngine:
         except BaseException as exc:  # the loop itself broke: no request can be served now
             logger.exception("the engine loop failed")
             self._fail_for_good(exc)
+        finally:
+            engine.close()
 
     def _loop(self, engine: LLMEngine) -> None:
         failures = 0
@@ -359,8 +370,11 @@ class AsyncEngine:
                 if not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
                     self._busy_since = None
                 while not (self._stop or self._shared.commands or engine.has_unfinished_requests()):
+                    ranks = engine.runner.ranks
+                    if ranks is not None:  # idle, a dead rank still fails the worker
+                        ranks.check()
                     if not len(engine.leases):
-                        self._cond.wait()
+                        self._cond.wait(RANK_CHECK_SECONDS if ranks is not None else None)
                     elif not self._cond.wait(LEASE_CHECK_SECONDS) and engine.expire_leases():
                         self._shared.stats = engine.stats()
                 if self._stop:

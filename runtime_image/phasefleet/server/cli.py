@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--device", default="auto", choices=DEVICES)
     model.add_argument(
+        WorkerFlag.TENSOR_PARALLEL_SIZE,
+        type=int,
+        default=1,
+        help="ranks the model is split over, one process and device each (divides the heads)",
+    )
+    model.add_argument(
         WorkerFlag.MAX_MODEL_LEN, type=int, default=None, help="tokens, prompt plus output"
     )
 
@@ -192,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -137,6 +137,8 @@ class WorkerState:
             raise unavailable("the engine failed and the worker is exiting", "engine_failed")
         if problem == "engine_stalled":
             raise unavailable("the engine has stopped making progress", "engine_stalled")
+        if problem == "rank_failed":
+            raise unavailable(f"{self.engine.rank_failure()}; the worker is exiting", "rank_failed")
         if not self.engine.ready:
             raise unavailable("the model is still loading", "not_ready")
 
