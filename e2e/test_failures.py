@@ -90,10 +90,11 @@ CASES = (
         ),
     ),
     Case(
-        "no-gpus",  # 9 GPUs a pod; the fake GPU nodes have 8 each
+        "no-gpus",  # 16 GPUs a pod (16 ranks); the fake GPU nodes have 8 each
         {
             "worker": {
-                "resources": {"limits": {"nvidia.com/gpu": "9"}},
+                "tensorParallelSize": 16,
+                "resources": {"limits": {"nvidia.com/gpu": "16"}},
                 "tolerations": [GPU_TOLERATION],
             }
         },
@@ -101,8 +102,9 @@ CASES = (
         (
             "(pool worker) cannot be scheduled (0/3 nodes are available: 3 Insufficient"
             " nvidia.com/gpu.",
-            "ask for fewer nvidia.com/gpu per pod (spec.worker.resources) or fewer replicas,"
-            " add nodes with free GPUs",
+            "ask for fewer GPUs per pod (spec.worker.tensorParallelSize and the nvidia.com/gpu"
+            " limit in spec.worker.resources: all of a pod's GPUs must be on one node) or fewer"
+            " replicas, add nodes with free GPUs",
         ),
     ),
 )

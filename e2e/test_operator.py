@@ -515,6 +515,7 @@ def test_gpu_pool_rolls_on_a_full_cluster(
     wait(gpu_nodes_free, 90, "earlier tests' pods gone from the GPU nodes")
     decode = {
         "replicas": 2,
+        "tensorParallelSize": 8,
         "resources": {"limits": {"nvidia.com/gpu": 8}},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     }

@@ -15,7 +15,7 @@ from phasefleet.api.names import (
     name_problem,
     validate_service,
 )
-from phasefleet.api.spec import InferenceServiceSpec, Mode, Role, parse_spec
+from phasefleet.api.spec import InferenceServiceSpec, Mode, Role, parse_spec, pool_gpus
 from tests.api.cases import example_services, invalid_cases
 
 
@@ -83,6 +83,7 @@ def test_gpu_budget_counts_minimum_replicas_times_gpus():
             "prefill": {
                 "replicas": 2,
                 "minReplicas": 1,
+                "tensorParallelSize": 2,
                 "resources": {"limits": {"nvidia.com/gpu": "2"}},
             },
             "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}},
@@ -90,6 +91,47 @@ def test_gpu_budget_counts_minimum_replicas_times_gpus():
         }
     )
     assert spec.min_gpus() == 1 * 2 + 3 * 1
+
+
+def _pool(**fields: Any) -> dict[str, Any]:
+    spec = parse_spec({"model": {"image": {"path": "/m"}}, "prefill": fields, "decode": {}})
+    assert spec.prefill is not None
+    return {"degree": spec.prefill.tensor_parallel_size, "gpus": pool_gpus(spec.prefill)}
+
+
+def test_tensor_parallel_size_defaults_to_one_rank_on_the_pool_gpu_or_not():
+    assert _pool() == {"degree": 1, "gpus": 0}
+    assert _pool(resources={"limits": {"nvidia.com/gpu": 1}}) == {"degree": 1, "gpus": 1}
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4, 8, 16, 32, 64])
+def test_a_gpu_pool_asks_one_gpu_per_rank(degree: int):
+    gpus = {"limits": {"nvidia.com/gpu": str(degree)}}
+    assert _pool(tensorParallelSize=degree, resources=gpus) == {"degree": degree, "gpus": degree}
+
+
+def test_a_pool_without_a_gpu_limit_runs_its_ranks_on_cpu():
+    assert _pool(tensorParallelSize=4) == {"degree": 4, "gpus": 0}
+    assert _pool(tensorParallelSize=4, resources={"limits": {"nvidia.com/gpu": 0}}) == {
+        "degree": 4,
+        "gpus": 0,
+    }
+
+
+def test_gpu_budget_counts_each_replica_at_its_degree():
+    spec = parse_spec(
+        {
+            "model": {"image": {"path": "/m"}},
+            "prefill": {
+                "replicas": 2,
+                "tensorParallelSize": 8,
+                "resources": {"limits": {"nvidia.com/gpu": 8}},
+            },
+            "decode": {"replicas": 3, "tensorParallelSize": 2},  # CPU ranks: no GPUs
+            "autoscaling": {"gpuBudget": 16},
+        }
+    )
+    assert spec.min_gpus() == 2 * 8
 
 
 def test_pools_may_scale_to_zero_with_a_hold_bound_and_an_idle_window():

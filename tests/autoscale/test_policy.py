@@ -211,6 +211,18 @@ def test_gpu_budget_goes_to_the_pool_further_from_its_slo() -> None:
     assert decision.pools["prefill"].limited is None
 
 
+def test_gpu_budget_counts_a_tensor_parallel_replica_at_its_degree() -> None:
+    # Prefill replicas take 4 GPUs each (tensorParallelSize 4), decode replicas 1.
+    pools = {"prefill": PoolLimits(1, 10, 4), "decode": PoolLimits(1, 10, 1)}
+    config = disaggregated(pools=pools, gpu_budget=10)
+    sig = signals(0.0, calm_prefill(2, busy=1.0), calm_decode(2), ttft=1.5)
+    decision = decide(config, sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 2  # 2 x 4 + 2 x 1 = 10 GPUs; a 3rd needs 4
+    assert decision.scaling_limited == (
+        "gpuBudget 10 binds (14 GPUs asked): prefill gets 2 of 3 replicas (8 of 12 GPUs)"
+    )
+
+
 @pytest.mark.parametrize(
     "unavailable",
     [

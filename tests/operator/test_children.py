@@ -105,6 +105,7 @@ def test_worker_pod_template():
             "replicas": 1,
             "terminationGracePeriodSeconds": 90,
             "maxNumBatchedTokens": 4096,
+            "tensorParallelSize": 2,
             "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "16Gi"}},
             "nodeSelector": {"phasefleet.dev/accelerator": "nvidia-gpu"},
             "tolerations": [
@@ -224,6 +225,40 @@ def test_spec_hash_changes_with_the_template_inputs_but_not_replicas():
     assert digest(decode={"replicas": 5, "maxReplicas": 9}) == base
     assert digest(decode={"replicas": 2, "maxNumSeqs": 8}) != base
     assert digest(runtime={"image": "other:1"}) != base
+    assert digest(decode={"replicas": 2, "tensorParallelSize": 1}) == base
+    assert digest(decode={"replicas": 2, "tensorParallelSize": 2}) != base
+
+
+def _engine_and_shm(spec: Any, role: Role) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = _pod(worker_deployment(make_owner(), spec, role, replicas=1))
+    (container,) = pod["containers"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    return container, shm["emptyDir"]
+
+
+def test_a_tensor_parallel_gpu_pool_runs_its_degree_on_as_many_gpus_with_shm_for_nccl():
+    from phasefleet.cli import build_parser
+
+    gpus = {"limits": {"nvidia.com/gpu": 4, "memory": "64Gi"}}
+    spec = make_spec(prefill={"tensorParallelSize": 4, "resources": gpus})
+    engine, shm = _engine_and_shm(spec, Role.PREFILL)
+    assert build_parser().parse_args(engine["args"]).tensor_parallel_size == 4
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert shm == {"medium": "Memory", "sizeLimit": "4Gi"}  # 1 GiB a rank
+    decode, decode_shm = _engine_and_shm(spec, Role.DECODE)  # the other pool: one rank
+    assert "--tensor-parallel-size" not in decode["args"]
+    assert decode_shm == {"medium": "Memory"}
+
+
+def test_a_tensor_parallel_cpu_pool_keeps_shm_unbounded_for_its_ranks_kv():
+    from phasefleet.cli import build_parser
+
+    spec = make_spec(mode="aggregated", prefill=None, decode=None, worker={"tensorParallelSize": 2})
+    engine, shm = _engine_and_shm(spec, Role.WORKER)
+    assert build_parser().parse_args(engine["args"]).tensor_parallel_size == 2
+    assert "nvidia.com/gpu" not in engine.get("resources", {}).get("limits", {})
+    assert shm == {"medium": "Memory"}  # ranks 1..N-1 share their KV pools through it
 
 
 def test_pool_replicas_follow_spec_without_autoscaling_and_live_within_bounds_with_it():

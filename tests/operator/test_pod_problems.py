@@ -83,9 +83,10 @@ def test_unschedulable_for_want_of_gpus_quotes_the_scheduler_and_says_what_to_lo
         "PodUnschedulable",
         "Pod team-a/llm-decode-x2 (pool decode) cannot be scheduled (0/3 nodes are available:"
         " 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: 3 No preemption"
-        " victims found for incoming pod.); ask for fewer nvidia.com/gpu per pod"
-        " (spec.decode.resources) or fewer replicas, add nodes with free GPUs, or with"
-        " autoscaling set a spec.autoscaling.gpuBudget the cluster holds",
+        " victims found for incoming pod.); ask for fewer GPUs per pod"
+        " (spec.decode.tensorParallelSize and the nvidia.com/gpu limit in spec.decode.resources:"
+        " all of a pod's GPUs must be on one node) or fewer replicas, add nodes with free GPUs,"
+        " or with autoscaling set a spec.autoscaling.gpuBudget the cluster holds",
     )
 
 

@@ -327,7 +327,8 @@ def _whole(value: int | str) -> bool:
 
 
 def pool_gpus(pool: PoolSpec | None) -> int:
-    """GPUs one replica of the pool asks for."""
+    """GPUs one replica of the pool asks for: its tensorParallelSize in a GPU pool (the rule
+    on PoolSpec holds the two equal), 0 in a CPU pool."""
     if pool is None:
         return 0
     value = pool.resources.limits.get(GPU_RESOURCE, 0)
@@ -336,6 +337,19 @@ def pool_gpus(pool: PoolSpec | None) -> int:
 
 def _can_roll(surge: int | None, unavailable: int | None) -> bool:
     return surge is None or unavailable is None or surge + unavailable >= 1
+
+
+# The tensor-parallel degrees a pool may ask for: a power of two, at most 64 (8 nodes of 8).
+# Whether a degree divides the model's attention heads the CRD cannot know; the worker refuses
+# one that does not at start-up, with a one-line termination message.
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _gpus_match_degree(pool: PoolSpec) -> bool:
+    value = pool.resources.limits.get(GPU_RESOURCE)
+    if value is None or not _whole(value):  # no GPUs, or the whole-number rule's to report
+        return True
+    return int(value) in (0, pool.tensor_parallel_size)
 
 
 def _cel_pool_gpus(pool: str) -> str:
@@ -387,6 +401,16 @@ class PoolSpec(ApiModel):
             " GPU pools, 0 otherwise)."
         ),
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Ranks each worker splits the model over, one process and one GPU each (1, 2, 4,"
+            " ..., 64; it must divide the model's attention heads). A GPU pool's"
+            " nvidia.com/gpu limit must equal it; a pool without one runs its ranks on CPU."
+        ),
+    )
 
     rules = (
         Rule(
@@ -409,6 +433,29 @@ class PoolSpec(ApiModel):
             ),
             message=f"resources.limits['{GPU_RESOURCE}'] must be a whole number of GPUs",
             check=lambda p: _whole(p.resources.limits.get(GPU_RESOURCE, 0)),
+            field_path=".resources.limits",
+        ),
+        Rule(
+            cel="!has(self.tensorParallelSize) || self.tensorParallelSize in ["
+            + ", ".join(str(n) for n in TENSOR_PARALLEL_SIZES)
+            + "]",
+            message="tensorParallelSize must be a power of two from 1 to 64 (1, 2, 4, 8, 16,"
+            " 32 or 64) that divides the model's attention heads",
+            check=lambda p: p.tensor_parallel_size in TENSOR_PARALLEL_SIZES,
+            field_path=".tensorParallelSize",
+        ),
+        Rule(
+            cel=(
+                f"!has(self.resources) || !has(self.resources.limits)"
+                f" || !('{GPU_RESOURCE}' in self.resources.limits)"
+                f" || !string(self.resources.limits['{GPU_RESOURCE}']).matches('^[0-9]+$')"
+                f" || int(string(self.resources.limits['{GPU_RESOURCE}'])) in [0,"
+                " (has(self.tensorParallelSize) ? self.tensorParallelSize : 1)]"
+            ),
+            message=f"resources.limits['{GPU_RESOURCE}'] must equal tensorParallelSize (default"
+            " 1; one GPU per rank): set both to the same number, or leave the GPU limit out for"
+            " a pool that runs its ranks on CPU",
+            check=_gpus_match_degree,
             field_path=".resources.limits",
         ),
         Rule(
@@ -513,7 +560,10 @@ class AutoscalingSpec(ApiModel):
         " (burst memory; 1: no room over that ask).",
     )
     gpu_budget: int | None = Field(
-        default=None, ge=0, description="Most GPUs all pools together may use (GPUs)."
+        default=None,
+        ge=0,
+        description="Most GPUs all pools together may use (GPUs: a replica of a GPU pool"
+        " counts its tensorParallelSize).",
     )
     scale_to_zero_after_seconds: int = Field(
         default=DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS,
@@ -584,7 +634,8 @@ class InferenceServiceSpec(ApiModel):
                 " || self.autoscaling.gpuBudget >= "
                 + " + ".join(_cel_pool_gpus(p) for p in ("prefill", "decode", "worker"))
             ),
-            message="spec.autoscaling.gpuBudget must cover the GPUs of all pools at minReplicas",
+            message="spec.autoscaling.gpuBudget must cover the GPUs of all pools at minReplicas"
+            " (each GPU pool: minReplicas x its nvidia.com/gpu limit, the tensorParallelSize)",
             check=lambda s: (
                 s.autoscaling.gpu_budget is None or s.autoscaling.gpu_budget >= _min_gpus(s)
             ),

@@ -380,7 +380,10 @@ def _within_budget(
     }
     granted = share(budget, asks)
     short = [
-        f"{r} gets {granted[r]} of {desired[r]}" for r in config.pools if granted[r] < desired[r]
+        f"{r} gets {granted[r]} of {desired[r]} replicas"
+        f" ({granted[r] * p.gpus_per_replica} of {desired[r] * p.gpus_per_replica} GPUs)"
+        for r, p in config.pools.items()
+        if granted[r] < desired[r]
     ]
     message = f"gpuBudget {budget} binds ({gpus} GPUs asked): {', '.join(short)}"
     return granted, message

@@ -54,8 +54,10 @@ PULL_ERROR = "ErrImagePull: "  # where an ImagePullBackOff message quotes the fa
 SCHEDULING_FIXES = (
     (
         "Insufficient nvidia.com/gpu",
-        "ask for fewer nvidia.com/gpu per pod ({pool}.resources) or fewer replicas, add nodes"
-        " with free GPUs, or with autoscaling set a spec.autoscaling.gpuBudget the cluster holds",
+        "ask for fewer GPUs per pod ({pool}.tensorParallelSize and the nvidia.com/gpu limit in"
+        " {pool}.resources: all of a pod's GPUs must be on one node) or fewer replicas, add"
+        " nodes with free GPUs, or with autoscaling set a spec.autoscaling.gpuBudget the"
+        " cluster holds",
     ),
     ("untolerated taint", "add the nodes' taint to {pool}.tolerations, or free untainted nodes"),
     ("node affinity/selector", "fix {pool}.nodeSelector or {pool}.affinity to match nodes"),

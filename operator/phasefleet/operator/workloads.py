@@ -18,7 +18,7 @@ from phasefleet.api.contract import (
     RouterFlag,
     WorkerFlag,
 )
-from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role
+from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role, pool_gpus
 from phasefleet.operator.meta import (
     ROUTER,
     SPEC_HASH_ANNOTATION,
@@ -51,6 +51,10 @@ PROBE_TIMEOUT_SECONDS = 5  # an engine busy with a long step still answers /heal
 READINESS_PERIOD_SECONDS = 5
 READINESS_TIMEOUT_SECONDS = 3
 ROUTER_GRACE_SECONDS = 30
+# /dev/shm per rank of a tensor-parallel GPU pod: NCCL's shared-memory transport between the
+# pod's GPUs (its buffers, a few MB per channel and peer) with room to spare. A CPU pod gets no
+# bound: its ranks' KV pools live there (rank 0 reads them), counted in its memory limit.
+SHM_GIB_PER_RANK = 1
 # A container's fatal error, one line (phasefleet.termination writes it), becomes its
 # lastState.terminated.message, which status quotes in Degraded; a container that dies without
 # writing one gets the tail of its log there instead.
@@ -118,6 +122,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args += [WorkerFlag.MAX_MODEL_LEN, str(spec.model.max_model_len)]
     if not spec.runtime.enable_prefix_caching:
         args.append(WorkerFlag.NO_PREFIX_CACHING)
+    if pool.tensor_parallel_size > 1:
+        args += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(pool.tensor_parallel_size)]
     if role is Role.DECODE:  # the phase boundary is the decode worker's decision
         if spec.runtime.adaptive_phase_boundary:
             args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)
@@ -173,13 +179,21 @@ def _env(owner_name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return env
 
 
+def shm_volume(pool: PoolSpec) -> dict[str, Any]:
+    """The memory-backed /dev/shm; a tensor-parallel GPU pod's is bounded, per rank."""
+    empty_dir: dict[str, Any] = {"medium": "Memory"}
+    if pool.tensor_parallel_size > 1 and pool_gpus(pool) > 0:
+        empty_dir["sizeLimit"] = f"{SHM_GIB_PER_RANK * pool.tensor_parallel_size}Gi"
+    return {"name": "shm", "emptyDir": empty_dir}
+
+
 def _volumes(
-    owner_name: str, spec: InferenceServiceSpec
+    owner_name: str, spec: InferenceServiceSpec, pool: PoolSpec
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
-        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        shm_volume(pool),
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "tmp", "mountPath": "/tmp"},
@@ -342,7 +356,7 @@ def worker_deployment(
     """The Deployment of one worker pool; `replicas` comes from `pool_replicas` (None: left
     out, the autoscaler owns it)."""
     pool = spec.pools()[role]
-    volumes, mounts = _volumes(owner.name, spec)
+    volumes, mounts = _volumes(owner.name, spec, pool)
     resources = pool.resources.to_wire()
     container = {
         "name": "engine",
@@ -369,9 +383,10 @@ def worker_deployment(
         pod_spec["tolerations"] = [t.to_wire() for t in pool.tolerations]
     if pool.affinity:
         pod_spec["affinity"] = pool.affinity
-    pool_inputs = pool.model_dump(
-        exclude={"replicas", "min_replicas", "max_replicas", "max_surge", "max_unavailable"}
-    )
+    unrolled = {"replicas", "min_replicas", "max_replicas", "max_surge", "max_unavailable"}
+    if pool.tensor_parallel_size == 1:  # as before the field existed: an upgrade rolls nothing
+        unrolled.add("tensor_parallel_size")
+    pool_inputs = pool.model_dump(exclude=unrolled)
     digest = spec_hash(spec.model.model_dump(), spec.runtime.model_dump(), pool_inputs)
     template = _pod_template(owner, role.value, container, pod_spec, digest, WORKER_PORT)
     return _deployment(
