@@ -124,3 +124,10 @@ def test_other_engine_failures_name_the_model_and_the_cause() -> None:
         "the engine failed while serving model /models/m (RuntimeError: CUDA error);"
         " see the pod's log"
     )
+
+
+def test_a_degree_that_cannot_split_the_model_says_to_change_it() -> None:
+    exc = ValueError("tensor_parallel_size 8 must divide the model's 4 attention heads")
+    message = cli.engine_failure("/models/m", exc, loaded=False)
+    assert message.startswith("model /models/m cannot be split as asked (ValueError: ")
+    assert "set tensorParallelSize (--tensor-parallel-size) to a divisor" in message

@@ -302,6 +302,12 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
         )
     if loaded:
         return f"the engine failed while serving model {model} ({cause}); see the pod's log"
+    if "tensor_parallel_size" in str(exc) or "tensor-parallel rank" in str(exc):
+        return (
+            f"model {model} cannot be split as asked ({cause}): set tensorParallelSize"
+            " (--tensor-parallel-size) to a divisor of the model's attention heads, with one GPU"
+            " per rank on the node"
+        )
     return (
         f"the engine could not load model {model} ({cause}): check that the folder holds a"
         " complete Hugging Face model (config.json, tokenizer, *.safetensors) and spec.model"
