@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from phasefleet.engine.llm_engine import LLMEngine, RequestOutput
 
 
 def _test_device() -> str:
@@ -88,3 +92,13 @@ def make_requests(
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def finish_all(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Steps the engine until no request is left; each finished request's final output."""
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final

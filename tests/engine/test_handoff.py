@@ -18,6 +18,7 @@ from phasefleet.engine.scheduler import Scheduler
 from tests.engine.factories import (
     DEVICE,
     engine_config,
+    finish_all,
     make_requests,
     make_scheduler,
     random_prompts,
@@ -182,19 +183,10 @@ def _engine(folder: Path, **kw: object) -> LLMEngine:
     return LLMEngine(engine_config(folder, num_kv_blocks=64, block_size=4, **kw))
 
 
-def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 def _prefill(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> RequestOutput:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.add_request(rid, prompt, params, prefill_only=True)
-    return _run(engine)[rid]
+    return finish_all(engine)[rid]
 
 
 def _pull(engine: LLMEngine, rid: str, first: int = 0, end: int | None = None) -> list[KVChunk]:
@@ -227,7 +219,7 @@ def test_disaggregated_greedy_equals_transformers(
     decode.add_request(
         "r", prompt, params, first_token_id=first.output_token_ids[0], imported_kv=payload
     )
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert decode.stats().prompt_tokens_total == 0  # nothing recomputed
     assert out.output_token_ids == hf_greedy("llama", prompt, 10)
     assert out.finish_reason == "length"
@@ -241,7 +233,7 @@ def test_decode_without_kv_recomputes_and_matches(
     first = hf_greedy("llama", prompt, 1)[0]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     decode.add_request("r", prompt, params, first_token_id=first)
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert out.output_token_ids == hf_greedy("llama", prompt, 6)
     assert decode.stats().prompt_tokens_total == 11
 
@@ -260,9 +252,9 @@ def test_pulled_prompt_becomes_a_prefix_cache_entry_on_the_decode_side(
         first_token_id=first.output_token_ids[0],
         imported_kv=_pull(prefill, "a"),
     )
-    _run(decode)
+    finish_all(decode)
     decode.add_request("b", prompt, params)
-    out = _run(decode)["b"]
+    out = finish_all(decode)["b"]
     assert out.num_cached_tokens == 12  # three full blocks of 4, pulled, now cached
 
 
@@ -318,7 +310,7 @@ def test_a_partial_import_recomputes_only_the_tail(
         "r", prompt, params, first_token_id=first.output_token_ids[0],
         imported_kv=_pull(prefill, "r", 0, 2),
     )  # fmt: skip
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert out.output_token_ids == hf_greedy("llama", prompt, 8)
     assert decode.stats().prompt_tokens_total == 14 - 8  # the two blocks of 4 were not computed
 
@@ -329,7 +321,7 @@ def test_an_import_past_the_decode_sides_prefix_hits_loads_only_its_blocks(
     (prompt,) = random_prompts([14], seed=13)
     prefill, decode = _engine(tiny_model("llama")), _engine(tiny_model("llama"))
     decode.add_request("warm", prompt[:9], SamplingParams(max_tokens=1, temperature=0))
-    _run(decode)  # blocks 0 and 1 (tokens 0-7) are now cached here
+    finish_all(decode)  # blocks 0 and 1 (tokens 0-7) are now cached here
     computed = decode.stats().prompt_tokens_total
     first = _prefill(prefill, "r", prompt, max_tokens=6)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -337,7 +329,7 @@ def test_an_import_past_the_decode_sides_prefix_hits_loads_only_its_blocks(
         "r", prompt, params, first_token_id=first.output_token_ids[0],
         imported_kv=_pull(prefill, "r", 2),  # blocks 2 and 3 only: skip_blocks = 2
     )  # fmt: skip
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert out.output_token_ids == hf_greedy("llama", prompt, 6)
     assert decode.stats().prompt_tokens_total == computed  # nothing of this prompt computed
     # Without those hits the import has a gap before it: dropped, the prompt recomputed.
@@ -346,7 +338,7 @@ def test_an_import_past_the_decode_sides_prefix_hits_loads_only_its_blocks(
         "r", prompt, params, first_token_id=first.output_token_ids[0],
         imported_kv=_pull(prefill, "r", 2),
     )  # fmt: skip
-    assert _run(cold)["r"].output_token_ids == out.output_token_ids
+    assert finish_all(cold)["r"].output_token_ids == out.output_token_ids
     assert cold.stats().prompt_tokens_total == 14
 
 
@@ -404,7 +396,7 @@ def test_kv_from_a_prefill_engine_of_another_block_size_is_converted_and_matches
     decode.add_request(
         "r", prompt, params, first_token_id=first.output_token_ids[0], imported_kv=chunks
     )
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert decode.stats().prompt_tokens_total == 0
     assert out.output_token_ids == hf_greedy("llama", prompt, 8)
 
@@ -436,7 +428,7 @@ def test_kv_streamed_in_after_admission_is_written_as_it_comes_and_matches(
         decode.import_kv("r", chunk)
         assert decode.step() == []
     decode.end_import("r")
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert decode.stats().prompt_tokens_total == 0
     assert out.output_token_ids == hf_greedy("llama", prompt, 8)
 
@@ -454,7 +446,7 @@ def test_an_import_that_ends_early_recomputes_only_the_rest(
     )
     decode.import_kv("r", _pull(prefill, "r", 0, 2)[0])  # before admission: kept
     decode.end_import("r")  # the stream broke after 8 tokens
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert decode.stats().prompt_tokens_total == 13 - 8
     assert out.output_token_ids == hf_greedy("llama", prompt, 6)
     decode.import_kv("r", _pull(prefill, "r", 2, 3)[0])  # a late chunk: ignored
@@ -478,6 +470,6 @@ def test_a_first_token_given_at_the_end_of_the_import_is_checked_then_decoded_fr
         decode.end_import("r", vocab + 5)
     assert decode.step() == []  # still importing
     decode.end_import("r", first)
-    out = _run(decode)["r"]
+    out = finish_all(decode)["r"]
     assert out.output_token_ids == hf_greedy("llama", prompt, 7)
     assert decode.stats().prompt_tokens_total == 0

@@ -15,11 +15,11 @@ import torch
 from phasefleet.engine.kv_convert import convert_chunks
 from phasefleet.engine.kv_transfer import KVChunk
 from phasefleet.engine.llm_engine import LLMEngine
-from phasefleet.engine.outputs import RequestOutput, TokenLogprob
+from phasefleet.engine.outputs import TokenLogprob
 from phasefleet.engine.parallel.shard import Shard, unsupported
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.tiny import make_tiny
-from tests.engine.factories import engine_config, random_prompts
+from tests.engine.factories import engine_config, finish_all, random_prompts
 
 HFGreedy = Callable[[str, list[int], int], list[int]]
 ModelPath = Callable[[str], Path]
@@ -120,15 +120,6 @@ def _prompt_logprobs(
     return found
 
 
-def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 @pytest.mark.parametrize(("sender", "receiver"), [(2, 1), (1, 2), (2, 4), (4, 1)])
 def test_handoff_between_degrees_matches_transformers(
     sender: int,
@@ -147,7 +138,7 @@ def test_handoff_between_degrees_matches_transformers(
     rid = f"handoff-{sender}-{receiver}"
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prefill.add_request(rid, prompt, params, prefill_only=True)
-    first = _run(prefill)[rid]
+    first = finish_all(prefill)[rid]
     lease = prefill.pin_kv(rid)
     assert lease is not None
     try:
@@ -161,7 +152,7 @@ def test_handoff_between_degrees_matches_transformers(
     decode.add_request(
         rid, prompt, params, first_token_id=first.output_token_ids[0], imported_kv=chunks
     )
-    out = _run(decode)[rid]
+    out = finish_all(decode)[rid]
     assert decode.stats().prompt_tokens_total == before  # nothing recomputed
     assert out.output_token_ids == hf_greedy("llama", prompt, 10)
 
