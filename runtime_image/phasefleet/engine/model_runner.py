@@ -36,7 +36,7 @@ from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, RankSet, RankSpec, free_address
-from phasefleet.engine.parallel.shard import unsupported
+from phasefleet.engine.parallel.shard import Shard, unsupported
 from phasefleet.engine.sampler import DeviceSampling, SamplingBatch, SamplingRow, sample
 from phasefleet.engine.scheduler import SchedulerOutput
 from phasefleet.engine.staging import HostStaging
@@ -250,8 +250,12 @@ class ModelRunner:
             return [self.kv_caches]
         shards: dict[int, KVCache] = {}
         for rank, caches in enumerate(self.rank_caches):
-            shards.setdefault(rank * self.kv_head_shards() // self.tp.size, caches)
+            shards.setdefault(self._kv_shard_of(rank), caches)
         return [shards[s] for s in sorted(shards)]
+
+    def _kv_shard_of(self, rank: int) -> int:
+        """Which group of KV heads `rank` holds."""
+        return Shard(rank, len(self.rank_caches)).kv_shard(self.model.config)
 
     def kv_head_shards(self) -> int:
         return self.tp.shard.kv_shards(self.model.config) if self.tp is not None else 1
@@ -281,11 +285,10 @@ class ModelRunner:
         n, shards = len(block_ids), self.kv_head_shards()
         shape = (self.num_layers, 2, shards, -1, self.block_size, self.num_kv_heads, self.head_dim)
         blocks = payload.view(self.dtype).view(shape)  # [layers, k/v, shard, blocks, bs, H, D]
-        size = len(self.rank_caches)
         for rank, caches in enumerate(self.rank_caches):
             device = caches[0][0].device
             index = torch.tensor(block_ids, dtype=torch.long, device=device)
-            shard = rank * shards // size
+            shard = self._kv_shard_of(rank)
             for layer, (keys, values) in enumerate(caches):
                 for which, cache in enumerate((keys, values)):
                     part = blocks[layer, which, shard, first_block : first_block + n]

@@ -21,10 +21,6 @@ class TPGroup:
         self.store: Any = None  # kept alive with the group: rank 0's serves the others
 
     @property
-    def rank(self) -> int:
-        return self.shard.rank
-
-    @property
     def size(self) -> int:
         return self.shard.size
 
