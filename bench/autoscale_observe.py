@@ -70,6 +70,10 @@ def decode_pool(fleet: Fleet, now: float, window_s: float, busy_before: float) -
         busy_fraction=busy / (window_s * len(serving)) if serving else None,
         running=float(sum(len(r.batch) for r in serving)),
         waiting=float(len(fleet.decode_queue)),
+        # the peak gauges, each replica's own, summed; the fleet's hand-off queue stands for
+        # the engines' waiting queues
+        requests_peak=sum(r.requests_peak.peak(now) for r in serving) + fleet.queue_peak.peak(now),
+        kv_usage_peak_sum=sum(r.kv_peak.peak(now) for r in serving) / c.kv_capacity_tokens,
         pods={
             str(id(r)): PodLoad(len(r.batch), r.kv_tokens() / c.kv_capacity_tokens) for r in serving
         },

@@ -546,45 +546,66 @@ def test_a_backlog_allowance_under_10_ms_is_said_in_milliseconds() -> None:
     assert loose is not None and loose.sentence == "prompt backlog 0.2 s > 0.05 s"
 
 
-def test_a_pool_keeps_headroom_over_its_peak_ask_through_the_down_window() -> None:
-    """Burst memory: the highest ask of the last down window times peakHeadroom holds the
-    pool, both when it grows and after the burst, until the window has passed."""
-    config = disaggregated(peak_headroom=1.5, max_step=10)
-    state, sizes = PolicyState(), {"prefill": 2, "decode": 2}
-    hot = PoolSignals(reporting=2, busy_fraction=1.0, prefill_backlog_tokens=0.0)
-    burst = signals(0.0, hot, calm_decode(2), ttft=2.0)
-    decision = decide(config, burst, sizes, state, 0.0)
-    asked = int(decision.pools["prefill"].reason.split("->")[1].split(":")[0])
-    assert asked == decision.pools["prefill"].desired
-    plain = decide(replace(config, peak_headroom=1.0), burst, sizes, PolicyState(), 0.0)
-    peak = plain.pools["prefill"].desired
-    assert peak > 2 and asked == math.floor(peak * 1.5 + 0.5)
-    assert f"peak ask {peak} over 300 s x 1.5" in decision.pools["prefill"].reason
-    state, sizes = decision.state, {"prefill": asked, "decode": 2}
-    now = 0.0
-    while now < WINDOW - INTERVAL:  # calm, within the window: the headroom holds
+def test_an_on_off_pool_keeps_headroom_over_its_peak_ask_through_the_down_window() -> None:
+    """Burst memory: once a pool's asks fall to a tenth of their peak (on/off load), the peak
+    ask times peakHeadroom holds it, until the down window has passed."""
+    config = disaggregated(peak_headroom=1.5, max_step=20, pools={
+        "prefill": PoolLimits(1, 40, 1), "decode": PoolLimits(1, 10, 1),
+    })  # fmt: skip
+    sizes = {"prefill": 10, "decode": 2}
+    hot = PoolSignals(reporting=10, busy_fraction=1.0, prefill_backlog_tokens=0.0)
+    burst = decide(config, signals(0.0, hot, calm_decode(2), ttft=2.0), sizes, PolicyState(), 0.0)
+    peak = burst.pools["prefill"].desired
+    assert peak >= 10 and "x 1.5" not in burst.pools["prefill"].reason  # one ask: not on/off
+    state, sizes = burst.state, {"prefill": peak, "decode": 2}
+    silent = signals(INTERVAL, calm_prefill(peak, busy=0.0), calm_decode(2))
+    decision = decide(config, silent, sizes, state, INTERVAL)
+    held = math.floor(peak * 1.5 + 0.5)
+    assert decision.pools["prefill"].desired == held
+    assert f"peak ask {peak} over 300 s x 1.5 (on/off load)" in decision.pools["prefill"].reason
+    state, sizes = decision.state, {"prefill": held, "decode": 2}
+    now = INTERVAL
+    while now < WINDOW - INTERVAL:  # silent, within the window: the headroom holds
         now += INTERVAL
-        quiet = signals(now, calm_prefill(asked, busy=0.1), calm_decode(2))
+        quiet = signals(now, calm_prefill(held, busy=0.0), calm_decode(2))
         decision = decide(config, quiet, sizes, state, now)
         state = decision.state
-        assert decision.pools["prefill"].desired == asked, now
+        assert decision.pools["prefill"].desired == held, now
     for _ in range(3 * int(WINDOW / INTERVAL)):  # then it lets go, as before
         now += INTERVAL
-        quiet = signals(now, calm_prefill(sizes["prefill"], busy=0.1), calm_decode(2))
+        quiet = signals(now, calm_prefill(sizes["prefill"], busy=0.0), calm_decode(2))
         decision = decide(config, quiet, sizes, state, now)
         state, sizes = decision.state, {p: d.desired for p, d in decision.pools.items()}
-    assert sizes["prefill"] < asked
+    assert sizes["prefill"] < peak
+
+
+def test_a_steady_pool_keeps_its_peak_ask_without_headroom() -> None:
+    """Asks that never fall to a tenth of their peak are steady load: the memory holds the
+    peak ask itself, whatever peakHeadroom says (room there costs GPU-hours and bought no
+    attainment in the replay)."""
+    config = disaggregated(peak_headroom=1.5, max_step=20, pools={
+        "prefill": PoolLimits(1, 40, 1), "decode": PoolLimits(1, 10, 1),
+    })  # fmt: skip
+    state, sizes = PolicyState(), {"prefill": 8, "decode": 2}
+    for k, busy in enumerate((0.75, 0.5, 0.5, 0.6, 0.5)):  # asks 8, 6, 6, 7, 6
+        now = k * INTERVAL
+        reading = signals(now, calm_prefill(sizes["prefill"], busy=busy), calm_decode(2))
+        decision = decide(config, reading, sizes, state, now)
+        state, sizes = decision.state, {p: d.desired for p, d in decision.pools.items()}
+    assert sizes["prefill"] == 8  # the peak ask, not 12
+    assert "x 1 (steady load)" in decision.pools["prefill"].reason
 
 
 def test_headroom_rounds_to_the_nearest_replica_and_one_means_none() -> None:
     from phasefleet.autoscale.policy import _peak_floor
 
-    peaks = ((0.0, 4), (10.0, 7), (20.0, 5))
-    assert _peak_floor(disaggregated(peak_headroom=1.0), peaks) == 7
-    assert _peak_floor(disaggregated(peak_headroom=1.2), peaks) == 8  # 8.4
-    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 3),)) == 4  # 3.6
-    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 2),)) == 2  # 2.4: no room
-    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 10),)) == 15
+    on_off = ((0.0, 0), (10.0, 7), (20.0, 5))
+    assert _peak_floor(disaggregated(peak_headroom=1.0), on_off) == 7
+    assert _peak_floor(disaggregated(peak_headroom=1.2), on_off) == 8  # 8.4
+    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 0), (5.0, 3))) == 4  # 3.6
+    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 0), (5.0, 2))) == 2  # 2.4
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 1), (5.0, 10))) == 15
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 2), (5.0, 10))) == 10  # steady
     assert _peak_floor(disaggregated(peak_headroom=1.5), ()) == 0
 
 
@@ -600,3 +621,26 @@ def test_a_hold_is_not_a_peak_so_headroom_never_feeds_on_itself() -> None:
         state = decision.state
         assert {p: d.desired for p, d in decision.pools.items()} == sizes, k
         assert "no load signal" in decision.pools["prefill"].reason
+
+
+def test_decode_peaks_ask_for_the_burst_a_snapshot_missed() -> None:
+    """The peak gauges: a decode pool whose caches and batch slots filled between two samples
+    is sized for that peak at its own targets (0.85 of the KV cache, 0.9 of the slots), not
+    for the calm snapshot."""
+    from phasefleet.autoscale.demand import Targets, kv_term, slots_term
+
+    targets = Targets(None, None, 0.9, 0.7)
+    calm = PoolSignals(reporting=4, kv_usage_sum=1.2, running=8.0, waiting=0.0)
+    kv, slots = kv_term(calm, targets), slots_term(calm, 16)
+    assert kv is not None and kv.replicas == 2 and slots is not None and slots.replicas == 1
+    burst = replace(calm, kv_usage_peak_sum=3.4, requests_peak=60.0)
+    kv, slots = kv_term(burst, targets), slots_term(burst, 16)
+    assert kv is not None and kv.replicas == 4  # ceil(3.4 / 0.85)
+    assert kv.sentence == "KV usage peak 0.85 <= target 0.85"
+    assert slots is not None and slots.replicas == 5  # ceil(60 / (16 x 0.9))
+    assert slots.sentence == "batch slots peak 0.94 > target 0.90"
+    below = replace(calm, kv_usage_peak_sum=1.3, requests_peak=9.0)  # the snapshot asks more
+    kv = kv_term(below, targets)
+    assert kv is not None and kv.replicas == 2 and kv.sentence.startswith("KV usage 0.30")
+    loose = kv_term(burst, Targets(None, None, 0.9, 0.9))  # kvCacheTarget above 0.85 rules
+    assert loose is not None and loose.replicas == 4 and "target 0.90" in loose.sentence

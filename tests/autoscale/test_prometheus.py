@@ -104,6 +104,8 @@ def test_answers_become_per_pool_signals(prom: FakePrometheus) -> None:
         q["busy"]: [sample(0.8, role="prefill"), sample(0.35, role="decode")],
         q["running"]: [sample(2, role="prefill"), sample(9, role="decode")],
         q["waiting"]: [sample(4, role="prefill"), sample(0, role="decode")],
+        q["requests_peak"]: [sample(14, role="decode")],
+        q["kv_usage_peak_sum"]: [sample(1.7, role="decode")],
         q["pod_running"]: [
             sample(2, role="prefill", pod="llm-prefill-a"),
             sample(5, role="decode", pod="llm-decode-a"),
@@ -136,6 +138,8 @@ def test_answers_become_per_pool_signals(prom: FakePrometheus) -> None:
     )
     assert dec.pods["llm-decode-b"].running == 4 and dec.pods["llm-decode-b"].kv_usage == 0.6
     assert set(pre.pods) == {"llm-prefill-a"}
+    assert (dec.requests_peak, dec.kv_usage_peak_sum) == (14, 1.7)
+    assert pre.requests_peak is None  # a worker image without the peak gauges
 
 
 def test_no_worker_series_is_no_samples(prom: FakePrometheus) -> None:

@@ -79,7 +79,10 @@ def test_bucket_increase_after_a_restart_is_the_new_histogram() -> None:
 
 def test_first_read_has_gauges_and_no_rates(fleet: Fleet) -> None:
     router, prefill, decode, (r, p, d) = fleet
-    decode.stats = replace(decode.stats, num_running=4, num_waiting=1, kv_cache_usage=0.6)
+    decode.stats = replace(
+        decode.stats, num_running=4, num_waiting=1, kv_cache_usage=0.6,
+        num_requests_peak=9, kv_cache_usage_peak=0.8,
+    )  # fmt: skip
     prefill.stats = replace(
         prefill.stats, prefill_tokens_pending=300, prefill_tokens_waiting=200, num_running=2
     )
@@ -91,6 +94,7 @@ def test_first_read_has_gauges_and_no_rates(fleet: Fleet) -> None:
     assert (dec.reporting, dec.running, dec.waiting, dec.kv_usage_sum) == (1, 4, 1, 0.6)
     assert pre.prefill_backlog_tokens == 500 and pre.running == 2  # admitted and queued
     assert dec.pods["d0"].running == 4 and dec.pods["d0"].kv_usage == 0.6
+    assert (dec.requests_peak, dec.kv_usage_peak_sum) == (9, 0.8)  # the worker's peak gauges
     assert dec.prompt_tokens_per_s is None and dec.busy_fraction is None
     assert signals.ttft_s is None and signals.request_rate is None  # one scrape: no window yet
 

@@ -48,7 +48,11 @@ def test_mixed_batch_through_chunked_prefill_matches_transformers(
     eng = engine(tiny_model(name), block_size=4, max_num_batched_tokens=24, num_kv_blocks=128)
     prompts = random_prompts([3, 17, 40, 64, 9, 1], seed=2)
     check(eng, name, prompts, hf_greedy)
-    assert eng.stats().generation_tokens_total == 6 * GREEDY.max_tokens
+    stats = eng.stats()
+    assert stats.generation_tokens_total == 6 * GREEDY.max_tokens
+    # the peak gauges remember the burst that is over: all six were running or waiting
+    assert (stats.num_running, stats.num_requests_peak) == (0, 6)
+    assert stats.kv_cache_usage == 0 and 0 < stats.kv_cache_usage_peak <= 1
 
 
 @pytest.mark.parametrize("backend", ["onednn", "torch"])

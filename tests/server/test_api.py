@@ -378,6 +378,9 @@ def test_metrics_after_traffic(worker: Worker, client: openai.OpenAI) -> None:
     for gauge in (*gauges, "prefill_tokens_waiting"):
         assert value(f"phasefleet_{gauge}") == 0
     assert value("phasefleet_kv_cache_usage_perc") == 0
+    # the requests are over, and within the peak gauges' last 30 s
+    assert value("phasefleet_num_requests_peak") >= 1
+    assert 0 < value("phasefleet_kv_cache_usage_peak_perc") <= 1
     assert value("phasefleet_prompt_tokens_total") >= len(PROMPT.split())
     assert value("phasefleet_generation_tokens_total") >= 5
     assert value("phasefleet_num_preemptions_total") == 0

@@ -108,6 +108,9 @@ class RouterFlag:
         return f"--{pool}-service"
 
 
+PEAK_WINDOW_S = 30  # the span of a worker's peak gauges (Metric.*_PEAK*), in whole seconds
+
+
 class Metric:
     """Prometheus names of the worker, the router and the autoscaler (docs/architecture.md)."""
 
@@ -115,6 +118,9 @@ class Metric:
     NUM_REQUESTS_RUNNING = "phasefleet_num_requests_running"
     NUM_REQUESTS_WAITING = "phasefleet_num_requests_waiting"
     KV_CACHE_USAGE_PERC = "phasefleet_kv_cache_usage_perc"
+    # the highest running + waiting, and KV usage, of any step over the last PEAK_WINDOW_S
+    NUM_REQUESTS_PEAK = "phasefleet_num_requests_peak"
+    KV_CACHE_USAGE_PEAK_PERC = "phasefleet_kv_cache_usage_peak_perc"
     PREFILL_TOKENS_PENDING = "phasefleet_prefill_tokens_pending"
     PREFILL_TOKENS_WAITING = "phasefleet_prefill_tokens_waiting"
     TIME_TO_FIRST_TOKEN = "phasefleet_time_to_first_token_seconds"

@@ -553,11 +553,12 @@ class AutoscalingSpec(ApiModel):
     )
     max_step: int = Field(default=2, ge=1, le=100, description="Most replicas added per decision.")
     peak_headroom: float = Field(
-        default=1.2,
+        default=1.5,
         ge=1.0,
         le=3.0,
-        description="Each pool keeps at least its highest ask over the down window times this"
-        " (burst memory; 1: no room over that ask).",
+        description="A pool under on/off load (its asks over the down window fell to a tenth"
+        " of their peak) keeps at least its highest ask times this (burst memory; 1: no room"
+        " over that ask). A pool under steady load keeps its highest ask as it is.",
     )
     gpu_budget: int | None = Field(
         default=None,

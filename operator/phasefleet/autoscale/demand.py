@@ -18,6 +18,10 @@ BUSY_TARGET = 0.75  # share of wall time a prefill engine may spend in steps
 BACKLOG_SHARE_OF_TTFT = 0.5  # prompt backlog allowed, in seconds, as a share of the TTFT target
 DEFAULT_BACKLOG_S = 1.0  # backlog allowed when no TTFT target is set (seconds)
 SLOTS_TARGET = 0.8  # share of a decode engine's batch slots (max_num_seqs) to keep in use
+# The same at a pod's peak over the last 30 s (the peak gauges): the snapshot's target leaves
+# room for what happens between samples; the peak has seen it, so it may come closer to full.
+KV_PEAK_TARGET = 0.85  # or kvCacheTarget, when that is higher
+SLOTS_PEAK_TARGET = 0.9
 QUEUE_MIN_PER_REPLICA = 4.0  # fewer waiting requests per replica is a moment's noise
 LATENCY_STEP = 1.25  # a latency over target asks for at most this many times the pool
 HOT = 0.8  # latency above this share of its target: never scale down
@@ -106,29 +110,54 @@ def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term |
 
 
 def kv_term(pool: PoolSignals, targets: Targets) -> Term | None:
+    """KV usage now against kvCacheTarget, or at its peak over the last 30 s against
+    KV_PEAK_TARGET, whichever asks for more: a burst of requests that filled the caches between
+    two samples still counts."""
     if pool.kv_usage_sum is None or pool.reporting == 0:
         return None
     mean = pool.kv_usage_sum / pool.reporting
     target = targets.kv_cache_target
-    return Term(
+    now = Term(
         _size(1, pool.kv_usage_sum / target),
         mean / target,
         f"KV usage {mean:.2f} {_cmp(mean, target)} target {target:.2f}",
     )
+    if pool.kv_usage_peak_sum is None:
+        return now
+    peak_target = max(KV_PEAK_TARGET, target)
+    peak = pool.kv_usage_peak_sum / pool.reporting
+    at_peak = Term(
+        _size(1, pool.kv_usage_peak_sum / peak_target),
+        peak / peak_target,
+        f"KV usage peak {peak:.2f} {_cmp(peak, peak_target)} target {peak_target:.2f}",
+    )
+    return max(now, at_peak, key=lambda t: (t.replicas, t.pressure))
 
 
 def slots_term(pool: PoolSignals, slots: int | None) -> Term | None:
     """Requests running and waiting, in replicas' worth of batch slots (max_num_seqs): with
-    many short sequences the slots fill long before the KV cache does."""
+    many short sequences the slots fill long before the KV cache does. Now against
+    SLOTS_TARGET, or at their peak over the last 30 s against SLOTS_PEAK_TARGET: answers of a
+    few tokens come and go between two samples."""
     if not slots or pool.running is None or pool.reporting == 0:
         return None
     demand = pool.running + (pool.waiting or 0.0)
     mean = pool.running / (pool.reporting * slots)
-    return Term(
+    now = Term(
         _size(1, demand / (slots * SLOTS_TARGET)),
         mean / SLOTS_TARGET,
         f"batch slots {mean:.2f} {_cmp(mean, SLOTS_TARGET)} target {SLOTS_TARGET:.2f}",
     )
+    if pool.requests_peak is None:
+        return now
+    peak = pool.requests_peak / (pool.reporting * slots)
+    at_peak = Term(
+        _size(1, pool.requests_peak / (slots * SLOTS_PEAK_TARGET)),
+        peak / SLOTS_PEAK_TARGET,
+        f"batch slots peak {peak:.2f} {_cmp(peak, SLOTS_PEAK_TARGET)} target"
+        f" {SLOTS_PEAK_TARGET:.2f}",
+    )
+    return max(now, at_peak, key=lambda t: (t.replicas, t.pressure))
 
 
 def queue_term(pool: PoolSignals, targets: Targets, slots: int | None) -> Term | None:

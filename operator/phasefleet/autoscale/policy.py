@@ -25,6 +25,11 @@ from phasefleet.autoscale.zero import to_and_from_zero
 # After the down window an ask still holds the pool, at a share that falls linearly from 1 to
 # this over a second window as long: a peak lets go gradually, not all at once.
 TAIL_FLOOR = 0.5
+# Burst memory keeps peakHeadroom only for a pool whose load-signal asks over the down window
+# fell to this share of their peak or below: on/off load, silent between bursts whose next
+# one may be larger. A pool under steady load keeps its peak ask as it is (room there costs
+# GPU-hours and, in the replay, bought no attainment: bench/RESULTS.md, "Peak gauges").
+ON_OFF_SHARE = 0.1
 EPSILON = 1e-6
 NO_LOAD_SIGNAL = "no load signal"
 
@@ -50,7 +55,7 @@ class ScalingConfig:
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
     max_step: int = 2
-    peak_headroom: float = 1.2  # burst memory: the pool keeps this much over its peak ask
+    peak_headroom: float = 1.5  # burst memory: an on/off pool keeps this much over its peak ask
     gpu_budget: int | None = None
     startup_s: float = 60.0  # a new replica's time to load before it serves
     # idle seconds before a minReplicas-0 pool goes to 0
@@ -233,7 +238,7 @@ def decide(
             signals,
             limits.get(role),
             max(n for t, n in history[role] if now - t <= config.scale_down_stabilization_s),
-            max((n for _, n in peaks[role]), default=0),
+            peaks[role],
             _peak_floor(config, peaks[role]),
         )
         for role in config.pools
@@ -354,12 +359,23 @@ def _remember_peak(
     return (*kept, (now, ask))
 
 
+def _on_off(peaks: tuple[tuple[float, int], ...]) -> bool:
+    """Whether the asks fell to ON_OFF_SHARE of their peak or below over the window."""
+    top = max((n for _, n in peaks), default=0)
+    return min((n for _, n in peaks), default=0) <= top * ON_OFF_SHARE
+
+
+def _headroom(config: ScalingConfig, peaks: tuple[tuple[float, int], ...]) -> float:
+    """peakHeadroom for on/off load, 1 for steady load."""
+    return config.peak_headroom if _on_off(peaks) else 1.0
+
+
 def _peak_floor(config: ScalingConfig, peaks: tuple[tuple[float, int], ...]) -> int:
-    """The highest remembered ask times peakHeadroom, to the nearest replica (a pool asked
-    for 1 or 2 is not doubled by 1.2); 0 without one."""
+    """The highest remembered ask times its headroom (`_headroom`), to the nearest replica
+    (a pool asked for 1 or 2 is not doubled by 1.2); 0 without one."""
     if not peaks:
         return 0
-    return math.floor(max(n for _, n in peaks) * config.peak_headroom + 0.5)
+    return math.floor(max(n for _, n in peaks) * _headroom(config, peaks) + 0.5)
 
 
 def _within_budget(
@@ -398,16 +414,19 @@ def _explain(
     signals: Signals,
     limited: str | None,
     window_max: int,  # the highest ask over the down window
-    peak: int,  # the highest load signal's ask over it (burst memory)
+    peaks: tuple[tuple[float, int], ...],  # the load signals' asks over it (burst memory)
     floor: int,  # what the burst memory holds: _peak_floor
 ) -> PoolDecision:
     ask, sentence, _ = wanted
     context = demand.context(role, signals, config.targets, sentence)
     if ask < desired <= floor:  # the burst memory decided (at 1: the peak ask itself)
         window = config.scale_down_stabilization_s
+        peak, headroom = max(n for _, n in peaks), _headroom(config, peaks)
+        load = "on/off load" if _on_off(peaks) else "steady load"
         sentence += (
-            f"; held at {floor}: peak ask {peak} over {window:.0f} s x {config.peak_headroom:g}"
+            f"; held at {floor}: peak ask {peak} over {window:.0f} s x {headroom:g} ({load})"
         )
+
     if desired > size:
         reason = f"{role} {size}->{desired}: {sentence}{context}"
     elif desired < size:

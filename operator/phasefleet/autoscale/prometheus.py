@@ -106,6 +106,9 @@ class PrometheusSource:
             "busy": f"avg by (role) (rate({M.ENGINE_BUSY_SECONDS_TOTAL}{{{workers}}}{w}))",
             "running": f"sum by (role) ({M.NUM_REQUESTS_RUNNING}{{{workers}}})",
             "waiting": f"sum by (role) ({M.NUM_REQUESTS_WAITING}{{{workers}}})",
+            # each pod's own highest of its last 30 s, summed over the pool
+            "requests_peak": f"sum by (role) ({M.NUM_REQUESTS_PEAK}{{{workers}}})",
+            "kv_usage_peak_sum": f"sum by (role) ({M.KV_CACHE_USAGE_PEAK_PERC}{{{workers}}})",
             "pod_running": f"{M.NUM_REQUESTS_RUNNING}{{{workers}}}",
             "pod_kv": f"{M.KV_CACHE_USAGE_PERC}{{{workers}}}",
             "sampled_at": f"max(timestamp({M.NUM_REQUESTS_RUNNING}{{{workers}}}))",
@@ -142,6 +145,8 @@ class PrometheusSource:
                 busy_fraction=by_role["busy"].get(role),
                 running=by_role["running"].get(role),
                 waiting=by_role["waiting"].get(role),
+                requests_peak=by_role["requests_peak"].get(role),
+                kv_usage_peak_sum=by_role["kv_usage_peak_sum"].get(role),
                 pods={p: PodLoad(running=n, kv_usage=kv.get(p, 0.0)) for p, n in running.items()},
             )
         sampled_at = _scalar(results["sampled_at"])

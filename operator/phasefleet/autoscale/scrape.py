@@ -184,6 +184,9 @@ class ScrapeSource:
         def total(metric: str) -> float:
             return sum(s.get((metric, ""), 0.0) for s in up.values())
 
+        def exported(metric: str) -> float | None:  # None where no worker exports it
+            return total(metric) if any((metric, "") in s for s in up.values()) else None
+
         busy = [increase(new, old, M.ENGINE_BUSY_SECONDS_TOTAL) / dt for dt, new, old in pairs]
         return PoolSignals(
             reporting=len(up),
@@ -196,6 +199,8 @@ class ScrapeSource:
             busy_fraction=min(1.0, sum(busy) / len(busy)) if busy else None,
             running=total(M.NUM_REQUESTS_RUNNING) if up else None,
             waiting=total(M.NUM_REQUESTS_WAITING) if up else None,
+            requests_peak=exported(M.NUM_REQUESTS_PEAK),
+            kv_usage_peak_sum=exported(M.KV_CACHE_USAGE_PEAK_PERC),
             pods={
                 name: PodLoad(
                     running=s.get((M.NUM_REQUESTS_RUNNING, ""), 0.0),

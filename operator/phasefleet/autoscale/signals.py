@@ -49,6 +49,10 @@ class PoolSignals:
     busy_fraction: float | None = None  # mean share of wall time the engines spent in steps
     running: float | None = None  # sum of phasefleet_num_requests_running
     waiting: float | None = None  # sum of phasefleet_num_requests_waiting
+    # Each pod's highest over its last PEAK_WINDOW_S seconds, summed: a burst between two
+    # samples still counts. None: the workers do not export them.
+    requests_peak: float | None = None  # sum of phasefleet_num_requests_peak
+    kv_usage_peak_sum: float | None = None  # sum of phasefleet_kv_cache_usage_peak_perc
     pods: Mapping[str, PodLoad] = field(default_factory=dict)  # by pod name (or worker URL)
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from phasefleet.api.boundary import LocalLoad, PhaseBoundary
+from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.trace import Trace
 
@@ -67,6 +68,9 @@ class Replica:
     local: deque[list[float]] = field(default_factory=deque)
     local_tokens: float = 0.0  # their tokens still to prefill
     local_kv: float = 0.0  # their whole prompts, reserved in the KV cache
+    # decode: the worker's peak gauges, KV tokens (not yet a share) and requests held
+    kv_peak: WindowPeak = field(default_factory=WindowPeak)
+    requests_peak: WindowPeak = field(default_factory=WindowPeak)
 
     def serving(self, now: float) -> bool:
         return self.stopped is None and not self.draining and self.ready_at <= now
@@ -126,6 +130,9 @@ class Fleet:
         self.preemptions = 0
         self.samples: list[Sample] = []
         self.scale_events = {p: 0 for p in POOLS}
+        # requests handed off and not yet in a batch: the decode pool's waiting, as a gauge's
+        # peak (the engines' waiting queues in a real fleet)
+        self.queue_peak = WindowPeak()
 
     def asked(self, pool: str) -> list[Replica]:
         return [r for r in self.pools[pool] if r.stopped is None and not r.draining]
@@ -242,6 +249,10 @@ class Fleet:
             heapq.heappush(r.batch, (begin + float(self.trace.output[i] - 1), i))
             r.prompt_sum += self.trace.prompt[i]
             r.start_sum += begin
+        for r in ready:  # after admissions, as the engine observes after scheduling
+            r.kv_peak.observe(r.kv_tokens() + r.local_kv, t)
+            r.requests_peak.observe(len(r.batch) + len(r.local), t)
+        self.queue_peak.observe(len(self.decode_queue), t)
         for pool in POOLS:
             for r in self.pools[pool]:
                 if r.stopped is None and r.ready_at <= t:

@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
 
+from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer
@@ -104,6 +105,8 @@ class LLMEngine:
         self.leases = LeaseTable(config.kv_lease_seconds)
         self.num_kv_lease_expiries_total = 0
         self.busy_seconds_total = 0.0  # wall time in steps that had work
+        self.requests_peak = WindowPeak()  # running + waiting, after each step's admissions
+        self.kv_usage_peak = WindowPeak()
         self.last_step_idle = False  # the last step computed nothing (importers wait for KV)
         self.imports = KVImports(self.runner, self.kv, self.kv_layout)
         self._rows: dict[str, SamplingRow] = {}
@@ -316,12 +319,18 @@ class LLMEngine:
         self.expire_leases()
         out = self.scheduler.schedule()
         self.last_step_idle = not out.scheduled
+        self._observe_peaks(time.monotonic())
         if out.is_empty:
             return outputs
         try:
             return self._run_step(out, outputs)
         finally:
             self.busy_seconds_total += time.perf_counter() - started
+
+    def _observe_peaks(self, now: float) -> None:
+        s = self.scheduler
+        self.requests_peak.observe(len(s.running) + len(s.waiting), now)
+        self.kv_usage_peak.observe(self.kv.pool.usage(), now)
 
     def _run_step(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for request_id in out.preempted:
@@ -431,10 +440,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.kv.pool
+        now = time.monotonic()
+        self._observe_peaks(now)  # requests added since the last step count too
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             kv_cache_usage=pool.usage(),
+            num_requests_peak=self.requests_peak.peak(now),
+            kv_cache_usage_peak=self.kv_usage_peak.peak(now),
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_usable_blocks,
             prefill_tokens_pending=s.prefill_tokens_pending,

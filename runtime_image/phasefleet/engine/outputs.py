@@ -76,3 +76,7 @@ class EngineStats:
     """Wall seconds spent in steps that had work (its rate is the busy fraction, 0..1)."""
     prefill_tokens_waiting: int = 0
     """Prompt tokens of the queued requests, not yet admitted (prefix-cache hits not known yet)."""
+    num_requests_peak: float = 0.0
+    """The highest running + waiting of the last PEAK_WINDOW_S seconds (engine/peaks.py)."""
+    kv_cache_usage_peak: float = 0.0
+    """The highest KV usage of the last PEAK_WINDOW_S seconds, 0..1."""

@@ -21,6 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from phasefleet.api.contract import PEAK_WINDOW_S
 from phasefleet.api.contract import Metric as M
 
 if TYPE_CHECKING:
@@ -47,6 +48,14 @@ GAUGES = {
     M.NUM_REQUESTS_RUNNING: ("Requests in the running batch.", "num_running"),
     M.NUM_REQUESTS_WAITING: ("Requests queued, not yet scheduled.", "num_waiting"),
     M.KV_CACHE_USAGE_PERC: ("Used KV blocks / all KV blocks, 0..1.", "kv_cache_usage"),
+    M.NUM_REQUESTS_PEAK: (
+        f"Highest running + waiting requests of any step in the last {PEAK_WINDOW_S} s.",
+        "num_requests_peak",
+    ),
+    M.KV_CACHE_USAGE_PEAK_PERC: (
+        f"Highest KV usage of any step in the last {PEAK_WINDOW_S} s, 0..1.",
+        "kv_cache_usage_peak",
+    ),
     M.KV_LEASES: ("Prompts whose KV is leased, awaiting a decode worker's pull.", "num_kv_leases"),
     M.PREFILL_TOKENS_PENDING: (
         "Prompt tokens admitted but not yet prefilled.",
