@@ -602,7 +602,8 @@ def test_headroom_rounds_to_the_nearest_replica_and_one_means_none() -> None:
     on_off = ((0.0, 0), (10.0, 7), (20.0, 5))
     assert _peak_floor(disaggregated(peak_headroom=1.0), on_off) == 7
     assert _peak_floor(disaggregated(peak_headroom=1.2), on_off) == 8  # 8.4
-    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 0), (5.0, 3))) == 4  # 3.6
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 0), (5.0, 1))) == 1  # not 2
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 0), (5.0, 3))) == 5  # 4.5
     assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 0), (5.0, 2))) == 2  # 2.4
     assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 1), (5.0, 10))) == 15
     assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 2), (5.0, 10))) == 10  # steady

@@ -371,11 +371,13 @@ def _headroom(config: ScalingConfig, peaks: tuple[tuple[float, int], ...]) -> fl
 
 
 def _peak_floor(config: ScalingConfig, peaks: tuple[tuple[float, int], ...]) -> int:
-    """The highest remembered ask times its headroom (`_headroom`), to the nearest replica
-    (a pool asked for 1 or 2 is not doubled by 1.2); 0 without one."""
-    if not peaks:
-        return 0
-    return math.floor(max(n for _, n in peaks) * _headroom(config, peaks) + 0.5)
+    """The highest remembered ask times its headroom (`_headroom`), to the nearest replica,
+    except that a peak of 1 keeps 1 (one request after an idle window starts no second
+    replica); 0 without one."""
+    peak = max((n for _, n in peaks), default=0)
+    if peak <= 1:
+        return peak
+    return math.floor(peak * _headroom(config, peaks) + 0.5)
 
 
 def _within_budget(
