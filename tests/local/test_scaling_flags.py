@@ -40,7 +40,7 @@ def test_flags_reach_the_policy_config() -> None:
         "--autoscale", "--prefill", "2", "--min", "prefill=2", "--max", "prefill=6",
         "--max", "decode=3", "--ttft-ms", "400", "--tpot-ms", "40", "--percentile", "0.95",
         "--kv-cache-target", "0.8", "--interval", "2.5", "--scale-down-window", "60",
-        "--max-step", "3",
+        "--max-step", "3", "--peak-headroom", "1.2",
     )  # fmt: skip
     sizes, bounds = pool_sizes(args, DISAGGREGATED)
     assert sizes == {"prefill": 2, "decode": 1}
@@ -50,6 +50,8 @@ def test_flags_reach_the_policy_config() -> None:
         0.4, 0.04, 0.95, 0.8,
     )  # fmt: skip
     assert (config.interval_s, config.scale_down_stabilization_s, config.max_step) == (2.5, 60, 3)
+    assert config.peak_headroom == 1.2
+    assert scaling_config(parse("--autoscale"), bounds, startup_s=8.0).peak_headroom == 1.5
 
 
 def test_pools_with_min_zero_start_with_one_worker_and_the_router_holds() -> None:
@@ -91,6 +93,8 @@ def test_aggregated_fleet_has_one_pool_named_worker() -> None:
         (["--autoscale", "--ttft-ms", "0"], "--ttft-ms must be >= 1, got 0"),
         (["--autoscale", "--interval", "0"], "--interval must be > 0 seconds"),
         (["--autoscale", "--max-step", "0"], "--max-step must be >= 1"),
+        (["--autoscale", "--peak-headroom", "0.9"], "--peak-headroom must be between 1 and 3"),
+        (["--peak-headroom", "1.2"], "--peak-headroom need --autoscale"),
         (["--autoscale", "--scale-down-window", "-1"], "--scale-down-window must be >= 0"),
     ],
 )

@@ -20,7 +20,7 @@ DEFAULT_MAX = 4  # workers per pool
 SIZE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "worker": "--workers"}
 SCALING_FLAGS = (
     "min", "max", "ttft_ms", "tpot_ms", "percentile", "kv_cache_target", "interval",
-    "scale_down_window", "max_step", "scale_to_zero_after",
+    "scale_down_window", "max_step", "peak_headroom", "scale_to_zero_after",
 )  # fmt: skip
 
 
@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of lower recommendations before a pool shrinks (default 300)",
     )
     group.add_argument("--max-step", type=int, help="most workers added per decision (default 2)")
+    group.add_argument(
+        "--peak-headroom",
+        type=float,
+        help="a pool under on/off load keeps its peak ask over the scale-down window x this"
+        " (burst memory; default 1.5, 1: no room)",
+    )
     group.add_argument(
         "--scale-to-zero-after",
         type=float,
@@ -135,6 +141,7 @@ def _check_knobs(args: argparse.Namespace) -> None:
     _check("--kv-cache-target", args.kv_cache_target, 0.05, 1.0)
     _check("--scale-down-window", args.scale_down_window, 0)
     _check("--max-step", args.max_step, 1)
+    _check("--peak-headroom", args.peak_headroom, 1.0, 3.0)
     if args.interval is not None and args.interval <= 0:
         raise ValueError(f"--interval must be > 0 seconds, got {args.interval:g}")
     interval = args.interval if args.interval is not None else DEFAULT_INTERVAL_SECONDS
@@ -167,6 +174,7 @@ def scaling_config(
             args.scale_down_window, defaults.scale_down_stabilization_s
         ),
         max_step=args.max_step if args.max_step is not None else defaults.max_step,
+        peak_headroom=_given(args.peak_headroom, defaults.peak_headroom),
         scale_to_zero_after_s=_given(args.scale_to_zero_after, defaults.scale_to_zero_after_s),
         startup_s=startup_s,
     )
