@@ -37,9 +37,11 @@ from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, Signals
 from phasefleet.operator.kube import Api
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, Owner, child_name, is_owned_by
 
-# Rates and latency quantiles cover this many intervals (at least MIN_WINDOW_S): long enough for
-# a few scrapes, short enough that a burst shows within one or two decisions.
-WINDOW_INTERVALS = 4
+# Rates and latency quantiles cover this many intervals (at least MIN_WINDOW_S): 30 s at the
+# default 15 s, the window the trace replay measured (with 60 s, a burst is averaged over twice
+# its length: bench/RESULTS.md, "The signals' window"); the chart's PodMonitor scrapes every
+# 5 s, so the window holds six scrapes.
+WINDOW_INTERVALS = 2
 MIN_WINDOW_S = 10.0
 DEFAULT_STARTUP_S = 60.0  # a new replica's start-up until one of the service's pods was Ready
 

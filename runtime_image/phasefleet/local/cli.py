@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("phasefleet.serve")
 
-WINDOW_INTERVALS = 4  # --autoscale: rates and latency quantiles cover this many intervals
+WINDOW_INTERVALS = 2  # --autoscale: rates and quantiles cover this many intervals (as the operator)
 CHECK_INTERVAL_S = 0.5  # seconds between looks for crashed processes
 
 
