@@ -159,8 +159,15 @@ def panels() -> list[dict[str, Any]]:
         row("Capacity"),
         panel(
             "KV cache usage per pod",
-            "Used KV blocks over all KV blocks on each worker.",
-            [target(f"max by (pod) ({M.KV_CACHE_USAGE_PERC}{{{WORKERS}}})", "{{pod}}")],
+            "Used KV blocks over all KV blocks on each worker, now and at its highest of the"
+            " last 30 s (the peak the autoscaler sizes decode for).",
+            [
+                target(f"max by (pod) ({M.KV_CACHE_USAGE_PERC}{{{WORKERS}}})", "{{pod}}"),
+                target(
+                    f"max by (pod) ({M.KV_CACHE_USAGE_PEAK_PERC}{{{WORKERS}}})",
+                    "{{pod}} peak 30 s",
+                ),
+            ],
             "percentunit",
             max=1,
         ),
