@@ -203,8 +203,8 @@ def check_panels(
     assert all(0 <= q[0] <= 1 for q in sli[:2]) and sli[2] == [0.99]
     reporting = values["Replicas per pool"][2]
     assert sorted(reporting) == [1.0, 1.0]  # the worker and the router
-    (usage,) = values["KV cache usage per pod"]
-    assert len(usage) == 1 and 0 <= usage[0] <= 1
+    usage, peak = values["KV cache usage per pod"]  # now, and the pod's 30 s peak
+    assert len(usage) == len(peak) == 1 and 0 <= usage[0] <= peak[0] <= 1 and peak[0] > 0
     return empty
 
 
