@@ -33,9 +33,10 @@ class WindowPeak:
         self._expire(second)
 
     def peak(self, now: float) -> float:
-        """The highest value of the last window_s seconds; 0 when none was observed."""
-        self._expire(int(now))
-        return max((v for _, v in self._seconds), default=0.0)
+        """The highest value of the last window_s seconds; 0 when none was observed. A read
+        only, safe from another thread than the one observing (the worker's metrics)."""
+        oldest = int(now) - self.window_s
+        return max((v for s, v in list(self._seconds) if s > oldest), default=0.0)
 
     def _expire(self, second: int) -> None:
         while self._seconds and self._seconds[0][0] <= second - self.window_s:

@@ -332,6 +332,11 @@ class LLMEngine:
         self.requests_peak.observe(len(s.running) + len(s.waiting), now)
         self.kv_usage_peak.observe(self.kv.pool.usage(), now)
 
+    def peaks(self, now: float) -> tuple[float, float]:
+        """(running + waiting, KV usage) at their highest of the PEAK_WINDOW_S seconds before
+        `now` (time.monotonic), as observed after each step's admissions."""
+        return self.requests_peak.peak(now), self.kv_usage_peak.peak(now)
+
     def _run_step(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for request_id in out.preempted:
             self.runner.release(request_id)  # readmitted later with a new block table
@@ -440,14 +445,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, pool = self.scheduler, self.kv.pool
-        now = time.monotonic()
-        self._observe_peaks(now)  # requests added since the last step count too
+        requests_peak, kv_usage_peak = self.peaks(time.monotonic())
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             kv_cache_usage=pool.usage(),
-            num_requests_peak=self.requests_peak.peak(now),
-            kv_cache_usage_peak=self.kv_usage_peak.peak(now),
+            num_requests_peak=requests_peak,
+            kv_cache_usage_peak=kv_usage_peak,
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_usable_blocks,
             prefill_tokens_pending=s.prefill_tokens_pending,

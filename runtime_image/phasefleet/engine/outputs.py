@@ -77,6 +77,6 @@ class EngineStats:
     prefill_tokens_waiting: int = 0
     """Prompt tokens of the queued requests, not yet admitted (prefix-cache hits not known yet)."""
     num_requests_peak: float = 0.0
-    """The highest running + waiting of the last PEAK_WINDOW_S seconds (engine/peaks.py)."""
+    """The highest running + waiting of the last PEAK_WINDOW_S seconds (autoscale/peaks.py)."""
     kv_cache_usage_peak: float = 0.0
     """The highest KV usage of the last PEAK_WINDOW_S seconds, 0..1."""

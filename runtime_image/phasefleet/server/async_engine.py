@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -203,9 +203,15 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def stats(self) -> EngineStats | None:
-        """The stats as of the engine thread's last step or command batch."""
-        return self._shared.stats
+    def stats(self, now: float | None = None) -> EngineStats | None:
+        """The stats as of the engine thread's last step or command batch, with the peaks as of
+        `now` (time.monotonic by default): an idle engine takes no step, and its peaks must
+        still fall once its last burst is older than PEAK_WINDOW_S."""
+        stats, engine = self._shared.stats, self._engine
+        if stats is None or engine is None:
+            return stats
+        requests, kv_usage = engine.peaks(time.monotonic() if now is None else now)
+        return replace(stats, num_requests_peak=requests, kv_cache_usage_peak=kv_usage)
 
     def liveness(self) -> str | None:
         """None while the engine thread lives and makes progress (loading included), else why
