@@ -45,6 +45,11 @@ class Targets:
     kv_cache_target: float
 
 
+def largest(terms: list[Term]) -> Term:
+    """The term that asks for the most replicas (the higher pressure on a tie)."""
+    return max(terms, key=lambda t: (t.replicas, t.pressure))
+
+
 def _size(reporting: int, ratio: float) -> int:
     return max(0, math.ceil(reporting * ratio - EPSILON))
 
@@ -131,7 +136,7 @@ def kv_term(pool: PoolSignals, targets: Targets) -> Term | None:
         peak / peak_target,
         f"KV usage peak {peak:.2f} {_cmp(peak, peak_target)} target {peak_target:.2f}",
     )
-    return max(now, at_peak, key=lambda t: (t.replicas, t.pressure))
+    return largest([now, at_peak])
 
 
 def slots_term(pool: PoolSignals, slots: int | None) -> Term | None:
@@ -157,7 +162,7 @@ def slots_term(pool: PoolSignals, slots: int | None) -> Term | None:
         f"batch slots peak {peak:.2f} {_cmp(peak, SLOTS_PEAK_TARGET)} target"
         f" {SLOTS_PEAK_TARGET:.2f}",
     )
-    return max(now, at_peak, key=lambda t: (t.replicas, t.pressure))
+    return largest([now, at_peak])
 
 
 def queue_term(pool: PoolSignals, targets: Targets, slots: int | None) -> Term | None:

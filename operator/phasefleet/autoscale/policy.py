@@ -294,7 +294,7 @@ def _recommend(
     found = demand.terms(role, pool, signals, config.targets, config.pools[role].max_num_seqs)
     if not found:
         return size, NO_LOAD_SIGNAL, 0.0
-    top = max(found, key=lambda t: (t.replicas, t.pressure))
+    top = demand.largest(found)
     pressure = max(t.pressure for t in found)
     return top.replicas, top.sentence, pressure
 
