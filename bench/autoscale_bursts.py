@@ -21,18 +21,18 @@ from typing import Any
 
 import numpy as np
 from autoscale_curves import h100_8b
-from autoscale_policies import held, oracle, ours
+from autoscale_policies import ours
 from autoscale_replay import (
     INTERVAL_S,
-    ORACLE_INTERVAL_S,
     SCALE_DOWN_S,
     SLOS,
     WINDOW_S,
     Score,
+    Slo,
     code_completion,
     find_oracle,
     initial,
-    lead,
+    oracles,
     policy_config,
     rate_factor,
     run,
@@ -54,6 +54,15 @@ GAP_S = 10.0  # arrivals further apart than this start a new burst
 class Case:
     label: str  # a trace name, or a variant of azure2023_conv
     trace: Trace
+
+    @property
+    def slo(self) -> Slo:
+        """The trace's SLO; a variant's is azure2023_conv's."""
+        return SLOS.get(self.label, SLOS["azure2023_conv"])
+
+    @property
+    def variant(self) -> bool:
+        return self.label.split("_seed")[0] in VARIANTS
 
 
 def cases(
@@ -91,11 +100,10 @@ def held_oracle(
         if not fleet_needed:
             return None, sc, sizes
     else:
-        sizes, _ = find_oracle(case.trace, curves, SLOS.get(case.label, SLOS["azure2023_conv"]))
-    bound = oracle(held(sizes, window, ORACLE_INTERVAL_S), ORACLE_INTERVAL_S, lead(curves))
-    start = initial(oracle(sizes, ORACLE_INTERVAL_S, lead(curves)))
-    fleet = run(case.trace, curves, bound, start)
-    sc = score(fleet, SLOS.get(case.label, SLOS["azure2023_conv"]), 0.0)
+        sizes, _ = find_oracle(case.trace, curves, case.slo)
+    best, bound = oracles(sizes, curves, window)
+    fleet = run(case.trace, curves, bound, initial(best))
+    sc = score(fleet, case.slo, 0.0)
     cache.mkdir(parents=True, exist_ok=True)
     with key.open("wb") as f:
         pickle.dump((sizes, sc), f)
@@ -103,10 +111,9 @@ def held_oracle(
 
 
 def replay_ours(case: Case, curves: Curves, sizes: Any, settings: dict[str, Any]) -> Fleet:
-    slo = SLOS.get(case.label, SLOS["azure2023_conv"])
-    config = replace(policy_config(curves, slo), **settings)
-    start = initial(oracle(sizes, ORACLE_INTERVAL_S, lead(curves)))
-    return run(case.trace, curves, ours(config, WINDOW_S), start)
+    config = replace(policy_config(curves, case.slo), **settings)
+    best, _ = oracles(sizes, curves, SCALE_DOWN_S[0])
+    return run(case.trace, curves, ours(config, WINDOW_S), initial(best))
 
 
 def pool_hours(fleet: Fleet) -> str:
@@ -127,7 +134,7 @@ def burst_rows(case: Case, fleet: Fleet, ref: Fleet | None, curves: Curves) -> l
     replicas it needs to prefill its arrivals as they come, what ours and the held oracle had
     serving at its onset, and the requests each missed."""
     tr = case.trace
-    slo = SLOS.get(case.label, SLOS["azure2023_conv"])
+    slo = case.slo
     gaps = np.flatnonzero(np.diff(tr.arrival) > GAP_S) + 1
     starts, ends = np.r_[0, gaps], np.r_[gaps, len(tr.arrival)]
     work = np.array([curves.prefill_s(p) for p in tr.prompt])
@@ -202,11 +209,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     details = []
     for case in cases(args.traces, args.variants, curves, args.peak, args.seed):
-        wanted = args.bursts and case.label.split("_seed")[0] in VARIANTS
+        wanted = args.bursts and case.variant
         ref, ref_score, sizes = held_oracle(case, curves, args.cache, wanted)
         started = time.perf_counter()
         fleet = replay_ours(case, curves, sizes, settings)
-        sc = score(fleet, SLOS.get(case.label, SLOS["azure2023_conv"]), 0.0)
+        sc = score(fleet, case.slo, 0.0)
         ratio = sc.gpu_hours / ref_score.gpu_hours
         met = sc.attainment >= ref_score.attainment - ATTAINMENT_GAP and ratio <= HOURS_RATIO
         print(
@@ -217,7 +224,7 @@ def main() -> None:
         )
         if ref is not None:
             print(f"  held oracle per pool: {pool_hours(ref)}")
-        if args.bursts and case.label.split("_seed")[0] in VARIANTS:
+        if wanted:
             details.append((case.label, burst_rows(case, fleet, ref, curves)))
     for label, rows in details:
         print(f"\n## {label}: bursts")

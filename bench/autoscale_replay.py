@@ -181,6 +181,14 @@ def policy_config(curves: Curves, slo: Slo) -> ScalingConfig:
     )
 
 
+def oracles(
+    sizes: Mapping[str, np.ndarray], curves: Curves, window_s: float
+) -> tuple[Controller, Controller]:
+    """The oracle, and the oracle held through the scale-down window `window_s`."""
+    best = oracle(sizes, ORACLE_INTERVAL_S, lead(curves))
+    return best, oracle(held(sizes, window_s, ORACLE_INTERVAL_S), ORACLE_INTERVAL_S, lead(curves))
+
+
 def compare(
     trace: Trace, curves: Curves, slo: Slo, log: list[str]
 ) -> dict[str, tuple[Fleet, Score]]:
@@ -188,10 +196,9 @@ def compare(
     peak = {p: int(sizes[p].max()) for p in POOLS}
     mean = {p: max(1, round(float(sizes[p].mean()))) for p in POOLS}
     print(f"  oracle {note}; static peak {peak}, static mean {mean}", flush=True)
-    best = oracle(sizes, ORACLE_INTERVAL_S, lead(curves))
     config = policy_config(curves, slo)
     window_s = config.scale_down_stabilization_s
-    bound = oracle(held(sizes, window_s, ORACLE_INTERVAL_S), ORACLE_INTERVAL_S, lead(curves))
+    best, bound = oracles(sizes, curves, window_s)
     start = initial(best)
     controllers: dict[str, tuple[Controller, Mapping[str, int]]] = {
         "static peak": (static(peak), peak),
