@@ -236,3 +236,26 @@ def test_scaled_to_zero_the_router_says_how_many_requests_it_holds() -> None:
         signals = source.read(now=1.0)
     assert signals.held == {"worker": 3.0} and signals.pools == {}
     assert signals.busy
+
+
+class WorkerWithoutPeaks:
+    """A worker image from before the peak gauges: the same text without their series."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self.worker = worker
+
+    def render(self) -> bytes:
+        lines = self.worker.render().decode().splitlines(keepends=True)
+        return "".join(line for line in lines if "_peak" not in line).encode()
+
+
+def test_workers_without_peak_gauges_give_no_peaks_not_zero() -> None:
+    """None, so the decode terms size on the snapshot alone; 0 would read as a calm peak."""
+    decode = FakeWorker("decode")
+    decode.stats = replace(decode.stats, num_running=4, kv_cache_usage=0.6)
+    assert b"phasefleet_num_requests_peak" in decode.render()
+    with serving(WorkerWithoutPeaks(decode)) as (server,):
+        signals = ScrapeSource(fixed([], {"decode": {"d0": server}})).read(now=0.0)
+    pool = signals.pools["decode"]
+    assert (pool.reporting, pool.running, pool.kv_usage_sum) == (1, 4, 0.6)
+    assert (pool.requests_peak, pool.kv_usage_peak_sum) == (None, None)
