@@ -106,6 +106,15 @@ def test_prometheus_and_scrape_sources_agree_and_prometheus_failures_are_named(
         assert close(d.generation_tokens_per_s, p.generation_tokens_per_s, rel=0.4)
         assert close(d.busy_fraction, p.busy_fraction, rel=0.5)
         assert d.busy_fraction is not None and 0 < d.busy_fraction <= 1
+        # the peak gauges: read as they are over a window within their own 30 s, with their
+        # highest over the rest of a longer window (max_over_time) beyond it
+        assert d.requests_peak is not None and d.requests_peak >= 1
+        assert p.requests_peak == d.requests_peak
+        wide = PrometheusSource(prometheus.url, NAMESPACE, SERVICE, ["worker"], window_s=90)
+        assert "max_over_time" in wide.queries()["requests_peak"]
+        widened = wide.read(now=now).pools["worker"]
+        assert widened.requests_peak is not None and widened.requests_peak >= d.requests_peak
+        assert widened.kv_usage_peak_sum is not None and widened.kv_usage_peak_sum > 0
 
         other = PrometheusSource(prometheus.url, NAMESPACE, "other", ["worker"])
         with pytest.raises(MetricsUnavailable) as no_samples:

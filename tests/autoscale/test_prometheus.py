@@ -86,6 +86,14 @@ def test_queries_select_the_service_by_its_labels_and_pools_by_engine_role() -> 
     )
     assert q["sampled_at"] == f"max(timestamp(phasefleet_num_requests_running{{{SELECTOR}}}))"
     assert q["held"] == f"sum by (worker_pool) (phasefleet_router_requests_held{{{router}}})"
+    # the peak gauges cover 30 s each: over a 60 s window, their highest of the other 30 s too
+    assert q["requests_peak"] == (
+        f"sum by (role) (max_over_time(phasefleet_num_requests_peak{{{SELECTOR}}}[30s]))"
+    )
+    at_default = PrometheusSource("http://p", "ns", "llm", ["prefill", "decode"], window_s=30)
+    assert at_default.queries()["kv_usage_peak_sum"] == (
+        f"sum by (role) (phasefleet_kv_cache_usage_peak_perc{{{SELECTOR}}})"
+    )
     odd = PrometheusSource("http://p", 'a"b', "c\\d", ["worker"]).selector("both")
     assert odd == 'namespace="a\\"b",inferenceservice="c\\\\d",role=~"both"'
 

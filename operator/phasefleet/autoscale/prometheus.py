@@ -18,7 +18,7 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
-from phasefleet.api.contract import POOL_ENGINE_ROLE, ROUTER_ROLE
+from phasefleet.api.contract import PEAK_WINDOW_S, POOL_ENGINE_ROLE, ROUTER_ROLE
 from phasefleet.api.contract import Metric as M
 from phasefleet.autoscale.signals import (
     NO_SAMPLES,
@@ -86,6 +86,16 @@ class PrometheusSource:
         w = f"[{int(self.window_s)}s]"
         backlog = f"{M.PREFILL_TOKENS_PENDING}|{M.PREFILL_TOKENS_WAITING}"
 
+        def peak(gauge: str) -> str:
+            """Each pod's peak gauge, summed: it covers its last PEAK_WINDOW_S, so over a longer
+            window its highest value over the rest of the window is read too (a burst between
+            two decisions an interval of 60 s apart still counts)."""
+            series = f"{gauge}{{{workers}}}"
+            rest = int(self.window_s) - PEAK_WINDOW_S
+            if rest > 0:
+                series = f"max_over_time({series}[{rest}s])"
+            return f"sum by (role) ({series})"
+
         def quantile(histogram: str) -> str:
             return (
                 f"histogram_quantile({self.percentile}, "
@@ -106,9 +116,8 @@ class PrometheusSource:
             "busy": f"avg by (role) (rate({M.ENGINE_BUSY_SECONDS_TOTAL}{{{workers}}}{w}))",
             "running": f"sum by (role) ({M.NUM_REQUESTS_RUNNING}{{{workers}}})",
             "waiting": f"sum by (role) ({M.NUM_REQUESTS_WAITING}{{{workers}}})",
-            # each pod's own highest of its last 30 s, summed over the pool
-            "requests_peak": f"sum by (role) ({M.NUM_REQUESTS_PEAK}{{{workers}}})",
-            "kv_usage_peak_sum": f"sum by (role) ({M.KV_CACHE_USAGE_PEAK_PERC}{{{workers}}})",
+            "requests_peak": peak(M.NUM_REQUESTS_PEAK),
+            "kv_usage_peak_sum": peak(M.KV_CACHE_USAGE_PEAK_PERC),
             "pod_running": f"{M.NUM_REQUESTS_RUNNING}{{{workers}}}",
             "pod_kv": f"{M.KV_CACHE_USAGE_PERC}{{{workers}}}",
             "sampled_at": f"max(timestamp({M.NUM_REQUESTS_RUNNING}{{{workers}}}))",
