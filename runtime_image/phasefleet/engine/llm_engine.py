@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.engine.block_pool import hash_block
@@ -31,6 +31,7 @@ from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
 from phasefleet.engine.startup import StartupTimes
+from phasefleet.engine.tokenizer import load_tokenizer
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
@@ -58,7 +59,7 @@ class LLMEngine:
         self.model_name = folder.resolve().name
         with startup.phase("config"):
             self.hf_config: Any = AutoConfig.from_pretrained(folder)
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(folder)
+            self.tokenizer: Any = load_tokenizer(folder)
         limit = int(self.hf_config.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(

@@ -316,9 +316,10 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
 
 def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes) -> int:
     import uvicorn
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from phasefleet.engine.llm_engine import LLMEngine
+    from phasefleet.engine.tokenizer import load_tokenizer
     from phasefleet.server.app import build_app
     from phasefleet.server.async_engine import AsyncEngine
     from phasefleet.server.drain import DrainingServer
@@ -347,7 +348,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     )
     state = WorkerState(
         engine=engine,
-        tokenizer=AutoTokenizer.from_pretrained(args.model),
+        tokenizer=load_tokenizer(args.model),
         vocab_size=int(AutoConfig.from_pretrained(args.model).vocab_size),
         served_model_name=served_name,
         role=args.role,

@@ -18,6 +18,7 @@ from torch import nn
 from phasefleet.engine.attention.metadata import AttentionMetadata
 from phasefleet.engine.attention.torch_paged import paged_attention
 from phasefleet.engine.models.cpu_linear import pack_linears
+from phasefleet.engine.models.meta import cat_rows, meta_linear
 from phasefleet.engine.models.rope import apply_rope
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.shard import Shard
@@ -37,12 +38,11 @@ def head_dim(config: Any) -> int:
 
 def _fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
     """A Linear whose output is the concatenation of the parts' outputs."""
-    weight = torch.cat([p.weight for p in parts], dim=0)
-    with torch.device("meta"):  # no init work: the weights are replaced right away
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
+    weight = cat_rows([p.weight for p in parts])
+    fused = meta_linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if parts[0].bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        fused.bias = nn.Parameter(cat_rows([p.bias for p in parts]), requires_grad=False)
     return fused
 
 
@@ -225,8 +225,7 @@ class CausalLM(nn.Module):
         uses oneDNN gets its own packed copy of the embedding."""
         if self.lm_head is None:
             embed = self.model.embed_tokens.weight
-            with torch.device("meta"):
-                head = nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+            head = meta_linear(embed.shape[1], embed.shape[0], bias=False)
             head.weight = embed
             self.lm_head = head
         self.linear_backend = pack_linears(self)

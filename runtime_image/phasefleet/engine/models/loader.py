@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from phasefleet.engine.models.llama import FUSED_PARTS, CausalLM, head_dim
+from phasefleet.engine.models.meta import no_init
 from phasefleet.engine.models.rope import rope_tables
 from phasefleet.engine.parallel.group import TPGroup
 
@@ -72,7 +73,7 @@ def load_model(
     folder = Path(folder)
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors files")
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():
         whole = {k: v.shape for k, v in CausalLM(config).state_dict().items()}
         model = CausalLM(config, tp)
         unfused = {k: v.shape for k, v in model.state_dict().items()}

@@ -1,0 +1,47 @@
+"""A model folder's tokenizer, without transformers' auto classes where the folder names its class.
+
+`AutoTokenizer`'s module pulls in `torch._dynamo` (0.7 s of a worker's start-up on this CPU,
+0.8-1.5 s on the GPU check's host: bench/RESULTS.md, "Worker start-up"). For a folder whose
+tokenizer_config.json names its class and which holds tokenizer.json, the class AutoTokenizer
+would pick is that class's fast version, so it is loaded directly; any other folder (no class
+named, custom code in `auto_map`, no fast version) goes through AutoTokenizer as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def named_class(folder: Path) -> Any | None:
+    """The fast tokenizer class the folder's tokenizer_config.json names, or None when
+    AutoTokenizer has to decide."""
+    config_path = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if not isinstance(name, str) or not name or "auto_map" in config:
+        return None
+    import transformers
+
+    fast = name if name.endswith("Fast") else f"{name}Fast"
+    try:
+        return getattr(transformers, fast)
+    except (AttributeError, ImportError, RuntimeError):  # no such class, or a missing dependency
+        return None
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The tokenizer AutoTokenizer.from_pretrained(folder) gives, loaded without it when the
+    folder names its class (see the module's docstring)."""
+    cls = named_class(Path(folder))
+    if cls is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    return cls.from_pretrained(folder)
