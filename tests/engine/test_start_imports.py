@@ -68,18 +68,18 @@ def test_folders_that_name_no_class_go_through_autotokenizer(
         load_tokenizer(no_fast)
 
 
-def test_building_an_engine_imports_neither_dynamo_nor_sympy(
-    tiny_model: Callable[[str], Path],
-) -> None:
-    """Each of them costs 0.4-0.7 s of a start-up on this CPU; the engine needs neither."""
+def test_building_an_engine_does_not_import_dynamo(tiny_model: Callable[[str], Path]) -> None:
+    """torch._dynamo costs 0.7 s of a start-up on this CPU, more on the GPU check's host; the
+    engine does not need it. (sympy, which a meta initialiser imports here, is left out: torch
+    2.11 imports it with transformers anyway.)"""
     folder = tiny_model("qwen2")  # tied embeddings: the CPU pack's output projection too
     code = (
         "import sys\n"
         "from phasefleet.engine.config import EngineConfig\n"
         "from phasefleet.engine.llm_engine import LLMEngine\n"
         f"LLMEngine(EngineConfig(model={str(folder)!r}, device='cpu'))\n"
-        "print(sorted(m for m in ('torch._dynamo', 'sympy',"
-        " 'transformers.models.auto.tokenization_auto') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'transformers.models.auto.tokenization_auto')"
+        " if m in sys.modules))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
