@@ -177,3 +177,24 @@ def test_a_read_only_mount_cannot_be_written_by_the_container(tmp_path: Path) ->
     assert status["lastState"]["terminated"]["exitCode"] == 100 + errno.EROFS
     assert not (folder / "new").exists()
     (folder / "new").write_text("x")  # read-only only inside the container
+
+
+def test_a_writable_mount_inside_a_read_only_one_can_be_written(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    plans = folder / "plans"  # a subPath of the same volume, mounted read-write; made if missing
+    folder.mkdir()
+    script = (
+        "import errno, pathlib, sys\n"
+        f"folder = pathlib.Path({str(folder)!r})\n"
+        "(folder / 'plans' / 'written').write_text('plan')\n"
+        "try:\n"
+        "    (folder / 'new').write_text('x')\n"
+        "except OSError as exc:\n"
+        "    sys.exit(100 + exc.errno)\n"
+    )
+    c = container(tmp_path, script)
+    c.plan = dataclasses.replace(c.plan, read_only=[folder], writable=[plans])
+    status = run_until_exit(c)
+    assert status["lastState"]["terminated"]["exitCode"] == 100 + errno.EROFS
+    assert (plans / "written").read_text() == "plan"
+    assert not (folder / "new").exists()

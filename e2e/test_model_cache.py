@@ -4,11 +4,13 @@ processes) each start the `fetch-model` init container at once, one downloads th
 repository from a local Hub (tests/server/hub_server.py) while the others wait on the cache's
 lock, and every file is downloaded once, not once per pod. Every worker serves, reading the
 cache read-only (the pod runner mounts readOnly volumes read-only) and offline, without the
-token; a pod added later asks the Hub nothing."""
+token; the CPU workers keep the linear plans they timed in the cache (a read-write subPath),
+and a pod added later asks the Hub nothing and times no linear."""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import tempfile
 import time
@@ -39,6 +41,11 @@ class Fleet:
     namespace: str
     hub: FakeHub
     hub_requests: int  # requests the Hub had seen once the service was Ready
+    folder: Path  # the claim's volume on this machine
+
+    @property
+    def plans(self) -> Path:
+        return self.folder / "cpu-linear-plans" / "plans.json"
 
 
 def manifest(hub_url: str, replicas: int) -> dict[str, Any]:
@@ -130,7 +137,7 @@ def fleet(cluster: ControlPlane, operator: Operator, image_model: str) -> Iterat
                 wait_for(lambda: is_ready(cluster, namespace, NAME), 300, f"{NAME} Ready")
             except TimeoutError as exc:
                 raise TimeoutError(f"{exc}\noperator log:\n{operator.log()[-3000:]}") from None
-            yield Fleet(namespace, hub, len(hub.requests))
+            yield Fleet(namespace, hub, len(hub.requests), folder)
         finally:
             hub.gate.set()
             cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
@@ -168,6 +175,8 @@ def test_pods_starting_together_download_the_model_once_and_all_serve(
     (ref,) = claim["metadata"]["ownerReferences"]
     assert (ref["kind"], ref["name"]) == ("InferenceService", NAME)
     assert claim["status"]["phase"] == "Bound"
+    # The CPU workers kept the linear plans they timed in the cache, for the pods after them.
+    assert json.loads(fleet.plans.read_text())
 
 
 def test_workers_read_the_cache_read_only_and_never_see_the_token(
@@ -186,8 +195,11 @@ def test_workers_read_the_cache_read_only_and_never_see_the_token(
         assert TOKEN not in fetch_log
 
 
-def test_a_pod_added_later_downloads_nothing(cluster: ControlPlane, fleet: Fleet) -> None:
+def test_a_pod_added_later_downloads_nothing_and_times_no_linear(
+    cluster: ControlPlane, fleet: Fleet
+) -> None:
     before = {p["metadata"]["name"] for p in worker_pods(cluster, fleet.namespace)}
+    plans = fleet.plans.read_bytes(), fleet.plans.stat().st_mtime_ns
     patch = {"spec": {"worker": {"replicas": REPLICAS + 1}}}
     cluster.kubectl(
         "patch", "inferenceservice", NAME, "-n", fleet.namespace, "--type=merge",
@@ -208,3 +220,6 @@ def test_a_pod_added_later_downloads_nothing(cluster: ControlPlane, fleet: Fleet
     assert len(fleet.hub.requests) == fleet.hub_requests  # not even the repository's info
     log = cluster.pod_log(fleet.namespace, newcomer, "fetch-model")
     assert "nothing to download" in log and "waiting for the model cache lock" not in log
+    engine_log = cluster.pod_log(fleet.namespace, newcomer, "engine")
+    assert re.search(r"; 0 of \d+ shapes timed", engine_log), engine_log[-2000:]
+    assert (fleet.plans.read_bytes(), fleet.plans.stat().st_mtime_ns) == plans  # read, not written

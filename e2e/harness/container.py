@@ -76,7 +76,8 @@ class ProbeState:
 def wrap_binds(plan: LaunchPlan) -> list[str]:
     """The argv, run in a private mount namespace with the plan's bind mounts (a tmpfs over
     /run makes room for /run/secrets/... without touching the host) and its read-only folders
-    (each bound over itself, then remounted read-only), when it has any."""
+    (each bound over itself, then remounted read-only; then its writable folders inside them
+    bound again and remounted read-write), when it has any."""
     if not plan.binds and not plan.read_only:
         return plan.argv
     steps = ["mount -t tmpfs tmpfs /run"] if plan.binds else []
@@ -84,11 +85,17 @@ def wrap_binds(plan: LaunchPlan) -> list[str]:
         target = "/run/" + bind.target.removeprefix("/var/run/").removeprefix("/run/")
         steps.append(f"mkdir -p {shlex.quote(target)}")
         steps.append(f"mount --bind {shlex.quote(str(bind.source))} {shlex.quote(target)}")
+    # a missing subPath is made, as the kubelet makes it (before its volume turns read-only)
+    steps += [f"mkdir -p {shlex.quote(str(folder))}" for folder in plan.writable]
     for folder in plan.read_only:
         quoted = shlex.quote(str(folder))
         steps.append(f"mkdir -p {quoted}")
         steps.append(f"mount --bind {quoted} {quoted}")
         steps.append(f"mount -o remount,bind,ro {quoted}")
+    for folder in plan.writable:
+        quoted = shlex.quote(str(folder))
+        steps.append(f"mount --bind {quoted} {quoted}")
+        steps.append(f"mount -o remount,bind,rw {quoted}")
     script = " && ".join([*steps, 'exec "$@"'])
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"] + (
         plan.argv

@@ -8,7 +8,8 @@ the image root. The table is applied to every argument and env value that is an 
 `HOME=/tmp` is the pod's own tmp emptyDir. Programs that find a file by a fixed path of their
 own (the ServiceAccount token) get it by a bind mount instead (`BindMount`). A `readOnly` mount's
 local folder is read-only for that process (a read-only bind over itself in its own mount
-namespace), so a program that writes there fails as it would in a pod.
+namespace), so a program that writes there fails as it would in a pod; a writable mount
+inside it (a subPath of the same volume) is bound writable again over it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class LaunchPlan:
     liveness: Probe | None
     pre_stop_sleep: float  # seconds of a `preStop: sleep` hook, else 0
     read_only: list[Path] = field(default_factory=list)  # readOnly mounts' local folders
+    # writable mounts' local folders inside a read-only one (a subPath of a volume also mounted
+    # read-only), made writable again after it
+    writable: list[Path] = field(default_factory=list)
 
 
 def expand(value: str, env: Mapping[str, str]) -> str:
@@ -245,10 +249,16 @@ def launch_plan(
         for target, local in paths.mounts.items()
         if target.startswith(BIND_PREFIXES)
     ]
-    read_only = [
-        paths.local(mount["mountPath"])
+    mounts = [
+        (paths.local(mount["mountPath"]), bool(mount.get("readOnly")))
         for mount in container.get("volumeMounts") or []
-        if mount.get("readOnly") and not mount["mountPath"].startswith(BIND_PREFIXES)
+        if not mount["mountPath"].startswith(BIND_PREFIXES)
+    ]
+    read_only = [folder for folder, ro in mounts if ro]
+    writable = [
+        folder
+        for folder, ro in mounts
+        if not ro and any(folder.is_relative_to(other) for other in read_only)
     ]
     hook = ((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}
     return LaunchPlan(
@@ -257,6 +267,7 @@ def launch_plan(
         env={**base_env, **{k: paths.rewrite(v) for k, v in env.items()}},
         binds=binds,
         read_only=read_only,
+        writable=writable,
         startup=probe(container, "startupProbe", max_probe_period),
         readiness=probe(container, "readinessProbe", max_probe_period),
         liveness=probe(container, "livenessProbe", max_probe_period),

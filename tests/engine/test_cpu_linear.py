@@ -5,6 +5,8 @@ whose plans mix both paths against transformers."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,7 +165,31 @@ def test_a_broken_plans_file_is_timed_over_and_no_file_is_written_without_one(
     assert PlanCache(file, {}).get("k", constant(2.0, 1.0), rows=ROWS).paths() == {"torch"}
     assert set(json.loads(file.read_text())) == {"k"}
     PlanCache(None, {}).get("k", constant(1.0, 2.0), rows=ROWS)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json", "plans.json.lock"]
+
+
+def test_plans_written_at_once_by_processes_sharing_the_file_are_all_kept(
+    tmp_path: Path,
+) -> None:
+    """Pods on several nodes share one plans file (a model cache): each adds its own keys."""
+    file = tmp_path / "plans.json"
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from phasefleet.engine.models.linear_plan import PlanCache\n"
+        "cache = PlanCache(Path(sys.argv[1]), {})\n"
+        "for k in range(20):\n"
+        "    cache.get(f'{sys.argv[2]}{k}', lambda path, rows: 1.0, rows=(1, 2))\n"
+        "assert cache.timed == 20\n"
+    )
+    runs = [
+        subprocess.Popen([sys.executable, "-c", code, str(file), who]) for who in ("a", "b", "c")
+    ]
+    assert [r.wait(timeout=120) for r in runs] == [0, 0, 0]
+    keys = set(json.loads(file.read_text()))
+    assert keys == {f"{who}{k}" for who in "abc" for k in range(20)}
+    later = PlanCache(file, {})
+    later.get("a3", constant(9.0, 9.0), rows=(1, 2))
+    assert later.timed == 0  # read, not timed
 
 
 def test_the_key_names_what_a_timing_depends_on() -> None:

@@ -93,6 +93,38 @@ def test_the_init_container_is_as_locked_down_as_the_worker_and_gets_no_gpu() ->
     assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
 
 
+def test_a_cpu_worker_keeps_its_linear_plans_in_the_cache_and_a_gpu_worker_does_not() -> None:
+    spec = pod(PVC_CACHE)["spec"]
+    (worker,) = spec["containers"]
+    plans = mounts(worker)["/cpu-linear-plans"]
+    assert plans == {
+        "name": "model-cache",
+        "mountPath": "/cpu-linear-plans",
+        "subPath": "cpu-linear-plans",
+    }
+    assert mounts(worker)["/model-cache"]["readOnly"] is True  # the rest of the cache
+    assert env(worker)["PHASEFLEET_CPU_LINEAR_CACHE"] == "/cpu-linear-plans/plans.json"
+
+    gpu = pod(PVC_CACHE, resources={"limits": {"nvidia.com/gpu": 1}})["spec"]["containers"][0]
+    assert "/cpu-linear-plans" not in mounts(gpu)
+    assert "PHASEFLEET_CPU_LINEAR_CACHE" not in env(gpu)
+    (no_cache,) = pod(None)["spec"]["containers"]
+    assert "/cpu-linear-plans" not in mounts(no_cache)
+    assert "PHASEFLEET_CPU_LINEAR_CACHE" not in env(no_cache)
+
+
+def test_runtime_env_naming_a_plans_file_keeps_it() -> None:
+    model = {"hf": HF, "cache": PVC_CACHE}
+    own = {"env": [{"name": "PHASEFLEET_CPU_LINEAR_CACHE", "value": "/plans/mine.json"}]}
+    spec = make_spec(model=model, decode={"replicas": 1}, runtime=own)
+    (worker,) = worker_deployment(make_owner(), spec, Role.DECODE, 1)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert "/cpu-linear-plans" not in mounts(worker)
+    named = [e for e in worker["env"] if e["name"] == "PHASEFLEET_CPU_LINEAR_CACHE"]
+    assert named == [{"name": "PHASEFLEET_CPU_LINEAR_CACHE", "value": "/plans/mine.json"}]
+
+
 def test_the_image_group_is_the_runtime_images() -> None:
     dockerfile = (ROOT / "runtime_image" / "Dockerfile").read_text()
     (user,) = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)

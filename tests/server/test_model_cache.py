@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from phasefleet.api.contract import MODEL_CACHE_PLANS
 from phasefleet.server.cache_lock import CacheLock, LockTiming
 from phasefleet.server.hub import ModelFetchError, fetch_model
 from phasefleet.server.model_cache import (
@@ -123,6 +124,7 @@ def test_two_processes_racing_download_each_file_once(hub: FakeHub, tmp_path: Pa
     assert sum("downloaded by this pod" in out for out in outputs) == 1, outputs
     assert sum("nothing to download" in out for out in outputs) == 1, outputs
     assert read_marker(cache, REPO, "main") is not None
+    assert (cache / MODEL_CACHE_PLANS).is_dir()  # the CPU workers' plans folder (subPath)
 
 
 def test_a_killed_holders_lock_is_broken_and_its_download_finished(

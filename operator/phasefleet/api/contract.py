@@ -86,6 +86,11 @@ class FetchModelFlag:
 # huggingface_hub's cache inside a model cache volume: where `phasefleet fetch-model` downloads
 # and the worker reads (its HF_HUB_CACHE).
 MODEL_CACHE_HUB = "hub"
+# The CPU linear plans' folder inside a model cache volume: `phasefleet fetch-model` makes it, a
+# CPU worker mounts it read-write (the rest of the cache read-only) and keeps its plans there, so
+# only the first pod on a kind of node times its linears (engine/models/linear_plan.py).
+MODEL_CACHE_PLANS = "cpu-linear-plans"
+CPU_LINEAR_CACHE_ENV = "PHASEFLEET_CPU_LINEAR_CACHE"  # the plans file; empty: none
 
 
 # A prompt with fewer uncached tokens than this is prefilled by the decode worker itself (a

@@ -5,18 +5,27 @@ The init container (`phasefleet fetch-model`) mounts the cache read-write at CAC
 downloads the repository once, under a lock every pod respects (server/model_cache.py); the
 worker mounts it read-only and loads the snapshot with HF_HUB_OFFLINE=1, so it never downloads
 and never writes there. Triton, inductor and huggingface_hub's other files stay in the pod's own
-`/cache` emptyDir, which they must be able to write.
+`/cache` emptyDir, which they must be able to write. A CPU worker (no GPU asked) also mounts the
+cache's plans folder read-write at PLANS_MOUNT, where it keeps the CPU linear plans it timed,
+so the pods after the first on a kind of node time nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from phasefleet.api.contract import MODEL_CACHE_HUB, FetchModelFlag
+from phasefleet.api.contract import (
+    CPU_LINEAR_CACHE_ENV,
+    MODEL_CACHE_HUB,
+    MODEL_CACHE_PLANS,
+    FetchModelFlag,
+)
 from phasefleet.api.spec import InferenceServiceSpec, ModelCache
 
 CACHE_VOLUME = "model-cache"
 CACHE_MOUNT = "/model-cache"
+PLANS_MOUNT = "/cpu-linear-plans"
+PLANS_FILE = "plans.json"
 CLAIM_SUFFIX = "model-cache"  # the claim the operator creates: <name>-model-cache
 FETCH_CONTAINER = "fetch-model"
 # The image's group (runtime_image/Dockerfile: USER 10001:10001): a cache claim gets it as the
@@ -47,6 +56,15 @@ def cache_volume(owner_name: str, cache: ModelCache) -> dict[str, Any]:
 
 def cache_mount(read_only: bool) -> dict[str, Any]:
     return {"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT, "readOnly": read_only}
+
+
+def plans_mount() -> dict[str, Any]:
+    """The cache's plans folder, read-write, for a CPU worker."""
+    return {"name": CACHE_VOLUME, "mountPath": PLANS_MOUNT, "subPath": MODEL_CACHE_PLANS}
+
+
+def plans_env() -> dict[str, Any]:
+    return {"name": CPU_LINEAR_CACHE_ENV, "value": f"{PLANS_MOUNT}/{PLANS_FILE}"}
 
 
 def fetch_args(spec: InferenceServiceSpec) -> list[str]:

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from phasefleet.api.contract import (
+    CPU_LINEAR_CACHE_ENV,
     HEALTH_PATH,
     INTERNAL_TOKEN_ENV,
     INTERNAL_TOKEN_KEY,
@@ -33,6 +34,8 @@ from phasefleet.operator.model_cache import (
     cache_mount,
     cache_volume,
     fetch_args,
+    plans_env,
+    plans_mount,
     pod_security_context,
     worker_cache_env,
 )
@@ -162,7 +165,7 @@ def _home_env() -> list[dict[str, Any]]:
     ]
 
 
-def _env(owner_name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _env(owner_name: str, spec: InferenceServiceSpec, pool: PoolSpec) -> list[dict[str, Any]]:
     """The worker's environment. With a model cache it reads the cache offline and gets no
     token: the init container downloads."""
     cached = spec.model.cache is not None
@@ -173,10 +176,18 @@ def _env(owner_name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         internal_token_env(owner_name),
         *(worker_cache_env() if cached else []),
+        *([plans_env()] if _shared_plans(spec, pool) else []),
         *_hub_env(spec, token=not cached),
     ]
     env += [e.to_wire() for e in spec.runtime.env]
     return env
+
+
+def _shared_plans(spec: InferenceServiceSpec, pool: PoolSpec) -> bool:
+    """A CPU pool with a model cache keeps its CPU linear plans there, unless runtime.env
+    names its own plans file."""
+    own = any(e.name == CPU_LINEAR_CACHE_ENV for e in spec.runtime.env)
+    return spec.model.cache is not None and pool_gpus(pool) == 0 and not own
 
 
 def shm_volume(pool: PoolSpec) -> dict[str, Any]:
@@ -207,6 +218,8 @@ def _volumes(
     if spec.model.cache is not None:
         volumes.append(cache_volume(owner_name, spec.model.cache))
         mounts.append(cache_mount(read_only=True))
+    if _shared_plans(spec, pool):
+        mounts.append(plans_mount())
     return volumes, mounts
 
 
@@ -364,7 +377,7 @@ def worker_deployment(
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["phasefleet"],
         "args": worker_args(owner.name, spec, role, pool),
-        "env": _env(owner.name, spec),
+        "env": _env(owner.name, spec, pool),
         "resources": {k: v for k, v in resources.items() if v},
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},

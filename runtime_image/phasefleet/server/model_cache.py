@@ -8,6 +8,7 @@ The operator runs it as the init container of every worker pod whose InferenceSe
     phasefleet/locks/models--org--name.lock the lock of one repository (cache_lock.py)
     phasefleet/complete/models--org--name@<revision>.json
                                             the marker: written last, once the files are whole
+    cpu-linear-plans/                       made here; CPU workers keep their linear plans in it
 
 A pod that finds the marker downloads nothing and takes no lock. Otherwise it waits for the
 lock, looks for the marker again (the holder it waited for may have written it), downloads
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from phasefleet.api.contract import MODEL_CACHE_HUB, FetchModelFlag
+from phasefleet.api.contract import MODEL_CACHE_HUB, MODEL_CACHE_PLANS, FetchModelFlag
 from phasefleet.server.cache_lock import CacheLock, LockTiming
 from phasefleet.termination import fail
 
@@ -135,9 +136,11 @@ def ensure_model(
 
 
 def writable_problem(root: Path) -> str | None:
-    """Why this process cannot write the cache, with the fix; None when it can."""
+    """Why this process cannot write the cache, with the fix; None when it can (and then the
+    folders the pods use are there)."""
     try:
         (root / "phasefleet" / "locks").mkdir(parents=True, exist_ok=True)
+        (root / MODEL_CACHE_PLANS).mkdir(exist_ok=True)  # the workers' subPath must exist
         probe = root / "phasefleet" / f".probe-{os.getpid()}"
         probe.write_text("")
         probe.unlink()

@@ -281,5 +281,9 @@ def pack_linears(module: nn.Module) -> str:
         f"{key.split('|')[-2]} {plan.describe()}" for key, plan in plans.items() if plan is not None
     )
     took = time.perf_counter() - start
-    log.info("CPU linear paths (chosen in %.2f s): %s", took, summary)
-    return f"timed per shape ({took:.2f} s at load): {summary}"
+    where = cache.file or "memory"
+    log.info(
+        "CPU linear paths (chosen in %.2f s; %d of %d shapes timed, the rest read from %s): %s",
+        took, cache.timed, len(plans), where, summary,
+    )  # fmt: skip
+    return f"timed per shape ({took:.2f} s at load, {cache.timed} timed): {summary}"

@@ -7,6 +7,7 @@ matmuls, tests pass a fake), so the choice rules are tested without timing anyth
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+
+from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ PATHS = ("onednn", "torch")
 CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128)
 ROUNDS = 2  # timing rounds, alternating which path goes first; each side keeps its best
 SWITCH_COST = 0.1  # using both paths must save this much (sum of relative slowdowns)
-CACHE_ENV = "PHASEFLEET_CPU_LINEAR_CACHE"  # plans file; empty: no file
+CACHE_ENV = CPU_LINEAR_CACHE_ENV  # the plans file; empty: no file
 DEFAULT_CACHE_FILE = Path.home() / ".cache/phasefleet/cpu_linear_plans.json"
 
 Measure = Callable[[str, int], float]  # (path, rows) -> seconds of one call
@@ -120,6 +123,7 @@ class PlanCache:
     def __init__(self, file: Path | None, memory: dict[str, LinearPlan]) -> None:
         self.file = file
         self.memory = memory  # shared by the loads of one process
+        self.timed = 0  # shapes this cache timed (the rest came from memory or the file)
 
     def get(
         self, key: str, measure: Measure, rows: tuple[int, ...] = CALIBRATION_ROWS
@@ -130,6 +134,7 @@ class PlanCache:
             plan = LinearPlan.from_json(stored) if stored is not None else None
         if plan is None or plan.rows != rows:
             plan = calibrate(measure, rows)
+            self.timed += 1
             self._write(key, plan)
         self.memory[key] = plan
         return plan
@@ -145,14 +150,18 @@ class PlanCache:
             return {}
 
     def _write(self, key: str, plan: LinearPlan) -> None:
+        """Adds the plan to the file. The file may be shared by pods on other nodes (a model
+        cache volume), so the read-modify-write holds a lock: no writer drops another's key."""
         if self.file is None:
             return
-        data = {**self._read(), key: plan.to_json()}
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-            os.replace(tmp, self.file)  # atomic: a concurrent reader sees the old or new file
+            with self.file.with_name(f"{self.file.name}.lock").open("a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                data = {**self._read(), key: plan.to_json()}
+                tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                os.replace(tmp, self.file)  # atomic: a reader sees the old or the new file
         except OSError as err:
             log.warning("could not save CPU linear plans to %s: %s", self.file, err)
 
