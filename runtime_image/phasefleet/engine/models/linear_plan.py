@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -154,7 +155,8 @@ class PlanCache:
         cache volume), so the read-modify-write holds a lock: no writer drops another's key."""
         if self.file is None:
             return
-        tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
+        # unique across the pods sharing the file (their pids may be equal)
+        tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             with self.file.with_name(f"{self.file.name}.lock").open("a") as lock:
