@@ -7,6 +7,7 @@ and the oracle's sizes and score are cached (--cache) per trace, start-up and wi
 
     .venv/bin/python bench/autoscale_bursts.py --variants onoff_chat,onoff_code --bursts
     .venv/bin/python bench/autoscale_bursts.py --set peak_headroom=1.0
+    .venv/bin/python bench/autoscale_bursts.py --shifts 0,5,10   # each at three phases
 """
 
 from __future__ import annotations
@@ -56,13 +57,18 @@ class Case:
     trace: Trace
 
     @property
+    def name(self) -> str:
+        """The trace or variant, without a seed or shift."""
+        return self.label.split("+")[0].split("_seed")[0]
+
+    @property
     def slo(self) -> Slo:
         """The trace's SLO; a variant's is azure2023_conv's."""
-        return SLOS.get(self.label, SLOS["azure2023_conv"])
+        return SLOS.get(self.name, SLOS["azure2023_conv"])
 
     @property
     def variant(self) -> bool:
-        return self.label.split("_seed")[0] in VARIANTS
+        return self.name in VARIANTS
 
 
 def cases(
@@ -85,6 +91,14 @@ def cases(
     }
     out += [Case(v if seed == 0 else f"{v}_seed{seed}", make[v]()) for v in variants]
     return out
+
+
+def shifted(case: Case, shift_s: float) -> Case:
+    """The same requests `shift_s` later: only their phase against the decisions changes."""
+    if not shift_s:
+        return case
+    trace = replace(case.trace, arrival=case.trace.arrival + shift_s)
+    return Case(f"{case.label}+{shift_s:g}s", trace)
 
 
 def held_oracle(
@@ -193,6 +207,13 @@ def main() -> None:
     p.add_argument("--startup-s", type=float)
     p.add_argument("--scale-down-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0, help="the on/off variants' seed")
+    p.add_argument(
+        "--shifts",
+        type=lambda v: [float(x) for x in v.split(",") if x],
+        default=[0.0],
+        help="replay each trace this many seconds later too (e.g. 0,5,10): its arrivals' phase"
+        " against the 15 s decisions",
+    )
     p.add_argument("--set", action="append", default=[], help="ScalingConfig field=value")
     p.add_argument("--bursts", action="store_true", help="a row per burst of each variant")
     p.add_argument("--cache", type=Path, default=Path("/tmp/phasefleet_oracle_cache"))
@@ -208,7 +229,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     details = []
-    for case in cases(args.traces, args.variants, curves, args.peak, args.seed):
+    base = cases(args.traces, args.variants, curves, args.peak, args.seed)
+    for case in [shifted(c, d) for c in base for d in args.shifts]:
         wanted = args.bursts and case.variant
         ref, ref_score, sizes = held_oracle(case, curves, args.cache, wanted)
         started = time.perf_counter()

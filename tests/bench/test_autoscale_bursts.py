@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from autoscale_bursts import Case, burst_rows
+from autoscale_bursts import Case, burst_rows, shifted
 from autoscale_policies import static
+from autoscale_replay import SLOS
 
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.disagg_sim import simulate
@@ -47,3 +48,16 @@ def test_each_burst_gets_a_row_with_its_need_and_the_requests_it_missed() -> Non
     assert rows[0]["miss"] == 0
     assert rows[1]["miss"] == rows[1]["miss_ttft"] == rows[1]["ref_miss"] == 16
     assert rows[1]["ours_ready"] == rows[1]["ref_ready"] == 1
+
+
+def test_a_shifted_case_keeps_its_requests_slo_and_kind_and_is_named_apart() -> None:
+    trace = Trace("t", np.array([0.0, 2.0]), np.array([10, 20]), np.array([3, 4]))
+    case = shifted(Case("mooncake_conversation", trace), 5.0)
+    assert case.label == "mooncake_conversation+5s"
+    assert list(case.trace.arrival) == [5.0, 7.0]
+    assert list(case.trace.prompt) == [10, 20] and list(case.trace.output) == [3, 4]
+    assert case.slo == SLOS["mooncake_conversation"] and not case.variant
+    seeded = shifted(Case("onoff_chat_seed2", trace), 10.0)
+    assert seeded.label == "onoff_chat_seed2+10s" and seeded.variant
+    assert seeded.slo == SLOS["azure2023_conv"]
+    assert shifted(case, 0.0) is case
