@@ -136,11 +136,9 @@ def ensure_model(
 
 
 def writable_problem(root: Path) -> str | None:
-    """Why this process cannot write the cache, with the fix; None when it can (and then the
-    folders the pods use are there)."""
+    """Why this process cannot write the cache, with the fix; None when it can."""
     try:
         (root / "phasefleet" / "locks").mkdir(parents=True, exist_ok=True)
-        (root / MODEL_CACHE_PLANS).mkdir(exist_ok=True)  # the workers' subPath must exist
         probe = root / "phasefleet" / f".probe-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
@@ -189,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     problem = writable_problem(root)
     if problem is not None:
         return fail(PROGRAM, problem)
+    (root / MODEL_CACHE_PLANS).mkdir(exist_ok=True)  # the CPU workers' subPath must exist
     lock = CacheLock(lock_path(root, args.model), timing=timing)
 
     def on_sigterm(*_: object) -> None:  # the pod is going: let the next pod in at once
