@@ -24,10 +24,8 @@ import numpy as np
 from autoscale_curves import h100_8b
 from autoscale_policies import ours
 from autoscale_replay import (
-    INTERVAL_S,
     SCALE_DOWN_S,
     SLOS,
-    WINDOW_S,
     Score,
     Slo,
     code_completion,
@@ -127,12 +125,13 @@ def held_oracle(
 def replay_ours(case: Case, curves: Curves, sizes: Any, settings: dict[str, Any]) -> Fleet:
     config = replace(policy_config(curves, case.slo), **settings)
     best, _ = oracles(sizes, curves, SCALE_DOWN_S[0])
-    return run(case.trace, curves, ours(config, WINDOW_S), initial(best))
+    return run(case.trace, curves, ours(config), initial(best), config.interval_s)
 
 
 def pool_hours(fleet: Fleet) -> str:
     """GPU-hours per pool, from the replicas asked for at each decision."""
-    hours = {p: sum(s.asked[p] for s in fleet.samples) * INTERVAL_S / 3600 for p in POOLS}
+    step = fleet.samples[1].time - fleet.samples[0].time if len(fleet.samples) > 1 else 0.0
+    hours = {p: sum(s.asked[p] for s in fleet.samples) * step / 3600 for p in POOLS}
     return "/".join(f"{h:.0f}" for h in hours.values())
 
 

@@ -24,8 +24,10 @@ def static(sizes: Mapping[str, int]) -> Controller:
     return lambda fleet, now: sizes
 
 
-def ours(config: ScalingConfig, window_s: float, log: list[str] | None = None) -> Controller:
-    observer = Observer(window_s, config.percentile)
+def ours(config: ScalingConfig, log: list[str] | None = None) -> Controller:
+    """Our policy, reading its signals over config.signal_window_s; replay it every
+    config.interval_s."""
+    observer = Observer(config.signal_window_s, config.percentile)
     state = PolicyState()
 
     def control(fleet: Fleet, now: float) -> Mapping[str, int]:

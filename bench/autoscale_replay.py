@@ -37,11 +37,11 @@ from phasefleet.plan.disagg_sim import POOLS, Controller, Fleet, simulate
 from phasefleet.plan.trace import Trace, latencies
 
 EMPTY = Trace("empty", np.zeros(1), np.ones(1, int), np.ones(1, int))
-INTERVAL_S = 15.0  # every controller decides this often
-WINDOW_S = 30.0  # the span of the signals' rates and quantiles
+INTERVAL_S = 15.0  # HPA, KEDA and the oracles decide this often (HPA's sync period); ours
+# decides every spec.autoscaling.intervalSeconds (5 s by default)
+WINDOW_S = 30.0  # the span of HPA's and KEDA's rates (ours: spec.autoscaling.signalWindowSeconds)
 ORACLE_INTERVAL_S = 60.0
 PERCENTILE = 0.99
-MAX_STEP = 2  # spec.autoscaling.maxStep, the CRD default (8 gave more GPU-hours, no gain)
 RHOS = tuple(round(1.0 - 0.05 * k, 2) for k in range(15))  # 1.0 ... 0.3
 HPA_SLO_TARGET = 0.5  # the highest of 0.7, 0.6, 0.5 at which HPA meets 99% on Azure and ShareGPT
 DT_S = 0.1  # the decode time step (8B/H100 steps are 10-40 ms: a few per tick)
@@ -99,8 +99,14 @@ def score(fleet: Fleet, slo: Slo, seconds: float) -> Score:
     )
 
 
-def run(trace: Trace, curves: Curves, control: Controller, initial: Mapping[str, int]) -> Fleet:
-    return simulate(trace, curves, control, initial, interval_s=INTERVAL_S, dt=DT_S)
+def run(
+    trace: Trace,
+    curves: Curves,
+    control: Controller,
+    initial: Mapping[str, int],
+    interval_s: float = INTERVAL_S,
+) -> Fleet:
+    return simulate(trace, curves, control, initial, interval_s=interval_s, dt=DT_S)
 
 
 def peak_need(trace: Trace, curves: Curves) -> float:
@@ -174,8 +180,6 @@ def policy_config(curves: Curves, slo: Slo) -> ScalingConfig:
         ttft_s=slo.ttft_s,
         tpot_s=slo.tpot_s,
         percentile=PERCENTILE,
-        interval_s=INTERVAL_S,
-        max_step=MAX_STEP,
         startup_s=curves.startup_s,
         scale_down_stabilization_s=SCALE_DOWN_S[0],
     )
@@ -207,14 +211,15 @@ def compare(
         # HPA with the utilization target a user would lower it to for the SLO
         f"HPA {HPA_SLO_TARGET:g}": (hpa(WINDOW_S, HPA_SLO_TARGET), start),
         "KEDA": (keda(), start),
-        "ours": (ours(config, WINDOW_S, log), start),
+        "ours": (ours(config, log), start),
         f"oracle held {window_s:g} s": (bound, start),
         "oracle": (best, start),
     }
     results = {}
     for name, (control, sizes_at_0) in controllers.items():
         started = time.perf_counter()
-        fleet = run(trace, curves, control, sizes_at_0)
+        interval_s = config.interval_s if name == "ours" else INTERVAL_S
+        fleet = run(trace, curves, control, sizes_at_0, interval_s)
         results[name] = (fleet, score(fleet, slo, time.perf_counter() - started))
     return results
 

@@ -66,7 +66,7 @@ from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 NAME = "tiny"
 INTERVAL_S = 3
 WINDOW_S = 15  # scaleDownStabilizationSeconds
-SIGNAL_WINDOW_S = 4 * INTERVAL_S  # the rates' and quantiles' window (autoscale/service.py)
+SIGNAL_WINDOW_S = 10  # signalWindowSeconds: the rates' and quantiles' window
 GPU = {
     "limits": {"nvidia.com/gpu": 1, "memory": "2Gi"},
     "requests": {"cpu": "500m", "memory": "1Gi"},
@@ -113,7 +113,7 @@ def autoscaled_service() -> dict[str, Any]:
         }  # fmt: skip
     spec["slo"] = {"ttftMs": 1, "percentile": 0.9}
     spec["autoscaling"] = {
-        "enabled": True, "intervalSeconds": INTERVAL_S,
+        "enabled": True, "intervalSeconds": INTERVAL_S, "signalWindowSeconds": SIGNAL_WINDOW_S,
         "scaleDownStabilizationSeconds": WINDOW_S, "maxStep": 2, "gpuBudget": 3,
     }  # fmt: skip
     return dict(body)

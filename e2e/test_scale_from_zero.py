@@ -40,7 +40,8 @@ def scale_to_zero_service() -> dict[str, Any]:
     spec["runtime"] = {"env": [{"name": CACHE_ENV, "value": f"/{PLANS}"}]}
     spec["router"]["holdSeconds"] = 120
     spec["autoscaling"] = {
-        "enabled": True, "intervalSeconds": 2, "scaleToZeroAfterSeconds": IDLE_S,
+        "enabled": True, "intervalSeconds": 2, "signalWindowSeconds": 10,
+        "scaleToZeroAfterSeconds": IDLE_S,
         "scaleDownStabilizationSeconds": 0,
     }  # fmt: skip
     return dict(body)

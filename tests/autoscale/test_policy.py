@@ -137,7 +137,7 @@ def calm_run(config: ScalingConfig, busy: dict[int, float], steps: int) -> dict[
 def test_scale_down_waits_a_whole_window_then_lets_go_over_the_tail() -> None:
     """The pool's size before the first decision (4) counts as an ask: it holds fully for the
     window, then at a share falling to half over the tail (4 x 0.75 = 3 half-way), then the
-    asks of busy 0.1 (4 x 0.1 / 0.75 -> 1) alone size the pool."""
+    asks of busy 0.1 (4 x 0.1 / 0.8 -> 1) alone size the pool."""
     decisions = calm_run(disaggregated(), {}, int(2 * WINDOW / INTERVAL) + 2)
     sizes = {t: d.pools["prefill"].desired for t, d in decisions.items()}
     assert all(n == 4 for t, n in sizes.items() if t <= WINDOW), sizes
@@ -145,7 +145,7 @@ def test_scale_down_waits_a_whole_window_then_lets_go_over_the_tail() -> None:
     assert (sizes[1.5 * WINDOW], sizes[2 * WINDOW]) == (3, 1)
     first = next(d.pools["prefill"] for d in decisions.values() if d.pools["prefill"].changed)
     assert first.reason.startswith(
-        "prefill 4->3: busy 0.10 <= target 0.75; no ask above 1 for 300 s, older asks still hold 3"
+        "prefill 4->3: busy 0.10 <= target 0.80; no ask above 1 for 300 s, older asks still hold 3"
     )
 
 
@@ -486,13 +486,13 @@ def test_the_forecast_never_reaches_past_max_replicas() -> None:
 def worked_example_prefill(t: float, n: int) -> tuple[PoolSignals, float]:
     """docs/autoscaling.md's example: (prefill signals, TTFT) at time t on n replicas."""
     if t == 0:
-        return PoolSignals(reporting=4, busy_fraction=0.6, prompt_tokens_per_s=24000,
+        return PoolSignals(reporting=4, busy_fraction=0.7, prompt_tokens_per_s=28000,
                            prefill_backlog_tokens=2000), 0.35  # fmt: skip
-    if t < 90:  # the rate doubled at 15 s; the new replicas load until 90 s
+    if t < 90:  # the rate more than doubled at 15 s; the new replicas load until 90 s
         return PoolSignals(reporting=4, busy_fraction=1.0, prompt_tokens_per_s=40000,
                            prefill_backlog_tokens=600_000, waiting=40), 1.9  # fmt: skip
-    if t < 600:  # the doubled load: 6.24 replicas' worth of prefill
-        return PoolSignals(reporting=n, busy_fraction=6.24 / n), 0.4
+    if t < 600:  # the new load: 6.64 replicas' worth of prefill
+        return PoolSignals(reporting=n, busy_fraction=6.64 / n), 0.4
     return PoolSignals(reporting=n, busy_fraction=2.7 / n), 0.3  # the burst is over
 
 
@@ -518,9 +518,9 @@ def test_the_worked_example_in_the_docs() -> None:
         " (TTFT p90 1900 ms, target 800 ms)"
     )
     assert 30.0 not in changes  # asks 8 again, which it has
-    assert changes[90.0].startswith("prefill 8->10: busy 0.78 > target 0.75, rising to 10")
+    assert changes[90.0].startswith("prefill 8->10: busy 0.83 > target 0.80, rising to 10")
     assert changes[165.0].startswith(
-        "prefill 10->9: busy 0.62 <= target 0.75; no ask above 9 for 300 s"
+        "prefill 10->9: busy 0.66 <= target 0.80; no ask above 9 for 300 s"
     )
     tail = {t: r.split(":")[0] for t, r in changes.items() if t > 600}
     assert tail == {
@@ -529,7 +529,7 @@ def test_the_worked_example_in_the_docs() -> None:
     }  # fmt: skip
     assert len(changes) == 3 + len(tail)
     assert changes[960.0].startswith(
-        "prefill 9->8: busy 0.30 <= target 0.75; no ask above 4 for 300 s, older asks still hold 8"
+        "prefill 9->8: busy 0.30 <= target 0.80; no ask above 4 for 300 s, older asks still hold 8"
     )
     assert "older asks" not in changes[1185.0]  # 4 is what the window's asks say
 

@@ -196,7 +196,11 @@ def test_our_policy_in_the_loop_grows_the_prefill_pool_under_a_ramp() -> None:
     )
     log: list[str] = []
     fleet = simulate(
-        trace, make_curves(max_num_seqs=64), ours(config, 30.0, log), {"prefill": 1, "decode": 1}
+        trace,
+        make_curves(max_num_seqs=64),
+        ours(config, log),
+        {"prefill": 1, "decode": 1},
+        interval_s=config.interval_s,
     )
     assert max(s.asked["prefill"] for s in fleet.samples) >= 4
     late = trace.arrival > 300  # after the policy caught up: TTFT within its target

@@ -38,7 +38,8 @@ def serve_command(model: Path, port: int, run_dir: Path) -> list[str]:
         "--worker-args", "--num-kv-blocks 1024 --remote-prefill-min-tokens 0",
         "--router-args", "--refresh-interval 0.5",
         "--autoscale", "--max", "prefill=2", "--max", "decode=1",
-        "--ttft-ms", "1", "--interval", "1", "--scale-down-window", str(WINDOW),
+        "--ttft-ms", "1", "--interval", "1", "--signal-window", "2",
+        "--scale-down-window", str(WINDOW),
     ]  # fmt: skip
 
 

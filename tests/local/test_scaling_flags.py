@@ -31,7 +31,8 @@ def test_defaults_start_each_pool_at_its_min_and_let_it_grow_to_four() -> None:
     assert (config.ttft_s, config.tpot_s, config.percentile, config.kv_cache_target) == (
         None, None, 0.9, 0.7,
     )  # fmt: skip
-    assert (config.interval_s, config.scale_down_stabilization_s, config.max_step) == (15, 300, 2)
+    assert (config.interval_s, config.signal_window_s) == (5, 30)
+    assert (config.scale_down_stabilization_s, config.max_step) == (300, 1)
     assert config.startup_s == 12.5
 
 
@@ -39,7 +40,8 @@ def test_flags_reach_the_policy_config() -> None:
     args = parse(
         "--autoscale", "--prefill", "2", "--min", "prefill=2", "--max", "prefill=6",
         "--max", "decode=3", "--ttft-ms", "400", "--tpot-ms", "40", "--percentile", "0.95",
-        "--kv-cache-target", "0.8", "--interval", "2.5", "--scale-down-window", "60",
+        "--kv-cache-target", "0.8", "--interval", "2.5", "--signal-window", "10",
+        "--scale-down-window", "60",
         "--max-step", "3", "--peak-headroom", "1.2",
     )  # fmt: skip
     sizes, bounds = pool_sizes(args, DISAGGREGATED)
@@ -49,7 +51,8 @@ def test_flags_reach_the_policy_config() -> None:
     assert (config.ttft_s, config.tpot_s, config.percentile, config.kv_cache_target) == (
         0.4, 0.04, 0.95, 0.8,
     )  # fmt: skip
-    assert (config.interval_s, config.scale_down_stabilization_s, config.max_step) == (2.5, 60, 3)
+    assert (config.interval_s, config.signal_window_s) == (2.5, 10)
+    assert (config.scale_down_stabilization_s, config.max_step) == (60, 3)
     assert config.peak_headroom == 1.2
     assert scaling_config(parse("--autoscale"), bounds, startup_s=8.0).peak_headroom == 1.5
 
@@ -83,8 +86,20 @@ def test_aggregated_fleet_has_one_pool_named_worker() -> None:
         (["--autoscale", "--max", "decode=0"], "--max decode=0: must be at least 1"),
         (["--autoscale", "--min", "decode=0", "--decode", "0"], "--decode 0: a pool starts"),
         (
-            ["--autoscale", "--interval", "30", "--scale-to-zero-after", "10"],
+            [
+                "--autoscale",
+                "--interval",
+                "30",
+                "--signal-window",
+                "30",
+                "--scale-to-zero-after",
+                "10",
+            ],
             "--scale-to-zero-after must be at least --interval, 30 s; got 10",
+        ),
+        (
+            ["--autoscale", "--interval", "60"],
+            "--signal-window must be at least --interval, 60 s; got 30",
         ),
         (["--autoscale", "--min", "decode=3", "--max", "decode=2"], "--max decode=2 is below"),
         (["--autoscale", "--prefill", "5", "--max", "prefill=4"], "--prefill 5 is outside"),

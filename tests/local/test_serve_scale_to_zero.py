@@ -30,7 +30,8 @@ def serve_command(model: Path, port: int, run_dir: Path) -> list[str]:
         "--router-args", "--refresh-interval 0.5",
         "--autoscale", "--min", "prefill=0", "--min", "decode=0",
         "--max", "prefill=1", "--max", "decode=1",
-        "--interval", "1", "--scale-down-window", "0", "--scale-to-zero-after", str(IDLE_S),
+        "--interval", "1", "--signal-window", "2", "--scale-down-window", "0",
+        "--scale-to-zero-after", str(IDLE_S),
     ]  # fmt: skip
 
 

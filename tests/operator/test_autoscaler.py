@@ -113,7 +113,7 @@ def service(**overrides: Any) -> tuple[FakeApi, dict[str, Any]]:
         "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
         "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
         "slo": {"ttftMs": 100},
-        "autoscaling": {"enabled": True, "intervalSeconds": 3},
+        "autoscaling": {"enabled": True, "intervalSeconds": 3, "maxStep": 2},
     }
     spec.update(overrides)
     api = FakeApi()
@@ -186,7 +186,7 @@ def test_status_passes_of_operator_and_autoscaler_keep_each_others_fields():
     # change no size (burst memory would grow the pool to its peak ask, or over it).
     api, _ = service(
         prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 3},
-        autoscaling={"enabled": True, "intervalSeconds": 3, "peakHeadroom": 1},
+        autoscaling={"enabled": True, "intervalSeconds": 3, "maxStep": 2, "peakHeadroom": 1},
     )
     source = FakeSource(make_signals(T0, 0.4))
     scaler = ServiceAutoscaler(api, NAMESPACE, "llm", source=source)
@@ -238,7 +238,12 @@ def test_missing_metrics_hold_every_pool_and_warn_once():
 def test_scale_down_marks_the_least_loaded_pod_first():
     api, _ = service(
         decode={"replicas": 3, "minReplicas": 1, "maxReplicas": 4},
-        autoscaling={"enabled": True, "intervalSeconds": 3, "scaleDownStabilizationSeconds": 0},
+        autoscaling={
+            "enabled": True,
+            "intervalSeconds": 3,
+            "maxStep": 2,
+            "scaleDownStabilizationSeconds": 0,
+        },
     )
     for pod in (
         make_pod("d-busy", "decode", cost=REMOVE_FIRST_COST),  # marked by an earlier step
@@ -284,7 +289,7 @@ def test_gpu_budget_caps_growth_with_scaling_limited():
     api, _ = service(
         prefill={"replicas": 1, "minReplicas": 1, "maxReplicas": 4, **GPU_POOL},
         decode={"replicas": 1, "minReplicas": 1, "maxReplicas": 4, **GPU_POOL},
-        autoscaling={"enabled": True, "intervalSeconds": 3, "gpuBudget": 3},
+        autoscaling={"enabled": True, "intervalSeconds": 3, "maxStep": 2, "gpuBudget": 3},
     )
     scaler = ServiceAutoscaler(api, NAMESPACE, "llm", source=FakeSource(make_signals(T0, 0.4)))
     step = scaler.step(T0)

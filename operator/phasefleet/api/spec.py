@@ -524,7 +524,9 @@ class SloSpec(ApiModel):
     )
 
 
-DEFAULT_INTERVAL_SECONDS = 15  # the autoscaler's decision interval (seconds)
+DEFAULT_INTERVAL_SECONDS = 5  # the autoscaler's decision interval (seconds)
+DEFAULT_SIGNAL_WINDOW_SECONDS = 30  # the span of the autoscaler's rates and latency quantiles
+DEFAULT_MAX_STEP = 1  # most replicas a pool grows by per decision
 DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS = 600  # idle seconds before a minReplicas-0 pool goes to 0
 
 
@@ -534,6 +536,13 @@ class AutoscalingSpec(ApiModel):
     enabled: bool = False
     interval_seconds: int = Field(
         default=DEFAULT_INTERVAL_SECONDS, ge=1, le=3600, description="Seconds per decision."
+    )
+    signal_window_seconds: int = Field(
+        default=DEFAULT_SIGNAL_WINDOW_SECONDS,
+        ge=2,
+        le=3600,
+        description="Seconds the rates and latency quantiles cover (at least intervalSeconds;"
+        " hold at least four Prometheus scrapes).",
     )
     kv_cache_target: float = Field(
         default=0.7, ge=0.05, le=1.0, description="Decode KV-cache usage to aim for (0..1)."
@@ -551,7 +560,9 @@ class AutoscalingSpec(ApiModel):
         description="Seconds of lower asks before a pool shrinks; a peak then fades to half"
         " over as long again.",
     )
-    max_step: int = Field(default=2, ge=1, le=100, description="Most replicas added per decision.")
+    max_step: int = Field(
+        default=DEFAULT_MAX_STEP, ge=1, le=100, description="Most replicas added per decision."
+    )
     peak_headroom: float = Field(
         default=1.5,
         ge=1.0,
@@ -583,6 +594,15 @@ class AutoscalingSpec(ApiModel):
             " seen one decision at a time",
             check=lambda a: a.scale_to_zero_after_seconds >= a.interval_seconds,
             field_path=".scaleToZeroAfterSeconds",
+        ),
+        Rule(
+            cel="(has(self.signalWindowSeconds) ? self.signalWindowSeconds :"
+            f" {DEFAULT_SIGNAL_WINDOW_SECONDS}) >= (has(self.intervalSeconds) ?"
+            f" self.intervalSeconds : {DEFAULT_INTERVAL_SECONDS})",
+            message="signalWindowSeconds must be at least intervalSeconds: a shorter window"
+            " would skip the load between two decisions",
+            check=lambda a: a.signal_window_seconds >= a.interval_seconds,
+            field_path=".signalWindowSeconds",
         ),
     )
 

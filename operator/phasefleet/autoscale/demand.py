@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from phasefleet.api.spec import Role
 from phasefleet.autoscale.signals import PoolSignals, Signals
 
-BUSY_TARGET = 0.75  # share of wall time a prefill engine may spend in steps
+BUSY_TARGET = 0.8  # share of wall time a prefill engine may spend in steps
 BACKLOG_SHARE_OF_TTFT = 0.5  # prompt backlog allowed, in seconds, as a share of the TTFT target
 DEFAULT_BACKLOG_S = 1.0  # backlog allowed when no TTFT target is set (seconds)
 SLOTS_TARGET = 0.8  # share of a decode engine's batch slots (max_num_seqs) to keep in use

@@ -12,7 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from phasefleet.api.spec import (
+    DEFAULT_INTERVAL_SECONDS,
+    DEFAULT_MAX_STEP,
     DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS,
+    DEFAULT_SIGNAL_WINDOW_SECONDS,
     InferenceServiceSpec,
     Role,
     pool_gpus,
@@ -51,10 +54,11 @@ class ScalingConfig:
     tpot_s: float | None = None  # slo.tpotMs
     percentile: float = 0.9
     kv_cache_target: float = 0.7
-    interval_s: float = 15.0
+    interval_s: float = float(DEFAULT_INTERVAL_SECONDS)
+    signal_window_s: float = float(DEFAULT_SIGNAL_WINDOW_SECONDS)  # the rates' and quantiles'
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
-    max_step: int = 2
+    max_step: int = DEFAULT_MAX_STEP
     peak_headroom: float = 1.5  # burst memory: an on/off pool keeps this much over its peak ask
     gpu_budget: int | None = None
     startup_s: float = 60.0  # a new replica's time to load before it serves
@@ -75,6 +79,7 @@ class ScalingConfig:
             percentile=slo.percentile,
             kv_cache_target=scaling.kv_cache_target,
             interval_s=float(scaling.interval_seconds),
+            signal_window_s=float(scaling.signal_window_seconds),
             scale_up_stabilization_s=float(scaling.scale_up_stabilization_seconds),
             scale_down_stabilization_s=float(scaling.scale_down_stabilization_seconds),
             max_step=scaling.max_step,
@@ -152,12 +157,13 @@ def decide(
     `current` is each pool's size now (replicas asked for, including ones still starting);
     `signals.pools[role].reporting` counts the ones already serving.
     """
-    if isinstance(signals, Signals) and now - signals.sampled_at > 2 * config.interval_s:
+    stale_after = max(2 * config.interval_s, config.signal_window_s)
+    if isinstance(signals, Signals) and now - signals.sampled_at > stale_after:
         age = now - signals.sampled_at
         signals = MetricsUnavailable(
             "StaleMetrics",
-            f"the newest sample is {age:.0f} s old, more than two intervals"
-            f" ({2 * config.interval_s:.0f} s): check that Prometheus scrapes the pods",
+            f"the newest sample is {age:.0f} s old, more than the signal window or two"
+            f" intervals ({stale_after:.0f} s): check that Prometheus scrapes the pods",
         )
     if isinstance(signals, MetricsUnavailable):
         return _hold_all(config, signals, current, state, now)

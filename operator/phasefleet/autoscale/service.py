@@ -37,12 +37,11 @@ from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, Signals
 from phasefleet.operator.kube import Api
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, Owner, child_name, is_owned_by
 
-# Rates and latency quantiles cover this many intervals (at least MIN_WINDOW_S): 30 s at the
-# default 15 s, the window the trace replay measured (with 60 s, a burst is averaged over twice
-# its length: bench/RESULTS.md, "The signals' window"); the chart's PodMonitor scrapes every
-# 5 s, so the window holds six scrapes.
-WINDOW_INTERVALS = 2
-MIN_WINDOW_S = 10.0
+# Rates and latency quantiles cover spec.autoscaling.signalWindowSeconds (30 s by default, the
+# window the trace replay measured; with 60 s a burst is averaged over twice its length:
+# bench/RESULTS.md, "The signals' window"). The chart's PodMonitor scrapes every 5 s, so the
+# default window holds six scrapes.
+RETRY_S = 10.0  # the next look at a service that is gone or invalid
 DEFAULT_STARTUP_S = 60.0  # a new replica's start-up until one of the service's pods was Ready
 
 
@@ -140,7 +139,7 @@ class ServiceAutoscaler:
         """The metrics source for this spec; kept while its settings hold (it keeps history)."""
         if self._fixed_source is not None:
             return self._fixed_source
-        window_s = max(WINDOW_INTERVALS * config.interval_s, MIN_WINDOW_S)
+        window_s = config.signal_window_s
         roles = [role.value for role in spec.pools()]
         key = (config.percentile, window_s, tuple(roles))
         if self._source is not None and key == self._source_key:
@@ -163,11 +162,11 @@ class ServiceAutoscaler:
         """One decision; `now` is seconds since the epoch. Raises kube.Transient / Rejected."""
         body = self.api.get(KIND, self.namespace, self.name)
         if body is None or body["metadata"].get("deletionTimestamp"):
-            return Step(interval_s=MIN_WINDOW_S, skipped="the InferenceService is gone")
+            return Step(interval_s=RETRY_S, skipped="the InferenceService is gone")
         try:
             spec = validate_service(self.name, dict(body.get("spec") or {}))
         except InvalidService:
-            return Step(interval_s=MIN_WINDOW_S, skipped="invalid spec (see its Degraded)")
+            return Step(interval_s=RETRY_S, skipped="invalid spec (see its Degraded)")
         config = ScalingConfig.from_spec(spec)
         if not spec.autoscaling.enabled:
             return Step(interval_s=config.interval_s, skipped="autoscaling is off")

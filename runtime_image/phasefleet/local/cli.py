@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("phasefleet.serve")
 
-WINDOW_INTERVALS = 2  # --autoscale: rates and quantiles cover this many intervals (as the operator)
 CHECK_INTERVAL_S = 0.5  # seconds between looks for crashed processes
 
 
@@ -210,7 +209,7 @@ def _start_autoscaler(
     source = ScrapeSource(
         lambda: scrape_targets(fleet),
         percentile=config.percentile,
-        window_s=WINDOW_INTERVALS * config.interval_s,
+        window_s=config.signal_window_s,
     )
     autoscaler = Autoscaler(fleet, source, config)
     autoscaler.start()

@@ -20,7 +20,7 @@ DEFAULT_MAX = 4  # workers per pool
 SIZE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "worker": "--workers"}
 SCALING_FLAGS = (
     "min", "max", "ttft_ms", "tpot_ms", "percentile", "kv_cache_target", "interval",
-    "scale_down_window", "max_step", "peak_headroom", "scale_to_zero_after",
+    "signal_window", "scale_down_window", "max_step", "peak_headroom", "scale_to_zero_after",
 )  # fmt: skip
 
 
@@ -49,13 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-target", type=float, help="decode KV-cache usage to aim for (default 0.7)"
     )
-    group.add_argument("--interval", type=float, help="seconds between decisions (default 15)")
+    group.add_argument("--interval", type=float, help="seconds between decisions (default 5)")
+    group.add_argument(
+        "--signal-window",
+        type=float,
+        help="seconds the rates and latency quantiles cover (default 30; at least --interval)",
+    )
     group.add_argument(
         "--scale-down-window",
         type=float,
         help="seconds of lower recommendations before a pool shrinks (default 300)",
     )
-    group.add_argument("--max-step", type=int, help="most workers added per decision (default 2)")
+    group.add_argument("--max-step", type=int, help="most workers added per decision (default 1)")
     group.add_argument(
         "--peak-headroom",
         type=float,
@@ -133,7 +138,7 @@ def _check(flag: str, value: float | None, low: float, high: float | None = None
 
 
 def _check_knobs(args: argparse.Namespace) -> None:
-    from phasefleet.api.spec import DEFAULT_INTERVAL_SECONDS
+    from phasefleet.api.spec import DEFAULT_INTERVAL_SECONDS, DEFAULT_SIGNAL_WINDOW_SECONDS
 
     _check("--ttft-ms", args.ttft_ms, 1)
     _check("--tpot-ms", args.tpot_ms, 1)
@@ -149,6 +154,12 @@ def _check_knobs(args: argparse.Namespace) -> None:
     if after is not None and after < interval:
         raise ValueError(
             f"--scale-to-zero-after must be at least --interval, {interval:g} s; got {after:g}"
+        )
+    window = args.signal_window if args.signal_window is not None else DEFAULT_SIGNAL_WINDOW_SECONDS
+    if window < interval:
+        raise ValueError(
+            f"--signal-window must be at least --interval, {interval:g} s; got {window:g}"
+            " (a shorter window would skip the load between two decisions)"
         )
 
 
@@ -170,6 +181,7 @@ def scaling_config(
         percentile=_given(args.percentile, defaults.percentile),
         kv_cache_target=_given(args.kv_cache_target, defaults.kv_cache_target),
         interval_s=_given(args.interval, defaults.interval_s),
+        signal_window_s=_given(args.signal_window, defaults.signal_window_s),
         scale_down_stabilization_s=_given(
             args.scale_down_window, defaults.scale_down_stabilization_s
         ),
