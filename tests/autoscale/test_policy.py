@@ -402,6 +402,25 @@ def test_config_from_an_inference_service_spec() -> None:
     }
     assert (config.ttft_s, config.tpot_s, config.percentile) == (0.8, None, 0.95)
     assert (config.interval_s, config.gpu_budget, config.startup_s) == (5.0, 8, 42.0)
+    assert config.signal_window_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "window_s"),
+    [({}, 30.0), ({"intervalSeconds": 60}, 120.0), ({"signalWindowSeconds": 10}, 10.0)],
+)
+def test_the_signal_window_is_30_s_or_two_intervals_unless_set(
+    autoscaling: dict[str, Any], window_s: float
+) -> None:
+    spec = parse_spec(
+        {
+            "model": {"image": {"path": "/models/m"}},
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1},
+            "autoscaling": {"enabled": True, **autoscaling},
+        }
+    )
+    assert ScalingConfig.from_spec(spec).signal_window_s == window_s
 
 
 def test_full_batch_slots_grow_decode_though_the_kv_cache_is_half_empty() -> None:

@@ -55,6 +55,8 @@ def test_flags_reach_the_policy_config() -> None:
     assert (config.scale_down_stabilization_s, config.max_step) == (60, 3)
     assert config.peak_headroom == 1.2
     assert scaling_config(parse("--autoscale"), bounds, startup_s=8.0).peak_headroom == 1.5
+    slow = scaling_config(parse("--autoscale", "--interval", "60"), bounds, startup_s=8.0)
+    assert slow.signal_window_s == 120  # unset: 30 s, or two intervals when that is longer
 
 
 def test_pools_with_min_zero_start_with_one_worker_and_the_router_holds() -> None:
@@ -98,8 +100,8 @@ def test_aggregated_fleet_has_one_pool_named_worker() -> None:
             "--scale-to-zero-after must be at least --interval, 30 s; got 10",
         ),
         (
-            ["--autoscale", "--interval", "60"],
-            "--signal-window must be at least --interval, 60 s; got 30",
+            ["--autoscale", "--interval", "20", "--signal-window", "10"],
+            "--signal-window must be at least --interval, 20 s; got 10",
         ),
         (["--autoscale", "--min", "decode=3", "--max", "decode=2"], "--max decode=2 is below"),
         (["--autoscale", "--prefill", "5", "--max", "prefill=4"], "--prefill 5 is outside"),

@@ -526,6 +526,7 @@ class SloSpec(ApiModel):
 
 DEFAULT_INTERVAL_SECONDS = 5  # the autoscaler's decision interval (seconds)
 DEFAULT_SIGNAL_WINDOW_SECONDS = 30  # the span of the autoscaler's rates and latency quantiles
+# (or two intervals, when that is longer)
 DEFAULT_MAX_STEP = 1  # most replicas a pool grows by per decision
 DEFAULT_SCALE_TO_ZERO_AFTER_SECONDS = 600  # idle seconds before a minReplicas-0 pool goes to 0
 
@@ -537,12 +538,12 @@ class AutoscalingSpec(ApiModel):
     interval_seconds: int = Field(
         default=DEFAULT_INTERVAL_SECONDS, ge=1, le=3600, description="Seconds per decision."
     )
-    signal_window_seconds: int = Field(
-        default=DEFAULT_SIGNAL_WINDOW_SECONDS,
+    signal_window_seconds: int | None = Field(
+        default=None,
         ge=2,
         le=3600,
         description="Seconds the rates and latency quantiles cover (at least intervalSeconds;"
-        " hold at least four Prometheus scrapes).",
+        " hold at least four Prometheus scrapes). Unset: 30, or two intervals if longer.",
     )
     kv_cache_target: float = Field(
         default=0.7, ge=0.05, le=1.0, description="Decode KV-cache usage to aim for (0..1)."
@@ -596,15 +597,23 @@ class AutoscalingSpec(ApiModel):
             field_path=".scaleToZeroAfterSeconds",
         ),
         Rule(
-            cel="(has(self.signalWindowSeconds) ? self.signalWindowSeconds :"
-            f" {DEFAULT_SIGNAL_WINDOW_SECONDS}) >= (has(self.intervalSeconds) ?"
-            f" self.intervalSeconds : {DEFAULT_INTERVAL_SECONDS})",
+            cel="!has(self.signalWindowSeconds) || self.signalWindowSeconds >="
+            f" (has(self.intervalSeconds) ? self.intervalSeconds : {DEFAULT_INTERVAL_SECONDS})",
             message="signalWindowSeconds must be at least intervalSeconds: a shorter window"
             " would skip the load between two decisions",
-            check=lambda a: a.signal_window_seconds >= a.interval_seconds,
+            check=lambda a: (
+                a.signal_window_seconds is None or a.signal_window_seconds >= a.interval_seconds
+            ),
             field_path=".signalWindowSeconds",
         ),
     )
+
+
+def signal_window_seconds(interval_s: float, window_s: float | None) -> float:
+    """The autoscaler's signal window: as set, else 30 s or two intervals if longer."""
+    if window_s is not None:
+        return float(window_s)
+    return float(max(DEFAULT_SIGNAL_WINDOW_SECONDS, 2 * interval_s))
 
 
 def _min_gpus(spec: InferenceServiceSpec) -> int:

@@ -19,6 +19,7 @@ from phasefleet.api.spec import (
     InferenceServiceSpec,
     Role,
     pool_gpus,
+    signal_window_seconds,
 )
 from phasefleet.autoscale import demand
 from phasefleet.autoscale.budget import Ask, share
@@ -79,7 +80,9 @@ class ScalingConfig:
             percentile=slo.percentile,
             kv_cache_target=scaling.kv_cache_target,
             interval_s=float(scaling.interval_seconds),
-            signal_window_s=float(scaling.signal_window_seconds),
+            signal_window_s=signal_window_seconds(
+                scaling.interval_seconds, scaling.signal_window_seconds
+            ),
             scale_up_stabilization_s=float(scaling.scale_up_stabilization_seconds),
             scale_down_stabilization_s=float(scaling.scale_down_stabilization_seconds),
             max_step=scaling.max_step,

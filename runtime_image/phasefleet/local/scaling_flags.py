@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--signal-window",
         type=float,
-        help="seconds the rates and latency quantiles cover (default 30; at least --interval)",
+        help="seconds the rates and latency quantiles cover (at least --interval; default 30, or"
+        " two intervals if longer)",
     )
     group.add_argument(
         "--scale-down-window",
@@ -138,7 +139,7 @@ def _check(flag: str, value: float | None, low: float, high: float | None = None
 
 
 def _check_knobs(args: argparse.Namespace) -> None:
-    from phasefleet.api.spec import DEFAULT_INTERVAL_SECONDS, DEFAULT_SIGNAL_WINDOW_SECONDS
+    from phasefleet.api.spec import DEFAULT_INTERVAL_SECONDS
 
     _check("--ttft-ms", args.ttft_ms, 1)
     _check("--tpot-ms", args.tpot_ms, 1)
@@ -155,8 +156,8 @@ def _check_knobs(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--scale-to-zero-after must be at least --interval, {interval:g} s; got {after:g}"
         )
-    window = args.signal_window if args.signal_window is not None else DEFAULT_SIGNAL_WINDOW_SECONDS
-    if window < interval:
+    window = args.signal_window
+    if window is not None and window < interval:
         raise ValueError(
             f"--signal-window must be at least --interval, {interval:g} s; got {window:g}"
             " (a shorter window would skip the load between two decisions)"
@@ -168,6 +169,7 @@ def scaling_config(
 ) -> ScalingConfig:
     """The policy's config from flags `pool_sizes` checked; `startup_s`: a new worker's load
     time (seconds)."""
+    from phasefleet.api.spec import signal_window_seconds
     from phasefleet.autoscale.policy import PoolLimits, ScalingConfig
 
     pools: dict[str, PoolLimits] = {
@@ -181,7 +183,9 @@ def scaling_config(
         percentile=_given(args.percentile, defaults.percentile),
         kv_cache_target=_given(args.kv_cache_target, defaults.kv_cache_target),
         interval_s=_given(args.interval, defaults.interval_s),
-        signal_window_s=_given(args.signal_window, defaults.signal_window_s),
+        signal_window_s=signal_window_seconds(
+            _given(args.interval, defaults.interval_s), args.signal_window
+        ),
         scale_down_stabilization_s=_given(
             args.scale_down_window, defaults.scale_down_stabilization_s
         ),
