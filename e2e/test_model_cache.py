@@ -195,6 +195,20 @@ def test_workers_read_the_cache_read_only_and_never_see_the_token(
         assert TOKEN not in fetch_log
 
 
+def test_pods_starting_together_time_each_linear_shape_once(
+    cluster: ControlPlane, fleet: Fleet
+) -> None:
+    timed, shapes = [], set()
+    for pod in worker_pods(cluster, fleet.namespace):
+        log = cluster.pod_log(fleet.namespace, pod["metadata"]["name"], "engine")
+        found = re.search(r"; (\d+) of (\d+) shapes timed", log)
+        assert found, log[-2000:]
+        timed.append(int(found[1]))
+        shapes.add(int(found[2]))
+    (count,) = shapes
+    assert len(timed) == REPLICAS and sum(timed) == count, timed  # the others waited and read
+
+
 def test_a_pod_added_later_downloads_nothing_and_times_no_linear(
     cluster: ControlPlane, fleet: Fleet
 ) -> None:

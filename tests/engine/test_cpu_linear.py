@@ -4,6 +4,7 @@ whose plans mix both paths against transformers."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from torch import nn
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
-from phasefleet.engine.models import cpu_linear
+from phasefleet.engine.models import cpu_linear, linear_plan
 from phasefleet.engine.models.cpu_linear import (
     EXACT_ROWS,
     CpuLinear,
@@ -165,7 +166,8 @@ def test_a_broken_plans_file_is_timed_over_and_no_file_is_written_without_one(
     assert PlanCache(file, {}).get("k", constant(2.0, 1.0), rows=ROWS).paths() == {"torch"}
     assert set(json.loads(file.read_text())) == {"k"}
     PlanCache(None, {}).get("k", constant(1.0, 2.0), rows=ROWS)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json", "plans.json.lock"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["plans.json", "plans.json.lock", "plans.json.timing"]
 
 
 def test_plans_written_at_once_by_processes_sharing_the_file_are_all_kept(
@@ -190,6 +192,43 @@ def test_plans_written_at_once_by_processes_sharing_the_file_are_all_kept(
     later = PlanCache(file, {})
     later.get("a3", constant(9.0, 9.0), rows=(1, 2))
     assert later.timed == 0  # read, not timed
+
+
+def test_processes_starting_together_time_each_shape_once(tmp_path: Path) -> None:
+    """Pods of one kind of node starting at once: one times a shape, the others read it."""
+    file = tmp_path / "plans.json"
+    code = (
+        "import sys, time; from pathlib import Path\n"
+        "from phasefleet.engine.models.linear_plan import PlanCache\n"
+        "cache = PlanCache(Path(sys.argv[1]), {})\n"
+        "slow = lambda path, rows: time.sleep(0.05) or 1.0\n"
+        "for k in range(12):\n"
+        "    cache.get(f'shape{k}', slow, rows=(1, 2))\n"
+        "print(cache.timed)\n"
+    )
+    runs = [
+        subprocess.Popen([sys.executable, "-c", code, str(file)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    timed = [int(r.communicate(timeout=120)[0]) for r in runs]
+    assert [r.returncode for r in runs] == [0, 0, 0]
+    assert sum(timed) == 12, timed  # each shape once, by whichever process got to it first
+    assert set(json.loads(file.read_text())) == {f"shape{k}" for k in range(12)}
+
+
+def test_a_timing_lock_held_too_long_is_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(linear_plan, "TIMING_WAIT_S", 0.2)
+    cache = PlanCache(tmp_path / "plans.json", {})
+    path = cache.timing_lock("k")
+    assert path is not None
+    path.parent.mkdir()
+    with path.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process, stuck while timing "k"
+        plan = cache.get("k", constant(1.0, 2.0), rows=ROWS)
+    assert plan.paths() == {"onednn"} and cache.timed == 1
+    assert "held over 0.2 s: timing it here" in caplog.text
 
 
 def test_the_key_names_what_a_timing_depends_on() -> None:

@@ -8,11 +8,14 @@ matmuls, tests pass a fake), so the choice rules are tested without timing anyth
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -30,6 +33,9 @@ ROUNDS = 2  # timing rounds, alternating which path goes first; each side keeps 
 SWITCH_COST = 0.1  # using both paths must save this much (sum of relative slowdowns)
 CACHE_ENV = CPU_LINEAR_CACHE_ENV  # the plans file; empty: no file
 DEFAULT_CACHE_FILE = Path.home() / ".cache/phasefleet/cpu_linear_plans.json"
+# A process about to time a shape another one is timing waits this long for its plan, then
+# times it itself (the other may hang; a dead one's lock is gone at once).
+TIMING_WAIT_S = 60.0
 
 Measure = Callable[[str, int], float]  # (path, rows) -> seconds of one call
 
@@ -131,14 +137,58 @@ class PlanCache:
     ) -> LinearPlan:
         plan = self.memory.get(key)
         if plan is None or plan.rows != rows:
-            stored = self._read().get(key)
-            plan = LinearPlan.from_json(stored) if stored is not None else None
-        if plan is None or plan.rows != rows:
-            plan = calibrate(measure, rows)
-            self.timed += 1
-            self._write(key, plan)
+            plan = self._stored(key, rows)
+        if plan is None:
+            # Pods of one kind of node starting together would each time the same shapes:
+            # one times a shape while the others wait for its plan (and for the CPU).
+            with self._timing(key):
+                plan = self._stored(key, rows)
+                if plan is None:
+                    plan = calibrate(measure, rows)
+                    self.timed += 1
+                    self._write(key, plan)
         self.memory[key] = plan
         return plan
+
+    def _stored(self, key: str, rows: tuple[int, ...]) -> LinearPlan | None:
+        stored = self._read().get(key)
+        plan = LinearPlan.from_json(stored) if stored is not None else None
+        return plan if plan is not None and plan.rows == rows else None
+
+    def timing_lock(self, key: str) -> Path | None:
+        """The file whose lock a process holds while it times `key` (None without a file)."""
+        if self.file is None:
+            return None
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return self.file.with_name(f"{self.file.name}.timing") / f"{digest}.lock"
+
+    @contextmanager
+    def _timing(self, key: str) -> Iterator[None]:
+        """Holds the shape's timing lock (one file per key, beside the plans file) for up to
+        TIMING_WAIT_S; without a file, or when the lock cannot be had, times without one."""
+        path = self.timing_lock(key)
+        if path is None:
+            yield
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = path.open("a")
+        except OSError as err:
+            log.warning("timing CPU linear plans without a lock (%s): %s", path, err)
+            yield
+            return
+        with lock:
+            deadline = time.monotonic() + TIMING_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("%s held over %g s: timing it here", path, TIMING_WAIT_S)
+                        break
+                    time.sleep(0.05)
+            yield  # the lock, if held, goes with the file
 
     def _read(self) -> dict[str, dict[str, list[float]]]:
         if self.file is None or not self.file.is_file():
