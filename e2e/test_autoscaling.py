@@ -58,9 +58,9 @@ from e2e.test_operator_support import (
     service_account_kubeconfig,
 )
 from e2e.test_serving import DISAGGREGATED, client, pods, ready_ips, wait_router_sees
-from phasefleet.api.contract import ROUTER_PORT, Metric
+from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT, Metric
 from phasefleet.autoscale.deployments import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
-from phasefleet.engine.models.linear_plan import CACHE_ENV, DEFAULT_CACHE_FILE
+from phasefleet.engine.models.linear_plan import DEFAULT_CACHE_FILE
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 
 NAME = "tiny"
@@ -103,7 +103,9 @@ def autoscaled_service() -> dict[str, Any]:
     spec = body["spec"]
     spec["runtime"] = {
         "remotePrefillMinTokens": 0,  # every prompt is prefilled by the prefill pool
-        "env": [{"name": CACHE_ENV, "value": f"/{PLANS}"}],  # a file "in the image", shared
+        "env": [
+            {"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}
+        ],  # a file "in the image", shared
     }
     for pool in ("prefill", "decode"):
         spec[pool] = {

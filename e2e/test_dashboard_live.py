@@ -33,9 +33,8 @@ from e2e.harness.wait import wait_for
 from e2e.test_autoscaling import PLANS, pod_monitor_scrape_config, ship_linear_plans
 from e2e.test_chart_observability import rendered_dashboard, rule_groups
 from e2e.test_operator_support import Operator, is_ready
-from phasefleet.api.contract import ROUTER_PORT, ROUTER_ROLE
+from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT, ROUTER_ROLE
 from phasefleet.api.dashboard import KSM_METRICS
-from phasefleet.engine.models.linear_plan import CACHE_ENV
 
 NAME = "dash"
 RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape at a 10 s step, about
@@ -55,7 +54,7 @@ def service(image_model: str) -> dict[str, Any]:
                 "dtype": "float32",
             },
             "mode": "aggregated",
-            "runtime": {"env": [{"name": CACHE_ENV, "value": f"/{PLANS}"}]},
+            "runtime": {"env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}]},
             "worker": {"replicas": 1, "maxNumSeqs": 8},
             "router": {"replicas": 1},
         },

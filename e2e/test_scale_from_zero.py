@@ -24,8 +24,7 @@ from e2e.harness.wait import wait_for
 from e2e.test_autoscaling import PLANS, ship_linear_plans
 from e2e.test_operator_support import Operator, condition, get, is_ready
 from e2e.test_serving import AGGREGATED, pods, ready_ips
-from phasefleet.api.contract import ROUTER_PORT
-from phasefleet.engine.models.linear_plan import CACHE_ENV
+from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT
 
 NAME = "tiny-agg"
 IDLE_S = 10  # scaleToZeroAfterSeconds
@@ -37,7 +36,7 @@ def scale_to_zero_service() -> dict[str, Any]:
     body = yaml.safe_load(AGGREGATED.read_text())
     spec = body["spec"]
     spec["worker"].update(replicas=1, minReplicas=0, maxReplicas=1)
-    spec["runtime"] = {"env": [{"name": CACHE_ENV, "value": f"/{PLANS}"}]}
+    spec["runtime"] = {"env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}]}
     spec["router"]["holdSeconds"] = 120
     spec["autoscaling"] = {
         "enabled": True, "intervalSeconds": 2, "signalWindowSeconds": 10,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.models import cpu_linear, linear_plan
@@ -28,7 +29,6 @@ from phasefleet.engine.models.cpu_linear import (
     plan_key,
 )
 from phasefleet.engine.models.linear_plan import (
-    CACHE_ENV,
     ROUNDS,
     LinearPlan,
     Measure,
@@ -295,7 +295,7 @@ def fake_timings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     monkeypatch.setattr(cpu_linear, "_measure", measure)
     monkeypatch.setattr(cpu_linear, "_PLANS", {})
     monkeypatch.setattr(cpu_linear, "CALIBRATION_ROWS", ROWS)
-    monkeypatch.setenv(CACHE_ENV, "")
+    monkeypatch.setenv(CPU_LINEAR_CACHE_ENV, "")
     monkeypatch.delenv("PHASEFLEET_CPU_LINEAR", raising=False)
     return timed
 

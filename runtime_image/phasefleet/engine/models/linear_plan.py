@@ -31,7 +31,6 @@ PATHS = ("onednn", "torch")
 CALIBRATION_ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128)
 ROUNDS = 2  # timing rounds, alternating which path goes first; each side keeps its best
 SWITCH_COST = 0.1  # using both paths must save this much (sum of relative slowdowns)
-CACHE_ENV = CPU_LINEAR_CACHE_ENV  # the plans file; empty: no file
 DEFAULT_CACHE_FILE = Path.home() / ".cache/phasefleet/cpu_linear_plans.json"
 # A process about to time a shape another one is timing waits this long for its plan, then
 # times it itself (the other may hang; a dead one's lock is gone at once).
@@ -227,7 +226,7 @@ def _valid(d: object) -> bool:
 
 
 def cache_file_from_env() -> Path | None:
-    value = os.environ.get(CACHE_ENV)
+    value = os.environ.get(CPU_LINEAR_CACHE_ENV)  # the plans file; empty: no file
     if value is None:
         return DEFAULT_CACHE_FILE
     return Path(value).expanduser() if value else None
