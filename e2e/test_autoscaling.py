@@ -103,9 +103,8 @@ def autoscaled_service() -> dict[str, Any]:
     spec = body["spec"]
     spec["runtime"] = {
         "remotePrefillMinTokens": 0,  # every prompt is prefilled by the prefill pool
-        "env": [
-            {"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}
-        ],  # a file "in the image", shared
+        # a plans file "in the image", shared
+        "env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}],
     }
     for pool in ("prefill", "decode"):
         spec[pool] = {
