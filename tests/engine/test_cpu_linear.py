@@ -231,6 +231,17 @@ def test_a_timing_lock_held_too_long_is_given_up(
     assert "held over 0.2 s: timing it here" in caplog.text
 
 
+def test_a_timing_lock_that_cannot_be_made_still_times_and_keeps_the_plan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    file = tmp_path / "plans.json"
+    file.with_name("plans.json.timing").write_text("")  # a file where the lock folder goes
+    cache = PlanCache(file, {})
+    assert cache.get("k", constant(1.0, 2.0), rows=ROWS).paths() == {"onednn"}
+    assert cache.timed == 1 and set(json.loads(file.read_text())) == {"k"}
+    assert "timing CPU linear plans without a lock" in caplog.text
+
+
 def test_the_key_names_what_a_timing_depends_on() -> None:
     key = plan_key(torch.empty(96, 64, dtype=torch.bfloat16), has_bias=True)
     assert f"torch {torch.__version__}|" in key

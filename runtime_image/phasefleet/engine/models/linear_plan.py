@@ -187,6 +187,9 @@ class PlanCache:
                         log.warning("%s held over %g s: timing it here", path, TIMING_WAIT_S)
                         break
                     time.sleep(0.05)
+                except OSError as err:  # e.g. a filesystem without locks
+                    log.warning("timing CPU linear plans without a lock (%s): %s", path, err)
+                    break
             yield  # the lock, if held, goes with the file
 
     def _read(self) -> dict[str, dict[str, list[float]]]:
