@@ -204,21 +204,21 @@ def compare(
     window_s = config.scale_down_stabilization_s
     best, bound = oracles(sizes, curves, window_s)
     start = initial(best)
-    controllers: dict[str, tuple[Controller, Mapping[str, int]]] = {
-        "static peak": (static(peak), peak),
-        "static mean": (static(mean), mean),
-        "HPA": (hpa(WINDOW_S), start),
+    # each controller, its sizes at 0 s and how often it decides
+    controllers: dict[str, tuple[Controller, Mapping[str, int], float]] = {
+        "static peak": (static(peak), peak, INTERVAL_S),
+        "static mean": (static(mean), mean, INTERVAL_S),
+        "HPA": (hpa(WINDOW_S), start, INTERVAL_S),
         # HPA with the utilization target a user would lower it to for the SLO
-        f"HPA {HPA_SLO_TARGET:g}": (hpa(WINDOW_S, HPA_SLO_TARGET), start),
-        "KEDA": (keda(), start),
-        "ours": (ours(config, log), start),
-        f"oracle held {window_s:g} s": (bound, start),
-        "oracle": (best, start),
+        f"HPA {HPA_SLO_TARGET:g}": (hpa(WINDOW_S, HPA_SLO_TARGET), start, INTERVAL_S),
+        "KEDA": (keda(), start, INTERVAL_S),
+        "ours": (ours(config, log), start, config.interval_s),
+        f"oracle held {window_s:g} s": (bound, start, INTERVAL_S),
+        "oracle": (best, start, INTERVAL_S),
     }
     results = {}
-    for name, (control, sizes_at_0) in controllers.items():
+    for name, (control, sizes_at_0, interval_s) in controllers.items():
         started = time.perf_counter()
-        interval_s = config.interval_s if name == "ours" else INTERVAL_S
         fleet = run(trace, curves, control, sizes_at_0, interval_s)
         results[name] = (fleet, score(fleet, slo, time.perf_counter() - started))
     return results

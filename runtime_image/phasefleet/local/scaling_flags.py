@@ -176,16 +176,15 @@ def scaling_config(
         pool: PoolLimits(low, high) for pool, (low, high) in bounds.items()
     }
     defaults = ScalingConfig(pools=pools)  # the CRD's defaults, for the flags not given
+    interval_s = _given(args.interval, defaults.interval_s)
     return ScalingConfig(
         pools=pools,
         ttft_s=args.ttft_ms / 1000 if args.ttft_ms else None,
         tpot_s=args.tpot_ms / 1000 if args.tpot_ms else None,
         percentile=_given(args.percentile, defaults.percentile),
         kv_cache_target=_given(args.kv_cache_target, defaults.kv_cache_target),
-        interval_s=_given(args.interval, defaults.interval_s),
-        signal_window_s=signal_window_seconds(
-            _given(args.interval, defaults.interval_s), args.signal_window
-        ),
+        interval_s=interval_s,
+        signal_window_s=signal_window_seconds(interval_s, args.signal_window),
         scale_down_stabilization_s=_given(
             args.scale_down_window, defaults.scale_down_stabilization_s
         ),
