@@ -242,6 +242,19 @@ def test_a_timing_lock_that_cannot_be_made_still_times_and_keeps_the_plan(
     assert "timing CPU linear plans without a lock" in caplog.text
 
 
+def test_a_filesystem_without_locks_still_times_and_keeps_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_locks(fd: object, op: int) -> None:
+        if op & fcntl.LOCK_NB:  # the timing lock; the file's own write lock still works
+            raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(linear_plan.fcntl, "flock", no_locks)
+    cache = PlanCache(tmp_path / "plans.json", {})
+    assert cache.get("k", constant(1.0, 2.0), rows=ROWS).paths() == {"onednn"}
+    assert cache.timed == 1 and "timing CPU linear plans without a lock" in caplog.text
+
+
 def test_the_key_names_what_a_timing_depends_on() -> None:
     key = plan_key(torch.empty(96, 64, dtype=torch.bfloat16), has_bias=True)
     assert f"torch {torch.__version__}|" in key
