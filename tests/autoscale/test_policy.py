@@ -618,15 +618,43 @@ def test_a_steady_pool_keeps_its_peak_ask_without_headroom() -> None:
 def test_headroom_rounds_to_the_nearest_replica_and_one_means_none() -> None:
     from phasefleet.autoscale.policy import _peak_floor
 
-    on_off = ((0.0, 0), (10.0, 7), (20.0, 5))
+    on_off = ((0.0, 7), (10.0, 0), (20.0, 5))
     assert _peak_floor(disaggregated(peak_headroom=1.0), on_off) == 7
     assert _peak_floor(disaggregated(peak_headroom=1.2), on_off) == 8  # 8.4
-    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 0), (5.0, 1))) == 1  # not 2
-    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 0), (5.0, 3))) == 5  # 4.5
-    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 0), (5.0, 2))) == 2  # 2.4
-    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 1), (5.0, 10))) == 15
-    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 2), (5.0, 10))) == 10  # steady
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 1), (5.0, 0))) == 1  # not 2
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 3), (5.0, 0))) == 5  # 4.5
+    assert _peak_floor(disaggregated(peak_headroom=1.2), ((0.0, 2), (5.0, 0))) == 2  # 2.4
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 10), (5.0, 1))) == 15
+    assert _peak_floor(disaggregated(peak_headroom=1.5), ((0.0, 10), (5.0, 2))) == 10  # steady
     assert _peak_floor(disaggregated(peak_headroom=1.5), ()) == 0
+
+
+def test_load_rising_from_silence_is_not_on_off_until_it_falls() -> None:
+    """Low asks before the peak (a new service's first requests, or the first decision after a
+    restart, before any arrived) are a rise, not bursts: no headroom until the asks fall to a
+    tenth of an earlier peak."""
+    from phasefleet.autoscale.policy import _on_off, _peak_floor
+
+    rise = ((0.0, 1), (5.0, 10), (10.0, 10), (15.0, 8))
+    assert not _on_off(rise)
+    assert _peak_floor(disaggregated(peak_headroom=1.5), rise) == 10
+    fallen = (*rise, (20.0, 1))
+    assert _on_off(fallen)
+    assert _peak_floor(disaggregated(peak_headroom=1.5), fallen) == 15
+    assert not _on_off(((0.0, 0), (5.0, 0)))  # silence throughout: no peak to fall from
+    assert _on_off(((0.0, 4), (5.0, 40), (10.0, 4)))  # a tenth of the peak, not of the first
+
+    config = disaggregated(peak_headroom=1.5, max_step=20, pools={
+        "prefill": PoolLimits(1, 40, 1), "decode": PoolLimits(1, 10, 1),
+    })  # fmt: skip
+    state, sizes = PolicyState(), {"prefill": 8, "decode": 2}
+    for k, busy in enumerate((0.0, 0.75, 0.75, 0.6)):  # asks 1 (nothing yet), 8, 8, 6
+        now = k * INTERVAL
+        reading = signals(now, calm_prefill(sizes["prefill"], busy=busy), calm_decode(2))
+        decision = decide(config, reading, sizes, state, now)
+        state, sizes = decision.state, {p: d.desired for p, d in decision.pools.items()}
+    assert sizes["prefill"] == 8, decision.pools["prefill"].reason  # not 12
+    assert "x 1 (steady load)" in decision.pools["prefill"].reason
 
 
 def test_a_hold_is_not_a_peak_so_headroom_never_feeds_on_itself() -> None:

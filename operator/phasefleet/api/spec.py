@@ -568,8 +568,8 @@ class AutoscalingSpec(ApiModel):
         default=1.5,
         ge=1.0,
         le=3.0,
-        description="A pool under on/off load (its asks over the down window fell to a tenth"
-        " of their peak) keeps at least its highest ask times this (burst memory; 1: no room"
+        description="A pool under on/off load (an ask over the down window fell to a tenth"
+        " of an earlier one) keeps at least its highest ask times this (burst memory; 1: no room"
         " over that ask). A pool under steady load keeps its highest ask as it is.",
     )
     gpu_budget: int | None = Field(

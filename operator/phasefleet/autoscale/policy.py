@@ -30,9 +30,10 @@ from phasefleet.autoscale.zero import to_and_from_zero
 # this over a second window as long: a peak lets go gradually, not all at once.
 TAIL_FLOOR = 0.5
 # Burst memory keeps peakHeadroom only for a pool whose load-signal asks over the down window
-# fell to this share of their peak or below: on/off load, silent between bursts whose next
+# fell to this share of an earlier peak or below: on/off load, silent between bursts whose next
 # one may be larger. A pool under steady load keeps its peak ask as it is (room there costs
-# GPU-hours and, in the replay, bought no attainment: bench/RESULTS.md, "Peak gauges").
+# GPU-hours and, in the replay, bought no attainment: bench/RESULTS.md, "Peak gauges"), and so
+# does one whose load rose from silence (a new service's first traffic) and has not fallen.
 ON_OFF_SHARE = 0.1
 EPSILON = 1e-6
 NO_LOAD_SIGNAL = "no load signal"
@@ -369,9 +370,14 @@ def _remember_peak(
 
 
 def _on_off(peaks: tuple[tuple[float, int], ...]) -> bool:
-    """Whether the asks fell to ON_OFF_SHARE of their peak or below over the window."""
-    top = max((n for _, n in peaks), default=0)
-    return min((n for _, n in peaks), default=0) <= top * ON_OFF_SHARE
+    """Whether an ask fell to ON_OFF_SHARE of an earlier one or below over the window. Low asks
+    before the peak are a rise from silence, which says nothing yet of bursts to come."""
+    top = 0
+    for _, n in peaks:
+        if top and n <= top * ON_OFF_SHARE:
+            return True
+        top = max(top, n)
+    return False
 
 
 def _headroom(config: ScalingConfig, peaks: tuple[tuple[float, int], ...]) -> float:
