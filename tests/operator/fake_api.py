@@ -31,6 +31,7 @@ class FakeApi:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) of each change
+        self.reads: list[tuple[str, str]] = []  # (verb, kind) of each get and list
         self.applies: list[tuple[str, str]] = []  # (kind, name) of every apply call
         self.refuse: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, name) -> HTTP error
         self.events: list[dict[str, Any]] = []
@@ -53,6 +54,7 @@ class FakeApi:
         return obj
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads.append(("get", kind))
         if kind in self.refuse_gets:
             raise Rejected(f"GET {kind}/{name}", 403, f"{kind.lower()}s is forbidden")
         obj = self.objects.get((kind, namespace, name))
@@ -60,6 +62,7 @@ class FakeApi:
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """As kube.Kube.list: items carry apiVersion and kind."""
+        self.reads.append(("list", kind))
         label, value = label_selector.split("=")
         return [
             copy.deepcopy(o)

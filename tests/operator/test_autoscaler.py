@@ -335,20 +335,33 @@ def test_a_step_before_the_pools_exist_does_nothing():
 
 
 def test_scrape_targets_are_the_serving_pods_by_ip():
-    api = FakeApi()
-    for pod in (
+    pods = [
         make_pod("r", "router"),
         make_pod("p-1", "prefill"),
         make_pod("p-22", "prefill", ready=False),
         make_pod("d-333", "decode"),
-    ):
-        api.add(pod)
-    targets = scrape_targets(api, NAMESPACE, "llm", ["prefill", "decode"])
+    ]
+    targets = scrape_targets(pods, ["prefill", "decode"])
     assert targets.routers == ("http://10.1.0.1:8000",)
     assert targets.workers == {
         "prefill": {"p-1": "http://10.1.0.3:8000"},
         "decode": {"d-333": "http://10.1.0.5:8000"},
     }
+
+
+def test_a_scraping_step_reads_the_service_its_deployments_and_its_pods_once_each():
+    """API load: a step is three reads however it gets its metrics (the scrape's targets come
+    from the step's own list of pods)."""
+    api, _ = service()
+    for pod in (make_pod("r", "router", ready=False), make_pod("p-1", "prefill", ready=False)):
+        api.add(pod)
+    scaler = ServiceAutoscaler(api, NAMESPACE, "llm")  # no Prometheus: scrapes the pods
+    api.reads.clear()
+    step = scaler.step(T0)
+    assert step.decision is not None and not step.decision.metrics_available
+    assert sorted(api.reads) == [
+        ("get", "InferenceService"), ("list", "Deployment"), ("list", "Pod"),
+    ]  # fmt: skip
 
 
 def test_the_daemon_runs_only_while_autoscaling_is_enabled():

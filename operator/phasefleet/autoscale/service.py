@@ -89,11 +89,12 @@ def starting(
     )
 
 
-def scrape_targets(api: Api, namespace: str, name: str, roles: list[str]) -> ScrapeTargets:
-    """The service's serving router and worker pods, by pod IP (ScrapeSource's targets)."""
+def scrape_targets(pods: list[dict[str, Any]], roles: list[str]) -> ScrapeTargets:
+    """The service's serving router and worker pods, by pod IP (ScrapeSource's targets), from
+    the step's own list of the service's pods."""
     routers: list[str] = []
     workers: dict[str, dict[str, str]] = {role: {} for role in roles}
-    for pod in api.list("Pod", namespace, f"{ISVC_LABEL}={name}"):
+    for pod in pods:
         ip = (pod.get("status") or {}).get("podIP")
         role = _role(pod)
         if not ip or not serving(pod):
@@ -128,6 +129,7 @@ class ServiceAutoscaler:
         self._source_key: tuple[Any, ...] = ()
         self._written: dict[str, Any] | None = None  # the status last applied
         self._leaving: frozenset[str] = frozenset()  # worker pods being deleted, at this step
+        self._pods: list[dict[str, Any]] = []  # the service's pods, as this step listed them
 
     @property
     def source_name(self) -> str:
@@ -151,7 +153,7 @@ class ServiceAutoscaler:
             )  # fmt: skip
         else:
             self._source = ScrapeSource(
-                lambda: scrape_targets(self.api, self.namespace, self.name, roles),
+                lambda: scrape_targets(self._pods, roles),
                 percentile=config.percentile,
                 window_s=window_s,
             )
@@ -176,6 +178,7 @@ class ServiceAutoscaler:
             return Step(interval_s=config.interval_s, skipped="pools not created yet")
         current = {role: int(d["spec"].get("replicas") or 0) for role, d in deployments.items()}
         pods = self.api.list("Pod", self.namespace, f"{ISVC_LABEL}={self.name}")
+        self._pods = pods  # the scrape's targets too: one list of pods a step
         workers = [p for p in pods if _role(p) in current]
         self._leaving = frozenset(
             p["metadata"]["name"] for p in workers if p["metadata"].get("deletionTimestamp")
