@@ -364,6 +364,59 @@ def test_a_scraping_step_reads_the_service_its_deployments_and_its_pods_once_eac
     ]  # fmt: skip
 
 
+def test_a_step_given_the_watch_caches_view_reads_no_api_and_decides_the_same():
+    """The operator's daemon passes the service, Deployments and pods from kopf's watches: the
+    step then makes no API read, and decides as it would have from the API server."""
+    from phasefleet.autoscale.service import read_view
+
+    decisions = []
+    for from_cache in (False, True):
+        api, _ = service()
+        api.add(make_pod("p-1", "prefill"))
+        scaler = ServiceAutoscaler(api, NAMESPACE, "llm", source=FakeSource(make_signals(T0, 0.4)))
+        view = read_view(api, NAMESPACE, "llm") if from_cache else None
+        api.reads.clear()
+        step = scaler.step(T0, view)
+        assert step.decision is not None
+        decisions.append(step.decision.pools)
+        assert api.reads == ([] if from_cache else [
+            ("get", "InferenceService"), ("list", "Deployment"), ("list", "Pod"),
+        ])  # fmt: skip
+    assert decisions[0] == decisions[1]
+    assert decisions[1]["prefill"].desired == 3
+
+
+def test_the_daemons_indexes_key_deployments_and_pods_by_their_service():
+    import kopf
+
+    from phasefleet.operator.autoscaling import cluster_view, service_deployments, service_pods
+
+    pod = make_pod("p-1", "prefill")
+    entry = service_pods(kopf.Body(cast(kopf.RawBody, pod)))
+    assert entry == {(NAMESPACE, "llm"): pod}
+    api, body = service()
+    deployment_body = deployment(api, "prefill")
+    assert list(service_deployments(kopf.Body(cast(kopf.RawBody, deployment_body)))) == [
+        (NAMESPACE, "llm")
+    ]
+    indexes = {  # kopf's Index: key -> a collection of the objects' values
+        "deployments": {(NAMESPACE, "llm"): [deployment_body], (NAMESPACE, "other"): [{}]},
+        "pods": {(NAMESPACE, "llm"): [pod]},
+    }
+    view = cluster_view(
+        kopf.Body(cast(kopf.RawBody, body)),
+        cast(kopf.Index[Any, Any], indexes["deployments"]),
+        cast(kopf.Index[Any, Any], indexes["pods"]),
+    )
+    assert view.service == body and view.deployments == [deployment_body] and view.pods == [pod]
+    empty = cluster_view(
+        kopf.Body(cast(kopf.RawBody, body)),
+        cast(kopf.Index[Any, Any], {}),
+        cast(kopf.Index[Any, Any], {}),
+    )
+    assert empty.deployments == [] and empty.pods == []
+
+
 def test_the_daemon_runs_only_while_autoscaling_is_enabled():
     import kopf
 

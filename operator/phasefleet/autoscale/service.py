@@ -50,6 +50,26 @@ class Source(Protocol):
 
 
 @dataclass(frozen=True)
+class ClusterView:
+    """What a step reads from the cluster: the service, its Deployments and its pods (all the
+    objects labelled with its name). The operator's daemon passes its watch caches' copies;
+    without one, the step reads them from the API server (three reads)."""
+
+    service: dict[str, Any] | None  # None: the service is gone
+    deployments: list[dict[str, Any]]
+    pods: list[dict[str, Any]]
+
+
+def read_view(api: Api, namespace: str, name: str) -> ClusterView:
+    selector = f"{ISVC_LABEL}={name}"
+    return ClusterView(
+        api.get(KIND, namespace, name),
+        api.list("Deployment", namespace, selector),
+        api.list("Pod", namespace, selector),
+    )
+
+
+@dataclass(frozen=True)
 class Step:
     interval_s: float  # seconds until the next step
     decision: Decision | None = None  # None: no decision this time (`skipped` says why)
@@ -106,6 +126,15 @@ def scrape_targets(pods: list[dict[str, Any]], roles: list[str]) -> ScrapeTarget
     return ScrapeTargets(routers=tuple(sorted(routers)), workers=workers)
 
 
+def pools_of(
+    owner: Owner, name: str, deployments: list[dict[str, Any]], config: ScalingConfig
+) -> dict[str, dict[str, Any]]:
+    """The service's pool Deployments by role, of those it owns."""
+    found = {d["metadata"]["name"]: d for d in deployments if is_owned_by(d, owner)}
+    names = {role: child_name(name, role) for role in config.pools}
+    return {role: found[n] for role, n in names.items() if n in found}
+
+
 class ServiceAutoscaler:
     """`prometheus_url`: read PromQL there (the chart's prometheus.url); None: scrape the pods.
     `source` replaces both (tests)."""
@@ -160,9 +189,11 @@ class ServiceAutoscaler:
         self._source_key = key
         return self._source
 
-    def step(self, now: float) -> Step:
-        """One decision; `now` is seconds since the epoch. Raises kube.Transient / Rejected."""
-        body = self.api.get(KIND, self.namespace, self.name)
+    def step(self, now: float, view: ClusterView | None = None) -> Step:
+        """One decision; `now` is seconds since the epoch, `view` the cluster's objects (None:
+        read them from the API server). Raises kube.Transient / Rejected."""
+        view = view or read_view(self.api, self.namespace, self.name)
+        body = view.service
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Step(interval_s=RETRY_S, skipped="the InferenceService is gone")
         try:
@@ -172,13 +203,12 @@ class ServiceAutoscaler:
         config = ScalingConfig.from_spec(spec)
         if not spec.autoscaling.enabled:
             return Step(interval_s=config.interval_s, skipped="autoscaling is off")
-        owner = Owner.from_body(body)
-        deployments = self._deployments(owner, list(config.pools))
+        deployments = pools_of(Owner.from_body(body), self.name, view.deployments, config)
         if len(deployments) < len(config.pools):
             return Step(interval_s=config.interval_s, skipped="pools not created yet")
         current = {role: int(d["spec"].get("replicas") or 0) for role, d in deployments.items()}
-        pods = self.api.list("Pod", self.namespace, f"{ISVC_LABEL}={self.name}")
-        self._pods = pods  # the scrape's targets too: one list of pods a step
+        pods = view.pods
+        self._pods = pods  # the scrape's targets too
         workers = [p for p in pods if _role(p) in current]
         self._leaving = frozenset(
             p["metadata"]["name"] for p in workers if p["metadata"].get("deletionTimestamp")
@@ -225,15 +255,6 @@ class ServiceAutoscaler:
             "metadata": {"name": self.name, "namespace": self.namespace},
             "status": status,
         }
-
-    def _deployments(self, owner: Owner, roles: list[str]) -> dict[str, dict[str, Any]]:
-        found = {
-            d["metadata"]["name"]: d
-            for d in self.api.list("Deployment", self.namespace, f"{ISVC_LABEL}={self.name}")
-            if is_owned_by(d, owner)
-        }
-        names = {role: child_name(self.name, role) for role in roles}
-        return {role: found[name] for role, name in names.items() if name in found}
 
     def _act(
         self,

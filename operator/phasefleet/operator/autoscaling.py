@@ -8,6 +8,11 @@ worker thread, so idle daemons hold no thread of kopf's pool (which the reconcil
 share). kopf stops it when autoscaling is turned off (the `when` filter stops matching), when
 the service is deleted, and when the operator exits; like every kopf daemon it puts kopf's
 finalizer on the service while it runs.
+
+A step reads no API: the service is the daemon's live body, and its Deployments and pods come
+from two kopf indexes kept by the watches the operator runs anyway (children and pods, by the
+service label). kopf fills the indexes before any daemon starts; each step copies what it
+needs on the event loop, then decides in a worker thread.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import Any
 
 import kopf
 
+from phasefleet.api.contract import ISVC_LABEL
 from phasefleet.api.crd import GROUP, PLURAL, VERSION
 from phasefleet.autoscale.report import summary
-from phasefleet.autoscale.service import ServiceAutoscaler
+from phasefleet.autoscale.service import ClusterView, ServiceAutoscaler
+from phasefleet.operator.handlers import PODS, plain
 from phasefleet.operator.kube import Gone, Rejected, Transient
 from phasefleet.operator.metrics import AUTOSCALER_METRICS
 
@@ -34,10 +41,35 @@ def autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
     return bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
+def _by_service(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
+    """An index entry: the object, as a plain dict, under (namespace, its service's name)."""
+    labels = body.metadata.labels or {}
+    return {(body.metadata.namespace or "", labels.get(ISVC_LABEL, "")): plain(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels={ISVC_LABEL: kopf.PRESENT})
+def service_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return _by_service(body)
+
+
+@kopf.index(*PODS, labels={ISVC_LABEL: kopf.PRESENT})
+def service_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return _by_service(body)
+
+
+def cluster_view(body: kopf.Body, deployments: kopf.Index, pods: kopf.Index) -> ClusterView:
+    """The step's objects, copied from the live body and the indexes (on the event loop, where
+    kopf updates them)."""
+    key = (body.metadata.namespace or "", body.metadata.name or "")
+    return ClusterView(plain(body), list(deployments.get(key, ())), list(pods.get(key, ())))
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, when=autoscaling_enabled, cancellation_backoff=10.0)
 async def autoscale(
-    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
 ) -> None:
+    deployments: kopf.Index = kwargs["service_deployments"]  # kopf passes indexes by name
+    pods: kopf.Index = kwargs["service_pods"]
     namespace, name = body.metadata.namespace or "", body.metadata.name or ""
     scaler = ServiceAutoscaler(memo.api, namespace, name, getattr(memo, "prometheus_url", None))
     where = f"{namespace}/{name}"
@@ -47,7 +79,8 @@ async def autoscale(
     while not stopped:
         started = time.monotonic()
         try:
-            step = await asyncio.to_thread(scaler.step, time.time())
+            view = cluster_view(body, deployments, pods)
+            step = await asyncio.to_thread(scaler.step, time.time(), view)
         except (Transient, Rejected, Gone) as exc:
             log.warning(
                 "autoscaler %s: step failed, retrying in %.0f s: %s", where, RETRY_SECONDS, exc
