@@ -389,14 +389,14 @@ def test_a_step_given_the_watch_caches_view_reads_no_api_and_decides_the_same():
 def test_the_daemons_indexes_key_deployments_and_pods_by_their_service():
     import kopf
 
-    from phasefleet.operator.autoscaling import cluster_view, service_deployments, service_pods
+    from phasefleet.operator.autoscaling import cluster_view, indexed_by_service
 
     pod = make_pod("p-1", "prefill")
-    entry = service_pods(kopf.Body(cast(kopf.RawBody, pod)))
+    entry = indexed_by_service(kopf.Body(cast(kopf.RawBody, pod)))
     assert entry == {(NAMESPACE, "llm"): pod}
     api, body = service()
     deployment_body = deployment(api, "prefill")
-    assert list(service_deployments(kopf.Body(cast(kopf.RawBody, deployment_body)))) == [
+    assert list(indexed_by_service(kopf.Body(cast(kopf.RawBody, deployment_body)))) == [
         (NAMESPACE, "llm")
     ]
     indexes = {  # kopf's Index: key -> a collection of the objects' values

@@ -41,7 +41,7 @@ def autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
     return bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
-def _by_service(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
+def indexed_by_service(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
     """An index entry: the object, as a plain dict, under (namespace, its service's name)."""
     labels = body.metadata.labels or {}
     return {(body.metadata.namespace or "", labels.get(ISVC_LABEL, "")): plain(body)}
@@ -49,12 +49,12 @@ def _by_service(body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
 
 @kopf.index("apps", "v1", "deployments", labels={ISVC_LABEL: kopf.PRESENT})
 def service_deployments(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return _by_service(body)
+    return indexed_by_service(body)
 
 
 @kopf.index(*PODS, labels={ISVC_LABEL: kopf.PRESENT})
 def service_pods(body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return _by_service(body)
+    return indexed_by_service(body)
 
 
 def cluster_view(body: kopf.Body, deployments: kopf.Index, pods: kopf.Index) -> ClusterView:
