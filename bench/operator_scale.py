@@ -10,6 +10,15 @@ Starts the e2e control plane, installs the chart (operator Deployment at 0) and 
 3. restarts the operator and counts writes again (resume must be idempotent);
 4. reports the operator's resident memory (steady and peak).
 
+`--load-seconds S`: after the writes are counted, S seconds of the settled fleet's API load,
+as the API server's own request counts by verb and resource (`apiserver_request_total`: the
+control plane's requests too), the operator's API bytes and its CPU time. With
+`--autoscaled`, every service has `spec.autoscaling.enabled` (decisions every 5 s, the
+default) and the operator reads metrics from a Prometheus URL where nothing listens (KWOK's
+pods serve no /metrics), so the load is the autoscalers' own.
+
+    .venv/bin/python bench/operator_scale.py --count 50 --unrelated 0 --load-seconds 60 --autoscaled
+
 Before the operator starts, `--unrelated` Deployments (replicas 0, no phasefleet label) are
 created in another namespace, and after the services are Ready every one of them is
 annotated: a cluster's other workloads. The operator watches its children through a
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import socket
 import statistics
@@ -51,16 +61,41 @@ NOISE_NAMESPACE = "noise"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
-def service(i: int) -> dict[str, Any]:
+def service(i: int, autoscaled: bool = False) -> dict[str, Any]:
     # No resource requests and a toleration: the workers spread over all three KWOK nodes
     # (110 pods each), the routers land on the CPU node.
     pool = {"replicas": 1, "tolerations": [GPU_TOLERATION]}
+    spec: dict[str, Any] = {
+        "model": {"image": {"path": "/models/tiny"}}, "prefill": pool, "decode": pool,
+    }  # fmt: skip
+    if autoscaled:
+        spec["autoscaling"] = {"enabled": True}
     return {
         "apiVersion": "serving.phasefleet.dev/v1alpha1",
         "kind": "InferenceService",
         "metadata": {"name": f"svc-{i:03d}"},
-        "spec": {"model": {"image": {"path": "/models/tiny"}}, "prefill": pool, "decode": pool},
+        "spec": spec,
     }
+
+
+def request_counts(cluster: ControlPlane) -> dict[str, float]:
+    """The API server's requests so far by "VERB resource" (apiserver_request_total)."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+        sub = f"/{labels['subresource']}" if labels.get("subresource") else ""
+        key = f"{labels['verb']} {labels['resource']}{sub}"
+        counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def unrelated_deployment(i: int) -> dict[str, Any]:
@@ -131,6 +166,12 @@ class CountingProxy:
         kubeconfig.write_text(json.dumps(config))
 
 
+def closed_port() -> int:
+    """A local port where nothing listens (as the e2e tests find free ones)."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        return int(sock.getsockname()[1])
+
+
 def api_port(kubeconfig: Path) -> int:
     server = json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     return int(server.rsplit(":", 1)[1])
@@ -162,6 +203,23 @@ def observed(cluster: ControlPlane) -> tuple[set[str], set[str]]:
     return handled, ready
 
 
+def wait_idle(operator: Operator, quiet_s: float = 10.0, timeout_s: float = 900.0) -> float:
+    """Waits until the operator has run no event handler for `quiet_s` (kopf logs each one):
+    every child's and pod's event after a create runs its owner's pass, so the operator is
+    busy well after the last service is Ready. Returns that moment (monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    last, last_change = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        handled = operator.log().count("Handler '")
+        now = time.monotonic()
+        if handled != last:
+            last, last_change = handled, now
+        elif now - last_change >= quiet_s:
+            return last_change
+        time.sleep(1.0)
+    raise TimeoutError(f"the operator ran event handlers for {timeout_s:.0f} s")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -172,6 +230,10 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=50)
     parser.add_argument("--settle-seconds", type=float, default=30.0)
     parser.add_argument("--unrelated", type=int, default=500, help="other Deployments")
+    parser.add_argument(
+        "--load-seconds", type=float, default=0.0, help="measure the settled API load this long"
+    )
+    parser.add_argument("--autoscaled", action="store_true", help="autoscale every service")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="phasefleet-bench-"))
@@ -189,7 +251,8 @@ def main() -> int:
         kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
         proxy = CountingProxy(api_port(kubeconfig))
         proxy.route(kubeconfig)
-        operator = Operator(cluster, kubeconfig, workdir)
+        flags = ["--prometheus-url", f"http://127.0.0.1:{closed_port()}"] if args.autoscaled else []
+        operator = Operator(cluster, kubeconfig, workdir, *flags)
         operator.start()
         time.sleep(5)  # initial lists and watches are done
         idle_rss = operator.rss_mib()
@@ -197,7 +260,9 @@ def main() -> int:
 
         created: dict[str, float] = {}
         ready_at: dict[str, float] = {}
-        manifest = "\n---\n".join(json.dumps(service(i)) for i in range(args.count))
+        manifest = "\n---\n".join(
+            json.dumps(service(i, args.autoscaled)) for i in range(args.count)
+        )
         start = time.monotonic()
         cluster.kubectl("create", "-n", NAMESPACE, "-f", "-", input=manifest)
         for i in range(args.count):
@@ -223,10 +288,28 @@ def main() -> int:
             float(m) for m in re.findall(r"reconciled \(create\) in ([0-9.]+)s", operator.log())
         ]
 
-        time.sleep(5)
+        idle_after = wait_idle(operator) - start
         before = versions(cluster)
         time.sleep(args.settle_seconds)
         settled_writes = sum(1 for k, v in versions(cluster).items() if before.get(k) != v)
+
+        load: dict[str, float] = {}
+        if args.load_seconds:
+            requests_before, bytes_before = request_counts(cluster), proxy.total()
+            pid = operator.component.pid
+            assert pid is not None
+            cpu_before, load_start = cpu_seconds(pid), time.monotonic()
+            time.sleep(args.load_seconds)
+            elapsed = time.monotonic() - load_start
+            cpu = cpu_seconds(pid) - cpu_before
+            after = request_counts(cluster)
+            load = {
+                key: (after[key] - requests_before.get(key, 0.0)) / elapsed
+                for key in after
+                if after[key] > requests_before.get(key, 0.0)
+            }
+            load["operator API bytes"] = (proxy.total() - bytes_before) / elapsed
+            load["operator CPU share of a core"] = cpu / elapsed
 
         bytes_before = proxy.total()
         churn_start = time.monotonic()
@@ -282,9 +365,17 @@ def main() -> int:
             f"| operator reconcile (create handler) p50 / p95 / max | "
             f"{statistics.median(ms):.0f} / {percentile(ms, 0.95):.0f} / {max(ms):.0f} ms |"
         )
+    print(f"| operator idle after create (its last event handler) | {idle_after:.1f} s |")
     print(f"| writes while settled ({args.settle_seconds:.0f} s) | {settled_writes} |")
     print(f"| operator restart: all {args.count} resumed after | {resumed:.1f} s |")
     print(f"| writes caused by the restart | {restart_writes} |")
+    if load:
+        what = "autoscaled" if args.autoscaled else "not autoscaled"
+        print(f"\n### API load: {args.count} services, {what}, {args.load_seconds:.0f} s\n")
+        print("| what | per second |")
+        print("|---|---|")
+        for key, value in sorted(load.items(), key=lambda kv: -kv[1]):
+            print(f"| {key} | {value:,.2f} |")
     rss = f"{idle_rss:.0f} / {loaded_rss:.0f} / {peak_rss:.0f} / {restarted_rss:.0f}"
     print(f"| operator RSS: idle / {args.count} Ready / peak / after restart | {rss} MiB |")
     print(f"| operator API traffic, start until idle (5 s) | {startup_bytes:,} bytes |")
