@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir  # noqa: E402
+from e2e.harness.process import free_port  # noqa: E402
 from e2e.harness.wait import wait_for  # noqa: E402
 from e2e.test_operator_support import (  # noqa: E402
     Operator,
@@ -166,12 +167,6 @@ class CountingProxy:
         kubeconfig.write_text(json.dumps(config))
 
 
-def closed_port() -> int:
-    """A local port where nothing listens (as the e2e tests find free ones)."""
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return int(sock.getsockname()[1])
-
-
 def api_port(kubeconfig: Path) -> int:
     server = json.loads(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     return int(server.rsplit(":", 1)[1])
@@ -251,7 +246,7 @@ def main() -> int:
         kubeconfig = service_account_kubeconfig(cluster, workdir / "operator.kubeconfig")
         proxy = CountingProxy(api_port(kubeconfig))
         proxy.route(kubeconfig)
-        flags = ["--prometheus-url", f"http://127.0.0.1:{closed_port()}"] if args.autoscaled else []
+        flags = ["--prometheus-url", f"http://127.0.0.1:{free_port()}"] if args.autoscaled else []
         operator = Operator(cluster, kubeconfig, workdir, *flags)
         operator.start()
         time.sleep(5)  # initial lists and watches are done
@@ -369,13 +364,6 @@ def main() -> int:
     print(f"| writes while settled ({args.settle_seconds:.0f} s) | {settled_writes} |")
     print(f"| operator restart: all {args.count} resumed after | {resumed:.1f} s |")
     print(f"| writes caused by the restart | {restart_writes} |")
-    if load:
-        what = "autoscaled" if args.autoscaled else "not autoscaled"
-        print(f"\n### API load: {args.count} services, {what}, {args.load_seconds:.0f} s\n")
-        print("| what | per second |")
-        print("|---|---|")
-        for key, value in sorted(load.items(), key=lambda kv: -kv[1]):
-            print(f"| {key} | {value:,.2f} |")
     rss = f"{idle_rss:.0f} / {loaded_rss:.0f} / {peak_rss:.0f} / {restarted_rss:.0f}"
     print(f"| operator RSS: idle / {args.count} Ready / peak / after restart | {rss} MiB |")
     print(f"| operator API traffic, start until idle (5 s) | {startup_bytes:,} bytes |")
@@ -384,6 +372,13 @@ def main() -> int:
         f" ({churn_seconds:.0f} s) / the same time quiet"
         f" | {churn_bytes:,} / {quiet_bytes:,} bytes |"
     )
+    if load:
+        what = "autoscaled" if args.autoscaled else "not autoscaled"
+        print(f"\n### API load: {args.count} services, {what}, {args.load_seconds:.0f} s\n")
+        print("| what | per second |")
+        print("|---|---|")
+        for key, value in sorted(load.items(), key=lambda kv: -kv[1]):
+            print(f"| {key} | {value:,.2f} |")
     return 0
 
 
