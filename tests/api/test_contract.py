@@ -60,7 +60,7 @@ def test_worker_metrics_expose_every_contract_name():
         and isinstance(value, str)
         and not attr.startswith(("AUTOSCALER_", "ROUTER_"))  # the operator's, the router's
     ]
-    assert len(names) == 26
+    assert len(names) == 27
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name

@@ -4,11 +4,13 @@ the device the engine runs on (PHASEFLEET_TEST_DEVICE)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request
@@ -62,6 +64,9 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_caching: bool = True,
     eos_token_ids: tuple[int, ...] = (),
+    clock: Callable[[], float] = lambda: 123.0,
+    late_after_s: float | None = None,
+    late_limit_s: float = DEFAULT_LATE_LIMIT_S,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     return Scheduler(
@@ -70,7 +75,9 @@ def make_scheduler(
         max_num_seqs,
         max_model_len,
         eos_token_ids=eos_token_ids,
-        clock=lambda: 123.0,
+        clock=clock,
+        late_after_s=late_after_s,
+        late_limit_s=late_limit_s,
     )
 
 

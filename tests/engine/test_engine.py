@@ -199,6 +199,30 @@ def test_waiting_and_pending_prefill_stats(tiny_model: ModelPath) -> None:
     assert stats.prefill_tokens_waiting == 5  # the queued prompt: the autoscaler's backlog too
 
 
+def test_a_prompt_past_the_ttft_target_is_served_after_a_fresh_one(tiny_model: ModelPath) -> None:
+    """late_after_s (the worker's --late-after-ms): a prompt that waited 5 s, past a 1 s
+    target, gets its first token after one that just arrived; it is still answered in full."""
+    config = engine_config(tiny_model("llama"), max_num_seqs=1, late_after_s=1.0)
+    eng = LLMEngine(config)
+    old, fresh = random_prompts([8, 8], seed=15)
+    eng.add_request("old", old, greedy(2), arrival_time=time.monotonic() - 5.0)
+    eng.add_request("fresh", fresh, greedy(2))
+    first: list[str] = []
+    done: dict[str, RequestOutput] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id not in first:
+                first.append(out.request_id)
+            if out.finished:
+                done[out.request_id] = out
+    assert first == ["fresh", "old"]
+    assert len(done["old"].output_token_ids) == 2 and eng.stats().late_prompts_total == 1
+    fcfs = LLMEngine(engine_config(tiny_model("llama"), max_num_seqs=1))
+    fcfs.add_request("old", old, greedy(2), arrival_time=time.monotonic() - 5.0)
+    fcfs.add_request("fresh", fresh, greedy(2))
+    assert fcfs.step()[0].request_id == "old"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(tiny_model: ModelPath, dtype: str) -> None:
     config = EngineConfig(model=str(tiny_model("qwen2")), device="cpu", dtype=dtype)

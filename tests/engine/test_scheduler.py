@@ -184,3 +184,62 @@ def test_first_scheduled_time_and_prompt_counter() -> None:
     assert r.first_scheduled_time == 123.0
     assert sched.prompt_tokens_total == 5
     assert sched.generation_tokens_total == 1
+
+
+def admission_order(sched: Scheduler) -> list[str]:
+    """The requests in the order they are first admitted, one a step."""
+    order: list[str] = []
+    while sched.waiting:
+        order += run_step(sched).admitted
+    return order
+
+
+def late_scheduler(late_limit_s: float = 60.0) -> Scheduler:
+    """TTFT target 1 s, the clock at 5.8 s; r0-r3 arrived at 0, 0.5, 5 and 5.5 s, and each
+    prompt takes a whole step's budget, so one is admitted a step."""
+    sched = make_scheduler(
+        num_blocks=64,
+        max_num_batched_tokens=8,
+        clock=lambda: 5.8,
+        late_after_s=1.0,
+        late_limit_s=late_limit_s,
+    )
+    for r, arrived in zip(make_requests(4, 8, max_tokens=1), (0.0, 0.5, 5.0, 5.5), strict=True):
+        r.arrival_time = arrived
+        sched.add_request(r)
+    return sched
+
+
+def test_late_prompts_go_behind_the_ones_that_can_still_meet_the_target() -> None:
+    sched = late_scheduler()
+    assert admission_order(sched) == ["r2", "r3", "r0", "r1"]
+    assert sched.late_prompts_total == 2  # counted once, though they waited several steps
+
+
+def test_a_late_prompt_waiting_past_the_limit_is_served_in_its_turn() -> None:
+    sched = late_scheduler(late_limit_s=5.5)  # r0 has waited 5.8 s, r1 5.3 s
+    assert admission_order(sched) == ["r0", "r2", "r3", "r1"]
+    assert sched.late_prompts_total == 1
+
+
+def test_without_a_ttft_target_the_queue_is_first_come_first_served() -> None:
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=8, clock=lambda: 5.8)
+    for r, arrived in zip(make_requests(3, 8, max_tokens=1), (0.0, 5.0, 5.5), strict=True):
+        r.arrival_time = arrived
+        sched.add_request(r)
+    assert admission_order(sched) == ["r0", "r1", "r2"]
+    assert sched.late_prompts_total == 0
+
+
+def test_requests_past_their_first_token_are_never_late() -> None:
+    """A request handed over with its first token (a decode worker's) or carrying KV keeps its
+    place: its time to first token was the prefill worker's."""
+    sched = late_scheduler()
+    handed, importing = make_requests(2, 8, max_tokens=4, prefix="h")
+    handed.output_token_ids = [5]
+    importing.num_imported_tokens = 4
+    for r in (handed, importing):
+        r.arrival_time = 0.0
+    sched.waiting.extendleft([importing, handed])
+    sched.requests.update({r.request_id: r for r in (handed, importing)})
+    assert admission_order(sched)[:4] == ["h0", "h1", "r2", "r3"]

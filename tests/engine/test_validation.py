@@ -75,6 +75,8 @@ def test_the_bounds_themselves_are_valid() -> None:
         (dict(max_model_len=-5), "max_model_len"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(late_after_s=0.0), "late_after_s"),
+        (dict(late_after_s=2.0, late_limit_s=1.0), "late_limit_s"),
     ],
 )
 def test_engine_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:

@@ -73,6 +73,8 @@ class WorkerFlag:
     BOUNDARY_IDLE_MIN_TOKENS = "--boundary-idle-min-tokens"
     BOUNDARY_LOCAL_MAX_TOKENS = "--boundary-local-max-tokens"
     TPOT_TARGET_MS = "--tpot-target-ms"
+    LATE_AFTER_MS = "--late-after-ms"  # the TTFT target: late prompts last
+    LATE_LIMIT_S = "--late-limit-s"
     TENSOR_PARALLEL_SIZE = "--tensor-parallel-size"
 
 
@@ -96,6 +98,9 @@ CPU_LINEAR_CACHE_ENV = "PHASEFLEET_CPU_LINEAR_CACHE"  # the plans file; empty: n
 # A prompt with fewer uncached tokens than this is prefilled by the decode worker itself (a
 # transfer would cost more than it saves): the worker flag's and the CRD field's one default.
 DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512
+# a prompt that has waited past the TTFT target goes behind on-time ones at most this long
+# (engine/scheduler.py, late prompts last; the simulator's replicas alike)
+DEFAULT_LATE_LIMIT_S = 60.0
 
 
 class RouterFlag:
@@ -136,6 +141,7 @@ class Metric:
     PROMPT_TOKENS_TOTAL = "phasefleet_prompt_tokens_total"
     GENERATION_TOKENS_TOTAL = "phasefleet_generation_tokens_total"
     NUM_PREEMPTIONS_TOTAL = "phasefleet_num_preemptions_total"
+    LATE_PROMPTS_TOTAL = "phasefleet_late_prompts_total"  # moved behind on-time prompts
     PREFIX_CACHE_QUERIES_TOTAL = "phasefleet_prefix_cache_queries_total"
     PREFIX_CACHE_HITS_TOTAL = "phasefleet_prefix_cache_hits_total"
     KV_TRANSFER_SECONDS = "phasefleet_kv_transfer_seconds"  # one hand-off's stream, decode side

@@ -276,6 +276,15 @@ class RuntimeSpec(ApiModel):
             " prompts from 128 tokens go to an idle prefill worker."
         ),
     )
+    late_prompts_last: bool = Field(
+        default=True,
+        description=(
+            "With slo.ttftMs: a prompt that has waited longer than the target (it has missed"
+            " it) goes behind the prompts that can still meet it, for up to 60 s; under a"
+            " burst more prompts meet the target and none is dropped. false: first come,"
+            " first served."
+        ),
+    )
     kv_lease_seconds: int = Field(
         default=30,
         ge=1,

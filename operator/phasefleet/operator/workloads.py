@@ -132,6 +132,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
             args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)
         if spec.slo.tpot_ms is not None:
             args += [WorkerFlag.TPOT_TARGET_MS, str(spec.slo.tpot_ms)]
+    if spec.runtime.late_prompts_last and spec.slo.ttft_ms is not None:
+        args += [WorkerFlag.LATE_AFTER_MS, str(spec.slo.ttft_ms)]
     return args + list(spec.runtime.extra_args)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -46,6 +48,13 @@ class EngineConfig:
     kv_lease_seconds: float = 30.0
     """How long a finished prefill keeps its KV blocks for the decode worker to pull, seconds."""
 
+    # -- late prompts last (engine/scheduler.py) --
+    late_after_s: float | None = None
+    """The TTFT target: a prompt that has waited longer goes behind those that have not;
+    None: first come, first served."""
+    late_limit_s: float = DEFAULT_LATE_LIMIT_S
+    """After this long waiting, a late prompt is served in its turn again, seconds."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot work."""
         if not self.model:
@@ -67,6 +76,13 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         if not self.kv_lease_seconds > 0:
             raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds!r}")
+        if self.late_after_s is not None and not self.late_after_s > 0:
+            raise ValueError(f"late_after_s must be > 0 or None, got {self.late_after_s!r}")
+        if not self.late_limit_s > (self.late_after_s or 0.0):
+            raise ValueError(
+                f"late_limit_s must be > late_after_s ({self.late_after_s}),"
+                f" got {self.late_limit_s!r}"
+            )
 
 
 def _positive(name: str, value: int) -> None:

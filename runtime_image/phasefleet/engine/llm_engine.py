@@ -101,6 +101,8 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
             eos_token_ids=self._eos_token_ids(),
+            late_after_s=config.late_after_s,
+            late_limit_s=config.late_limit_s,
         )
         self.kv_layout: KVLayout = self.runner.kv_layout()
         self.leases = LeaseTable(config.kv_lease_seconds)
@@ -458,6 +460,7 @@ class LLMEngine:
             prefill_tokens_pending=s.prefill_tokens_pending,
             prefill_tokens_waiting=s.prefill_tokens_waiting,
             num_preemptions_total=s.num_preemptions_total,
+            late_prompts_total=s.late_prompts_total,
             prefix_cache_queries_total=s.prefix_cache_queries_total,
             prefix_cache_hits_total=s.prefix_cache_hits_total,
             prompt_tokens_total=s.prompt_tokens_total,

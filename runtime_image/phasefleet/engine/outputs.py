@@ -76,6 +76,8 @@ class EngineStats:
     """Wall seconds spent in steps that had work (its rate is the busy fraction, 0..1)."""
     prefill_tokens_waiting: int = 0
     """Prompt tokens of the queued requests, not yet admitted (prefix-cache hits not known yet)."""
+    late_prompts_total: int = 0
+    """Prompts moved behind on-time ones, having waited past the TTFT target (each once)."""
     num_requests_peak: float = 0.0
     """The highest running + waiting of the last PEAK_WINDOW_S seconds (autoscale/peaks.py)."""
     kv_cache_usage_peak: float = 0.0

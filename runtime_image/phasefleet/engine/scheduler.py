@@ -6,6 +6,12 @@ come, first served; chunked when the budget runs out). A waiting request is admi
 blocks for its whole prompt are free. When a decode needs a new block and none is free, the
 newest running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
+
+Late prompts last (`late_after_s`, the service's TTFT target; None: first come, first served):
+a prompt that has waited longer than that has missed the target already, so it goes behind
+the prompts that can still meet it, until it has waited `late_limit_s`; then it is served in
+its turn again. Under a burst the fleet serves as many prompts on time as it has capacity for,
+instead of making every prompt behind the first second's backlog late; none is dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request, RequestStatus
 
@@ -52,8 +59,12 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        late_after_s: float | None = None,
+        late_limit_s: float = DEFAULT_LATE_LIMIT_S,
     ) -> None:
         self.kv = kv
+        self.late_after_s = late_after_s
+        self.late_limit_s = late_limit_s
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -63,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.late_prompts_total = 0  # prompts moved behind on-time ones (each counted once)
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         self.prompt_tokens_total = 0
@@ -114,6 +126,8 @@ class Scheduler:
             self._add(out, req, n)
             budget -= n
 
+        if self.late_after_s is not None:
+            self._late_last()
         while (
             self.waiting
             and budget > 0
@@ -148,6 +162,28 @@ class Scheduler:
             self._add(out, req, n)
             budget -= n
         return out
+
+    def _late_last(self) -> None:
+        """Moves the late prompts behind the others, each group in its order (see the
+        module's docstring). The queue is in arrival order but for preempted requests at its
+        front, so it is left alone while its oldest new prompt is not late."""
+        assert self.late_after_s is not None
+        now = self.clock()
+        oldest = next((r for r in self.waiting if _new_prompt(r)), None)
+        if oldest is None or now - oldest.arrival_time <= self.late_after_s:
+            return
+        late_after, limit = self.late_after_s, self.late_limit_s
+        on_time: deque[Request] = deque()
+        late: list[Request] = []
+        for r in self.waiting:
+            waited = now - r.arrival_time
+            (late if _new_prompt(r) and late_after < waited < limit else on_time).append(r)
+        self.waiting = on_time
+        self.waiting.extend(late)
+        for r in late:
+            if not r.went_late:
+                r.went_late = True
+                self.late_prompts_total += 1
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
         """Grow req's blocks by one token, preempting the newest requests; False if req itself
@@ -261,3 +297,10 @@ class Scheduler:
 
 def _prefilling(req: Request) -> bool:
     return req.num_tokens - req.num_computed_tokens > 1
+
+
+def _new_prompt(req: Request) -> bool:
+    """Waits for its first token here: never admitted, no output yet, and no KV handed over
+    (a decode worker's request got its first token from the prefill worker)."""
+    handed_off = req.importing or req.num_imported_tokens > 0
+    return req.first_scheduled_time is None and not req.output_token_ids and not handed_off

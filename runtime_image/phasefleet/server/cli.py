@@ -18,6 +18,7 @@ from phasefleet.api.boundary import (
     PhaseBoundary,
 )
 from phasefleet.api.contract import (
+    DEFAULT_LATE_LIMIT_S,
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     INTERNAL_TOKEN_ENV,
     WORKER_PORT,
@@ -91,6 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(WorkerFlag.BLOCK_SIZE, type=int, default=16, help="tokens per KV block")
     engine.add_argument(
         WorkerFlag.NO_PREFIX_CACHING, action="store_true", help="disable prefix caching"
+    )
+    engine.add_argument(
+        WorkerFlag.LATE_AFTER_MS,
+        type=float,
+        default=None,
+        help="the service's TTFT target: a prompt that has waited longer goes behind those\n"
+        "that have not (late prompts last); unset: first come, first served",
+    )
+    engine.add_argument(
+        WorkerFlag.LATE_LIMIT_S,
+        type=float,
+        default=DEFAULT_LATE_LIMIT_S,
+        help="seconds after which a late prompt is served in its turn again",
     )
 
     server = parser.add_argument_group("server")
@@ -206,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_lease_seconds=args.kv_lease_seconds,
+        late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1000,
+        late_limit_s=args.late_limit_s,
     )
     try:
         config.validate()

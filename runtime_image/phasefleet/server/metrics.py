@@ -73,6 +73,10 @@ COUNTERS = {
     M.PROMPT_TOKENS_TOTAL: ("Prompt tokens processed.", "prompt_tokens_total"),
     M.GENERATION_TOKENS_TOTAL: ("Output tokens produced.", "generation_tokens_total"),
     M.NUM_PREEMPTIONS_TOTAL: ("Requests preempted (to be recomputed).", "num_preemptions_total"),
+    M.LATE_PROMPTS_TOTAL: (
+        "Prompts moved behind on-time ones, having waited past the TTFT target.",
+        "late_prompts_total",
+    ),
     M.PREFIX_CACHE_QUERIES_TOTAL: ("Prompt tokens looked up.", "prefix_cache_queries_total"),
     M.PREFIX_CACHE_HITS_TOTAL: (
         "Prompt tokens found in the prefix cache.",
