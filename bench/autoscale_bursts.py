@@ -24,6 +24,7 @@ import numpy as np
 from autoscale_curves import h100_8b
 from autoscale_policies import ours
 from autoscale_replay import (
+    FCFS,
     SCALE_DOWN_S,
     SLOS,
     Score,
@@ -31,6 +32,7 @@ from autoscale_replay import (
     code_completion,
     find_oracle,
     initial,
+    late_after,
     oracles,
     policy_config,
     rate_factor,
@@ -105,7 +107,8 @@ def held_oracle(
     """The held oracle's fleet (None when cached and not needed), score and the oracle's
     sizes."""
     window = SCALE_DOWN_S[0]
-    key = cache / f"{case.label}_{curves.startup_s:g}_{window:g}.pkl"
+    order = "" if FCFS[0] else "_late"  # the sizes are the same; the score is per order
+    key = cache / f"{case.label}_{curves.startup_s:g}_{window:g}{order}.pkl"
     if key.exists():
         with key.open("rb") as f:
             sizes, sc = pickle.load(f)
@@ -114,7 +117,7 @@ def held_oracle(
     else:
         sizes, _ = find_oracle(case.trace, curves, case.slo)
     best, bound = oracles(sizes, curves, window)
-    fleet = run(case.trace, curves, bound, initial(best))
+    fleet = run(case.trace, curves, bound, initial(best), late_after_s=late_after(case.slo))
     sc = score(fleet, case.slo, 0.0)
     cache.mkdir(parents=True, exist_ok=True)
     with key.open("wb") as f:
@@ -125,7 +128,9 @@ def held_oracle(
 def replay_ours(case: Case, curves: Curves, sizes: Any, settings: dict[str, Any]) -> Fleet:
     config = replace(policy_config(curves, case.slo), **settings)
     best, _ = oracles(sizes, curves, SCALE_DOWN_S[0])
-    return run(case.trace, curves, ours(config), initial(best), config.interval_s)
+    return run(
+        case.trace, curves, ours(config), initial(best), config.interval_s, late_after(case.slo)
+    )
 
 
 def pool_hours(fleet: Fleet) -> str:
@@ -216,8 +221,12 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="ScalingConfig field=value")
     p.add_argument("--bursts", action="store_true", help="a row per burst of each variant")
     p.add_argument("--cache", type=Path, default=Path("/tmp/phasefleet_oracle_cache"))
+    p.add_argument(
+        "--fcfs", action="store_true", help="prompts first come, first served (not late last)"
+    )
     args = p.parse_args()
     SCALE_DOWN_S[0] = args.scale_down_s
+    FCFS[0] = args.fcfs
     curves = replace(h100_8b(), streamed=True)
     if args.startup_s is not None:
         curves = replace(curves, startup_s=args.startup_s)

@@ -105,8 +105,11 @@ def run(
     control: Controller,
     initial: Mapping[str, int],
     interval_s: float = INTERVAL_S,
+    late_after_s: float | None = None,
 ) -> Fleet:
-    return simulate(trace, curves, control, initial, interval_s=interval_s, dt=DT_S)
+    return simulate(
+        trace, curves, control, initial, interval_s=interval_s, dt=DT_S, late_after_s=late_after_s
+    )
 
 
 def peak_need(trace: Trace, curves: Curves) -> float:
@@ -169,6 +172,15 @@ def initial(oracle_control: Controller) -> dict[str, int]:
 
 
 SCALE_DOWN_S = [300.0]  # main() sets it from --scale-down-s
+# Every fleet serves late prompts last (the engine's order with an SLO: a prompt that waited
+# past the TTFT target goes behind the others); --fcfs: first come, first served, as the
+# replays before 2026-11-27 did. The oracles' sizes are found first come, first served.
+FCFS = [False]
+
+
+def late_after(slo: Slo) -> float | None:
+    """The replay's `late_after_s` for an SLO: its TTFT target, or None with --fcfs."""
+    return None if FCFS[0] else slo.ttft_s
 
 
 def policy_config(curves: Curves, slo: Slo) -> ScalingConfig:
@@ -219,7 +231,7 @@ def compare(
     results = {}
     for name, (control, sizes_at_0, interval_s) in controllers.items():
         started = time.perf_counter()
-        fleet = run(trace, curves, control, sizes_at_0, interval_s)
+        fleet = run(trace, curves, control, sizes_at_0, interval_s, late_after(slo))
         results[name] = (fleet, score(fleet, slo, time.perf_counter() - started))
     return results
 
@@ -300,12 +312,16 @@ def parse_args() -> argparse.Namespace:
         default=300.0,
         help="our policy's scaleDownStabilizationSeconds, and how long the held oracle holds",
     )
+    p.add_argument(
+        "--fcfs", action="store_true", help="prompts first come, first served (not late last)"
+    )
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     SCALE_DOWN_S[0] = args.scale_down_s
+    FCFS[0] = args.fcfs
     curves = replace(h100_8b(), streamed=not args.pull)
     if args.startup_s is not None:
         curves = replace(curves, startup_s=args.startup_s)

@@ -28,6 +28,11 @@ What is exact and what is approximated:
   the batch) is prefilled; a step lasts decode_step_s + a + what the chunk adds to its prompt's
   prefill_s - min(a, d0), as in aggregated_sim. The step that ends a prompt gives its first
   token; the request then decodes in that batch with no hand-off.
+- Late prompts last (`late_after_s`, the TTFT target; None: first come, first served), as the
+  engine's scheduler does: a prompt that would wait longer than `late_after_s` for a prefill
+  replica (it misses the target anyway) waits instead until one is idle, oldest first, so the
+  prompts that can still meet the target go ahead of it; after `late_limit_s` waiting it is
+  queued in its turn on the replica free soonest.
 - Replicas: a new one serves `curves.startup_s` after it is asked for; GPU-seconds count from
   the ask. Scale-down cancels starting replicas first, then drains the least loaded: a draining
   replica takes no new work and stops when its last request is done; no request is lost.
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from phasefleet.api.boundary import LocalLoad, PhaseBoundary
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.trace import Trace
@@ -107,9 +113,14 @@ class Fleet:
         dt: float,
         boundary: PhaseBoundary | None = None,
         tpot_target_s: float | None = None,
+        late_after_s: float | None = None,
+        late_limit_s: float = DEFAULT_LATE_LIMIT_S,
     ) -> None:
         self.trace, self.curves, self.dt = trace, curves, dt
         self.boundary, self.tpot_target_s = boundary, tpot_target_s
+        self.late_after_s, self.late_limit_s = late_after_s, late_limit_s
+        self.late: deque[int] = deque()  # prompts waiting for an idle prefill replica
+        self.deferred: list[int] = []  # the prompts that waited there
         self.local_prefills = 0  # requests a decode replica prefilled itself
         self.output_sums = np.cumsum(trace.output)
         n = len(trace.arrival)
@@ -162,7 +173,7 @@ class Fleet:
             self.scale_events[pool] += 1
 
     def arrive(self, i: int) -> None:
-        t, n = float(self.trace.arrival[i]), float(self.trace.prompt[i])
+        t = float(self.trace.arrival[i])
         candidates = self.serving("prefill", t) or self.asked("prefill")
         if not candidates:  # no prefill replica at all: one is started (cannot happen with min 1)
             self.resize("prefill", 1, t)
@@ -170,7 +181,16 @@ class Fleet:
         r = min(candidates, key=lambda r: r.free_at)
         if self.boundary is not None and self._prefill_here(i, t, max(0.0, r.free_at - t)):
             return
-        start = max(t, r.free_at)
+        if self.late_after_s is not None and r.free_at - t > self.late_after_s:
+            self.late.append(i)
+            self.deferred.append(i)
+            # pending, and not started: what the signals count as a waiting prompt
+            self.prefill_start[i] = self.first_token[i] = math.inf
+            return
+        self._prefill_on(r, i, max(t, r.free_at))
+
+    def _prefill_on(self, r: Replica, i: int, start: float) -> None:
+        n = float(self.trace.prompt[i])
         r.free_at = start + self.curves.prefill_s(n)
         self.prefill_start[i], self.first_token[i] = start, r.free_at
         if self.trace.output[i] <= 1:
@@ -181,6 +201,21 @@ class Fleet:
             if self.curves.first_token_waits_for_kv:
                 self.first_token[i] = landed
             heapq.heappush(self.handoffs, (landed, i))
+
+    def serve_late(self, t: float) -> None:
+        """The late prompts, oldest first: those that waited `late_limit_s` queued in their
+        turn, then the others on the prefill replicas idle at `t`."""
+        while self.late and t - self.trace.arrival[self.late[0]] >= self.late_limit_s:
+            candidates = self.serving("prefill", t)
+            if not candidates:
+                return
+            r = min(candidates, key=lambda r: r.free_at)
+            self._prefill_on(r, self.late.popleft(), max(t, r.free_at))
+        while self.late:
+            idle = next((r for r in self.serving("prefill", t) if r.free_at <= t), None)
+            if idle is None:
+                return
+            self._prefill_on(idle, self.late.popleft(), t)
 
     def _prefill_here(self, i: int, t: float, backlog_s: float) -> bool:
         """Queues request i's prompt on the least loaded decode replica if the boundary says
@@ -360,11 +395,14 @@ def simulate(
     dt: float = 0.05,
     boundary: PhaseBoundary | None = None,
     tpot_target_s: float | None = None,
+    late_after_s: float | None = None,
+    late_limit_s: float = DEFAULT_LATE_LIMIT_S,
 ) -> Fleet:
     """Replays `trace` to its last token; `controller` runs every `interval_s` from 0.
     `boundary`: which prompts decode replicas prefill themselves (None: none do);
-    `tpot_target_s`: the target its room check holds them to."""
-    fleet = Fleet(trace, curves, initial, dt, boundary, tpot_target_s)
+    `tpot_target_s`: the target its room check holds them to; `late_after_s`: late prompts
+    last (see the module's docstring; None: first come, first served)."""
+    fleet = Fleet(trace, curves, initial, dt, boundary, tpot_target_s, late_after_s, late_limit_s)
     n, i, tick = len(trace.arrival), 0, 0
     next_decision = 0.0
     while fleet.done < n:
@@ -381,6 +419,7 @@ def simulate(
                 )
             )
             next_decision += interval_s
+        fleet.serve_late(t)
         while i < n and trace.arrival[i] < t + dt:
             fleet.arrive(i)
             i += 1
