@@ -105,22 +105,26 @@ def held_oracle(
     case: Case, curves: Curves, cache: Path, fleet_needed: bool
 ) -> tuple[Fleet | None, Score, Any]:
     """The held oracle's fleet (None when cached and not needed), score and the oracle's
-    sizes."""
-    window = SCALE_DOWN_S[0]
-    order = "" if FCFS[0] else "_late"  # the sizes are the same; the score is per order
-    key = cache / f"{case.label}_{curves.startup_s:g}_{window:g}{order}.pkl"
-    if key.exists():
-        with key.open("rb") as f:
+    sizes. The sizes are the same in either prompt order (found first come, first served);
+    the score is cached per order."""
+    base = f"{case.label}_{curves.startup_s:g}_{SCALE_DOWN_S[0]:g}"
+    keys = {order: cache / f"{base}{order}.pkl" for order in ("", "_late")}
+    mine = keys["" if FCFS[0] else "_late"]
+    if mine.exists():
+        with mine.open("rb") as f:
             sizes, sc = pickle.load(f)
         if not fleet_needed:
             return None, sc, sizes
+    elif any(k.exists() for k in keys.values()):
+        with next(k for k in keys.values() if k.exists()).open("rb") as f:
+            sizes, _ = pickle.load(f)
     else:
         sizes, _ = find_oracle(case.trace, curves, case.slo)
-    best, bound = oracles(sizes, curves, window)
+    best, bound = oracles(sizes, curves, SCALE_DOWN_S[0])
     fleet = run(case.trace, curves, bound, initial(best), late_after_s=late_after(case.slo))
     sc = score(fleet, case.slo, 0.0)
     cache.mkdir(parents=True, exist_ok=True)
-    with key.open("wb") as f:
+    with mine.open("wb") as f:
         pickle.dump((sizes, sc), f)
     return fleet, sc, sizes
 
