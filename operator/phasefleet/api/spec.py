@@ -280,7 +280,7 @@ class RuntimeSpec(ApiModel):
         default=True,
         description=(
             "With slo.ttftMs: a prompt that has waited longer than the target (it has missed"
-            " it) goes behind the prompts that can still meet it, for up to 60 s; under a"
+            " it) goes behind the prompts that can still meet it, for up to 5 min; under a"
             " burst more prompts meet the target and none is dropped. false: first come,"
             " first served."
         ),
