@@ -189,7 +189,7 @@ def test_first_scheduled_time_and_prompt_counter() -> None:
 def admission_order(sched: Scheduler) -> list[str]:
     """The requests in the order they are first admitted, one a step."""
     order: list[str] = []
-    while sched.waiting:
+    while sched.num_waiting:
         order += run_step(sched).admitted
     return order
 
@@ -216,10 +216,34 @@ def test_late_prompts_go_behind_the_ones_that_can_still_meet_the_target() -> Non
     assert sched.late_prompts_total == 2  # counted once, though they waited several steps
 
 
+def test_a_prompt_arriving_after_the_late_ones_went_behind_goes_ahead_of_them() -> None:
+    sched = late_scheduler()
+    assert run_step(sched).admitted == ["r2"]  # r0 and r1 are late now
+    (fresh,) = make_requests(1, 8, max_tokens=1, prefix="f")
+    fresh.arrival_time = 5.8
+    sched.add_request(fresh)
+    assert admission_order(sched) == ["r3", "f0", "r0", "r1"]
+
+
 def test_a_late_prompt_waiting_past_the_limit_is_served_in_its_turn() -> None:
     sched = late_scheduler(late_limit_s=5.5)  # r0 has waited 5.8 s, r1 5.3 s
     assert admission_order(sched) == ["r0", "r2", "r3", "r1"]
     assert sched.late_prompts_total == 1
+
+
+def test_late_prompts_go_back_to_the_front_once_they_waited_the_limit() -> None:
+    now = [5.8]
+    sched = make_scheduler(
+        num_blocks=64, max_num_batched_tokens=8, clock=lambda: now[0], late_after_s=1.0
+    )
+    sched.late_limit_s = 10.0
+    for r, arrived in zip(make_requests(3, 8, max_tokens=1), (0.0, 5.0, 5.5), strict=True):
+        r.arrival_time = arrived
+        sched.add_request(r)
+    assert run_step(sched).admitted == ["r1"]  # r0 went late
+    now[0] = 10.0  # r0 has waited 10 s: its turn again, ahead of r2 (late by now too)
+    assert admission_order(sched) == ["r0", "r2"]
+    assert sched.late_prompts_total == 2
 
 
 def test_without_a_ttft_target_the_queue_is_first_come_first_served() -> None:

@@ -332,7 +332,7 @@ class LLMEngine:
 
     def _observe_peaks(self, now: float) -> None:
         s = self.scheduler
-        self.requests_peak.observe(len(s.running) + len(s.waiting), now)
+        self.requests_peak.observe(len(s.running) + s.num_waiting, now)
         self.kv_usage_peak.observe(self.kv.pool.usage(), now)
 
     def peaks(self, now: float) -> tuple[float, float]:
@@ -451,7 +451,7 @@ class LLMEngine:
         requests_peak, kv_usage_peak = self.peaks(time.monotonic())
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=s.num_waiting,
             kv_cache_usage=pool.usage(),
             num_requests_peak=requests_peak,
             kv_cache_usage_peak=kv_usage_peak,

@@ -8,10 +8,11 @@ newest running request is preempted: its blocks are freed and it goes back to th
 waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
 
 Late prompts last (`late_after_s`, the service's TTFT target; None: first come, first served):
-a prompt that has waited longer than that has missed the target already, so it goes behind
-the prompts that can still meet it, until it has waited `late_limit_s`; then it is served in
-its turn again. Under a burst the fleet serves as many prompts on time as it has capacity for,
-instead of making every prompt behind the first second's backlog late; none is dropped.
+a prompt that has waited longer than that has missed the target already, so it moves to a late
+queue, admitted from only while the waiting queue is empty, until it has waited `late_limit_s`;
+then it goes back to the front. Under a burst the worker serves as many prompts on time as it
+has capacity for, instead of making every prompt behind the first second's backlog late; none
+is dropped.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.waiting: deque[Request] = deque()
+        # late prompts last: new prompts that waited past late_after_s, in arrival order;
+        # admitted only while `waiting` is empty
+        self.late: deque[Request] = deque()
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
@@ -98,8 +102,14 @@ class Scheduler:
         """Tokens the queued requests will prefill once admitted (before prefix-cache hits,
         which are known only then; KV brought by a hand-off is not prefilled)."""
         return sum(
-            r.num_tokens - max(r.num_computed_tokens, r.num_imported_tokens) for r in self.waiting
+            r.num_tokens - max(r.num_computed_tokens, r.num_imported_tokens)
+            for r in (*self.waiting, *self.late)
         )
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted yet, late ones included."""
+        return len(self.waiting) + len(self.late)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -127,18 +137,19 @@ class Scheduler:
             budget -= n
 
         if self.late_after_s is not None:
-            self._late_last()
+            self._late_last(self.late_after_s)
         while (
-            self.waiting
+            (self.waiting or self.late)
             and budget > 0
             and len(self.running) < self.max_num_seqs
             and not out.preempted
         ):
-            req = self.waiting[0]
+            queue = self.waiting or self.late
+            req = queue[0]
             hit = self.kv.find_prefix(req)
             if not self.kv.can_admit(req, hit):
                 break
-            self.waiting.popleft()
+            queue.popleft()
             self.kv.admit(req, hit)
             req.status = RequestStatus.RUNNING
             gap = len(hit.block_ids) < req.import_first_block
@@ -163,27 +174,29 @@ class Scheduler:
             budget -= n
         return out
 
-    def _late_last(self) -> None:
-        """Moves the late prompts behind the others, each group in its order (see the
-        module's docstring). The queue is in arrival order but for preempted requests at its
-        front, so it is left alone while its oldest new prompt is not late."""
-        assert self.late_after_s is not None
-        now = self.clock()
-        oldest = next((r for r in self.waiting if _new_prompt(r)), None)
-        if oldest is None or now - oldest.arrival_time <= self.late_after_s:
-            return
-        late_after, limit = self.late_after_s, self.late_limit_s
-        on_time: deque[Request] = deque()
-        late: list[Request] = []
-        for r in self.waiting:
-            waited = now - r.arrival_time
-            (late if _new_prompt(r) and late_after < waited < limit else on_time).append(r)
-        self.waiting = on_time
-        self.waiting.extend(late)
-        for r in late:
-            if not r.went_late:
-                r.went_late = True
+    def _late_last(self, late_after: float) -> None:
+        """Moves the new prompts that waited past `late_after` from the front of the waiting
+        queue (arrival order, but for preempted requests there) to the late queue, and the
+        late prompts that waited `late_limit_s` back to the front, oldest first."""
+        now, limit = self.clock(), self.late_limit_s
+        expired: list[Request] = []
+        while self.late and now - self.late[0].arrival_time >= limit:
+            expired.append(self.late.popleft())
+        kept: list[Request] = []  # requests ahead of the first on-time prompt, kept in place
+        while self.waiting:
+            req = self.waiting[0]
+            waited = now - req.arrival_time
+            if _new_prompt(req) and waited <= late_after:
+                break  # on time, and so is everything that arrived after it
+            self.waiting.popleft()
+            if not _new_prompt(req) or waited >= limit:
+                kept.append(req)
+                continue
+            self.late.append(req)
+            if not req.went_late:
+                req.went_late = True
                 self.late_prompts_total += 1
+        self.waiting.extendleft(reversed(expired + kept))
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
         """Grow req's blocks by one token, preempting the newest requests; False if req itself
@@ -289,6 +302,8 @@ class Scheduler:
                 self.kv.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.late:
+            self.late.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.forget(req)
