@@ -332,6 +332,8 @@ def test_every_pool_serves_late_prompts_last_with_the_ttft_target():
     assert late_after(make_spec(), Role.PREFILL) is None
     off = make_spec(slo={"ttftMs": 800}, runtime={"latePromptsLast": False})
     assert late_after(off, Role.PREFILL) is None
+    # a target of 300 s or more is past the late prompts' own limit: first come, first served
+    assert late_after(make_spec(slo={"ttftMs": 300_000}), Role.PREFILL) is None
 
 
 def test_engine_image_user_satisfies_run_as_non_root():

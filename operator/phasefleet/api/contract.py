@@ -105,6 +105,14 @@ DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512
 DEFAULT_LATE_LIMIT_S = 300.0
 
 
+def late_after_ms(ttft_ms: int | None) -> int | None:
+    """The workers' --late-after-ms for a TTFT target: the target, or None (first come, first
+    served) without one or with one of DEFAULT_LATE_LIMIT_S or more, where it cannot apply."""
+    if ttft_ms is None or ttft_ms >= DEFAULT_LATE_LIMIT_S * 1000:
+        return None
+    return ttft_ms
+
+
 class RouterFlag:
     """`phasefleet router` flags the operator sets."""
 

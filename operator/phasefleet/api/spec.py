@@ -279,10 +279,10 @@ class RuntimeSpec(ApiModel):
     late_prompts_last: bool = Field(
         default=True,
         description=(
-            "With slo.ttftMs: a prompt that has waited longer than the target (it has missed"
-            " it) goes behind the prompts that can still meet it, for up to 5 min; under a"
-            " burst more prompts meet the target and none is dropped. false: first come,"
-            " first served."
+            "With slo.ttftMs (under 300 s): a prompt that has waited longer than the target"
+            " (it has missed it) goes behind the prompts that can still meet it, for up to"
+            " 5 min; under a burst more prompts meet the target and none is dropped. false:"
+            " first come, first served."
         ),
     )
     kv_lease_seconds: int = Field(

@@ -18,6 +18,7 @@ from phasefleet.api.contract import (
     WORKER_PORT,
     RouterFlag,
     WorkerFlag,
+    late_after_ms,
 )
 from phasefleet.api.spec import InferenceServiceSpec, PoolSpec, Role, pool_gpus
 from phasefleet.operator.meta import (
@@ -132,8 +133,9 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
             args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)
         if spec.slo.tpot_ms is not None:
             args += [WorkerFlag.TPOT_TARGET_MS, str(spec.slo.tpot_ms)]
-    if spec.runtime.late_prompts_last and spec.slo.ttft_ms is not None:
-        args += [WorkerFlag.LATE_AFTER_MS, str(spec.slo.ttft_ms)]
+    late_after = late_after_ms(spec.slo.ttft_ms)
+    if spec.runtime.late_prompts_last and late_after is not None:
+        args += [WorkerFlag.LATE_AFTER_MS, str(late_after)]
     return args + list(spec.runtime.extra_args)
 
 

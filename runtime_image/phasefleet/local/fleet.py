@@ -32,7 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phasefleet.api.contract import INTERNAL_TOKEN_ENV, EngineRole, RouterFlag, WorkerFlag
+from phasefleet.api.contract import (
+    INTERNAL_TOKEN_ENV,
+    EngineRole,
+    RouterFlag,
+    WorkerFlag,
+    late_after_ms,
+)
 from phasefleet.local.process import Child
 
 logger = logging.getLogger("phasefleet.serve")
@@ -150,8 +156,9 @@ class Fleet:
             argv += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(degree)]
         if role is EngineRole.DECODE and self.config.tpot_target_ms is not None:
             argv += [WorkerFlag.TPOT_TARGET_MS, str(self.config.tpot_target_ms)]
-        if self.config.ttft_target_ms is not None:
-            argv += [WorkerFlag.LATE_AFTER_MS, str(self.config.ttft_target_ms)]
+        late_after = late_after_ms(self.config.ttft_target_ms)
+        if late_after is not None:
+            argv += [WorkerFlag.LATE_AFTER_MS, str(late_after)]
         log = self.config.run_dir / f"{name}.log"
         return Child(name, argv, port, log, self._env(), restarts=restarts)
 
