@@ -172,14 +172,14 @@ def initial(oracle_control: Controller) -> dict[str, int]:
 
 
 SCALE_DOWN_S = [300.0]  # main() sets it from --scale-down-s
-# Every fleet serves late prompts last (the engine's order with an SLO: a prompt that waited
-# past the TTFT target goes behind the others); --fcfs: first come, first served, as the
-# replays before 2026-11-27 did. The oracles' sizes are found first come, first served.
-FCFS = [False]
+# Every fleet serves prompts first come, first served, as the engine does by default;
+# --late-last: late prompts last (the engine's runtime.latePromptsLast). The oracles' sizes
+# are found first come, first served either way.
+FCFS = [True]
 
 
 def late_after(slo: Slo) -> float | None:
-    """The replay's `late_after_s` for an SLO: its TTFT target, or None with --fcfs."""
+    """The replay's `late_after_s` for an SLO: None, or its TTFT target with --late-last."""
     return None if FCFS[0] else slo.ttft_s
 
 
@@ -313,7 +313,7 @@ def parse_args() -> argparse.Namespace:
         help="our policy's scaleDownStabilizationSeconds, and how long the held oracle holds",
     )
     p.add_argument(
-        "--fcfs", action="store_true", help="prompts first come, first served (not late last)"
+        "--late-last", action="store_true", help="late prompts last (not first come, first served)"
     )
     return p.parse_args()
 
@@ -321,7 +321,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     SCALE_DOWN_S[0] = args.scale_down_s
-    FCFS[0] = args.fcfs
+    FCFS[0] = not args.late_last
     curves = replace(h100_8b(), streamed=not args.pull)
     if args.startup_s is not None:
         curves = replace(curves, startup_s=args.startup_s)

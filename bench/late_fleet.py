@@ -2,8 +2,8 @@
 `--late-after-ms`, side by side (one `phasefleet serve`-style local fleet per order: a router
 and one aggregated worker, real HTTP, every request streamed and timed by the client).
 
-The worker's capacity is measured first (prompts of --prompt tokens with --max-tokens each,
-sent back to back); the burst then sends --overload times that rate for --burst-s seconds.
+The worker's capacity is measured first (32 prompts of --prompt tokens, --max-tokens each, at
+once); the burst then sends --overload times that rate for --burst-s seconds.
 First come, first served, every prompt behind the burst's first backlog of one TTFT target
 misses it; with late prompts last the worker serves the fresh ones first.
 
@@ -34,25 +34,25 @@ def prompt(n: int, salt: int, vocab: int = 4000) -> list[int]:
     return [10 + (salt * 7919 + i * 104729) % (vocab - 10) for i in range(n)]
 
 
-async def capacity(client: httpx.AsyncClient, url: str, args: argparse.Namespace) -> float:
-    """Requests a second the worker finishes when they come one after another, and as a batch
-    of 8 (the better of the two: a burst batches)."""
+async def capacity(
+    client: httpx.AsyncClient, url: str, args: argparse.Namespace, salt: int
+) -> float:
+    """Requests a second the worker finishes when 32 come at once (a burst batches); `salt`
+    keeps each call's prompts apart (a repeated prompt would be a prefix-cache hit)."""
     started = time.perf_counter()
-    for i in range(8):
-        await stream_completion(
-            client, url, MODEL_NAME, prompt(args.prompt, 1000 + i), args.max_tokens, started
-        )
-    serial = 8 / (time.perf_counter() - started)
-    started = time.perf_counter()
-    await asyncio.gather(
+    timings = await asyncio.gather(
         *(
             stream_completion(
-                client, url, MODEL_NAME, prompt(args.prompt, 2000 + i), args.max_tokens, started
+                client, url, MODEL_NAME, prompt(args.prompt, salt + i), args.max_tokens, started
             )
-            for i in range(8)
+            for i in range(32)
         )
     )
-    return max(serial, 8 / (time.perf_counter() - started))
+    if not all(t.ok for t in timings):
+        raise RuntimeError(
+            f"a capacity request failed: {next(t.error for t in timings if not t.ok)}"
+        )
+    return 32 / (time.perf_counter() - started)
 
 
 async def burst(
@@ -95,8 +95,8 @@ def run_order(args: argparse.Namespace, late: bool, rate: float | None, run_dir:
         async def drive() -> dict:
             limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
             async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-                await capacity(client, fleet.url, args)  # warm-up: oneDNN's first shapes
-                measured = await capacity(client, fleet.url, args)
+                await capacity(client, fleet.url, args, 100_000)  # warm-up: oneDNN's shapes
+                measured = await capacity(client, fleet.url, args, 200_000)
                 use = rate or measured * args.overload
                 timings = await burst(client, fleet.url, use, args)
                 metrics = (await client.get(f"{fleet.workers['worker'][0].url}/metrics")).text
@@ -111,7 +111,7 @@ def run_order(args: argparse.Namespace, late: bool, rate: float | None, run_dir:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True, help="make-tiny DIR --preset bench")
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--ttft-ms", type=int, default=1000, help="the TTFT target")
     p.add_argument("--overload", type=float, default=1.5, help="the burst's rate / capacity")
@@ -138,6 +138,9 @@ def main() -> None:
             f"({met[name] / len(r['timings']):.0%}) | {median(ttft):.2f} s | {ttft[-1]:.2f} s "
             f"| {r['late']:.0f} |"
         )
+    errors = [t.error for r in (fcfs, late) for t in r["timings"] if not t.ok]
+    if errors:
+        print(f"{len(errors)} requests failed, e.g. {errors[0]}")
     first = met["first come, first served"]
     print(f"met, late last / first come: {met['late prompts last'] / max(first, 1):.2f}x")
 

@@ -314,26 +314,26 @@ def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
     assert not prefill.adaptive_phase_boundary and prefill.tpot_target_ms is None
 
 
-def test_every_pool_serves_late_prompts_last_with_the_ttft_target():
-    """With slo.ttftMs, every worker is told it (late prompts last); without one, or with
-    runtime.latePromptsLast false, prompts are first come, first served."""
+def test_every_pool_serves_late_prompts_last_with_the_ttft_target_when_asked():
+    """With runtime.latePromptsLast and slo.ttftMs, every worker is told the target (late
+    prompts last); by default, or without a target, prompts are first come, first served."""
     from phasefleet.cli import build_parser
 
     def late_after(spec, role):
         dep = worker_deployment(make_owner(), spec, role, replicas=1)
         return build_parser().parse_args(_pod(dep)["containers"][0]["args"]).late_after_ms
 
-    spec = make_spec(slo={"ttftMs": 800})
+    on = {"latePromptsLast": True}
+    spec = make_spec(slo={"ttftMs": 800}, runtime=on)
     assert late_after(spec, Role.PREFILL) == late_after(spec, Role.DECODE) == 800
     aggregated = make_spec(
-        mode="aggregated", prefill=None, decode=None, worker={}, slo={"ttftMs": 800}
+        mode="aggregated", prefill=None, decode=None, worker={}, slo={"ttftMs": 800}, runtime=on
     )
     assert late_after(aggregated, Role.WORKER) == 800
-    assert late_after(make_spec(), Role.PREFILL) is None
-    off = make_spec(slo={"ttftMs": 800}, runtime={"latePromptsLast": False})
-    assert late_after(off, Role.PREFILL) is None
+    assert late_after(make_spec(runtime=on), Role.PREFILL) is None
+    assert late_after(make_spec(slo={"ttftMs": 800}), Role.PREFILL) is None  # off by default
     # a target of 300 s or more is past the late prompts' own limit: first come, first served
-    assert late_after(make_spec(slo={"ttftMs": 300_000}), Role.PREFILL) is None
+    assert late_after(make_spec(slo={"ttftMs": 300_000}, runtime=on), Role.PREFILL) is None
 
 
 def test_engine_image_user_satisfies_run_as_non_root():

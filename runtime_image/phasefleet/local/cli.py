@@ -150,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
             run_dir=run_dir,
             worker_args=worker_args,
             tpot_target_ms=args.tpot_ms,
-            ttft_target_ms=args.ttft_ms,
             tensor_parallel={
                 pool: degree
                 for pool in ("prefill", "decode", "worker")

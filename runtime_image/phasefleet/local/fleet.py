@@ -32,13 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phasefleet.api.contract import (
-    INTERNAL_TOKEN_ENV,
-    EngineRole,
-    RouterFlag,
-    WorkerFlag,
-    late_after_ms,
-)
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV, EngineRole, RouterFlag, WorkerFlag
 from phasefleet.local.process import Child
 
 logger = logging.getLogger("phasefleet.serve")
@@ -86,7 +80,6 @@ class FleetConfig:
     run_dir: Path  # logs and the membership file
     worker_args: list[str] = field(default_factory=list)  # passed to every worker
     tpot_target_ms: int | None = None  # passed to decode workers (their phase boundary)
-    ttft_target_ms: int | None = None  # passed to every worker (late prompts last)
     tensor_parallel: dict[str, int] = field(default_factory=dict)  # pool -> ranks per worker
     router_args: list[str] = field(default_factory=list)  # passed to the router
     host: str = "127.0.0.1"  # where the router listens
@@ -156,9 +149,6 @@ class Fleet:
             argv += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(degree)]
         if role is EngineRole.DECODE and self.config.tpot_target_ms is not None:
             argv += [WorkerFlag.TPOT_TARGET_MS, str(self.config.tpot_target_ms)]
-        late_after = late_after_ms(self.config.ttft_target_ms)
-        if late_after is not None:
-            argv += [WorkerFlag.LATE_AFTER_MS, str(late_after)]
         log = self.config.run_dir / f"{name}.log"
         return Child(name, argv, port, log, self._env(), restarts=restarts)
 

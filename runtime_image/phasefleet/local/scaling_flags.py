@@ -41,12 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="POOL=N",
         help=f"a pool's most workers (default {DEFAULT_MAX})",
     )
-    group.add_argument(
-        "--ttft-ms",
-        type=int,
-        help="time-to-first-token target (ms; default none); the workers serve prompts that\n"
-        "waited longer after those that have not (late prompts last)",
-    )
+    group.add_argument("--ttft-ms", type=int, help="time-to-first-token target (ms; default none)")
     group.add_argument(
         "--tpot-ms", type=int, help="time-per-output-token target (ms; default none)"
     )
