@@ -267,3 +267,18 @@ def test_requests_past_their_first_token_are_never_late() -> None:
     sched.waiting.extendleft([importing, handed])
     sched.requests.update({r.request_id: r for r in (handed, importing)})
     assert admission_order(sched)[:4] == ["h0", "h1", "r2", "r3"]
+
+
+def test_a_late_prompt_waits_while_another_prompt_is_still_being_prefilled() -> None:
+    """A late prompt takes only prefill capacity nothing else wants: not a step's leftover
+    budget beside an unfinished prompt, whose chunks it would then hold up."""
+    sched = make_scheduler(
+        num_blocks=64, max_num_batched_tokens=8, clock=lambda: 5.8, late_after_s=1.0
+    )
+    on_time, late = make_requests(2, 20, max_tokens=1)  # 20 tokens: three steps of 8
+    on_time.arrival_time, late.arrival_time = 5.5, 0.0
+    sched.add_request(late)
+    sched.add_request(on_time)
+    admitted = [run_step(sched).admitted for _ in range(4)]
+    # the third step has 4 tokens of budget left beside r0's last chunk; r1 waits for the next
+    assert admitted == [["r0"], [], [], ["r1"]]

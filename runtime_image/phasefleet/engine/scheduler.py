@@ -73,7 +73,7 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         # late prompts last: new prompts that waited past late_after_s, in arrival order;
-        # admitted only while `waiting` is empty
+        # admitted only in a step with no other prefill
         self.late: deque[Request] = deque()
         self.running: list[Request] = []  # admission order, oldest first
         self.requests: dict[str, Request] = {}
