@@ -110,16 +110,14 @@ def held_oracle(
     base = f"{case.label}_{curves.startup_s:g}_{SCALE_DOWN_S[0]:g}"
     keys = {order: cache / f"{base}{order}.pkl" for order in ("", "_late")}
     mine = keys["" if FCFS[0] else "_late"]
-    if mine.exists():
-        with mine.open("rb") as f:
-            sizes, sc = pickle.load(f)
-        if not fleet_needed:
-            return None, sc, sizes
-    elif any(k.exists() for k in keys.values()):
-        with next(k for k in keys.values() if k.exists()).open("rb") as f:
-            sizes, _ = pickle.load(f)
-    else:
+    cached = next((k for k in (mine, *keys.values()) if k.exists()), None)
+    if cached is None:
         sizes, _ = find_oracle(case.trace, curves, case.slo)
+    else:
+        with cached.open("rb") as f:
+            sizes, sc = pickle.load(f)
+        if cached == mine and not fleet_needed:
+            return None, sc, sizes
     best, bound = oracles(sizes, curves, SCALE_DOWN_S[0])
     fleet = run(case.trace, curves, bound, initial(best), late_after_s=late_after(case.slo))
     sc = score(fleet, case.slo, 0.0)

@@ -41,9 +41,6 @@ class Request:
     importing: bool = False
     """More of that KV is on its way: admitted (blocks reserved) but computed only once the
     import ends (engine/kv_import.py)."""
-    went_late: bool = False
-    """Waited longer than the TTFT target and was moved behind the on-time prompts
-    (engine/scheduler.py, late prompts last)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -196,10 +196,8 @@ class Scheduler:
             if not _new_prompt(req) or waited >= limit:
                 kept.append(req)
                 continue
-            self.late.append(req)
-            if not req.went_late:
-                req.went_late = True
-                self.late_prompts_total += 1
+            self.late.append(req)  # once at most: it leaves admitted, or expired for good
+            self.late_prompts_total += 1
         self.waiting.extendleft(reversed(expired + kept))
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
