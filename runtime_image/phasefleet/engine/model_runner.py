@@ -107,7 +107,7 @@ class ModelRunner:
         """`separate_device`: keep the block tables and the step's inputs in device memory of
         their own, sent by copies as on a GPU (default: on CUDA only); tests set it on the CPU
         to run the GPU path's host side (always set with tensor parallelism). `startup` gets the
-        weights and cpu_linear_plan phases. `tensor_parallel_size` > 1: this runner is rank 0
+        device_init, weights and cpu_linear_plan phases. `tensor_parallel_size` > 1: this runner is rank 0
         and starts the others; `tp`: this runner is a rank the rank 0 started (ranks.py)."""
         startup = startup or StartupTimes()
         self.ranks: RankSet | None = None
@@ -145,6 +145,10 @@ class ModelRunner:
             raise ValueError(
                 f"{hf_config.model_type} with use_sliding_window=true is not supported"
             )
+        if device.type == "cuda":
+            with startup.phase("device_init"):  # the CUDA context, apart from the weights' copy
+                torch.empty(1, device=device)
+                torch.cuda.synchronize(device)
         with startup.phase("weights"):
             self.model = load_model(folder, hf_config, self.dtype, device, max_model_len, tp)
         if choose_cpu_linear(device, self.dtype) == "onednn":
