@@ -224,11 +224,11 @@ def main() -> None:
     p.add_argument("--bursts", action="store_true", help="a row per burst of each variant")
     p.add_argument("--cache", type=Path, default=Path("/tmp/phasefleet_oracle_cache"))
     p.add_argument(
-        "--late-last", action="store_true", help="late prompts last (not first come, first served)"
+        "--fcfs", action="store_true", help="first come, first served (not late prompts last)"
     )
     args = p.parse_args()
     SCALE_DOWN_S[0] = args.scale_down_s
-    FCFS[0] = not args.late_last
+    FCFS[0] = args.fcfs
     curves = replace(h100_8b(), streamed=True)
     if args.startup_s is not None:
         curves = replace(curves, startup_s=args.startup_s)

@@ -172,14 +172,14 @@ def initial(oracle_control: Controller) -> dict[str, int]:
 
 
 SCALE_DOWN_S = [300.0]  # main() sets it from --scale-down-s
-# Every fleet serves prompts first come, first served, as the engine does by default;
-# --late-last: late prompts last (the engine's runtime.latePromptsLast). The oracles' sizes
-# are found first come, first served either way.
-FCFS = [True]
+# Every fleet serves late prompts last, as workers given the TTFT target do by default
+# (runtime.latePromptsLast); --fcfs: first come, first served. The oracles' sizes are found
+# first come, first served either way.
+FCFS = [False]
 
 
 def late_after(slo: Slo) -> float | None:
-    """The replay's `late_after_s` for an SLO: None, or its TTFT target with --late-last."""
+    """The replay's `late_after_s` for an SLO: its TTFT target, or None with --fcfs."""
     return None if FCFS[0] else slo.ttft_s
 
 
@@ -313,7 +313,7 @@ def parse_args() -> argparse.Namespace:
         help="our policy's scaleDownStabilizationSeconds, and how long the held oracle holds",
     )
     p.add_argument(
-        "--late-last", action="store_true", help="late prompts last (not first come, first served)"
+        "--fcfs", action="store_true", help="first come, first served (not late prompts last)"
     )
     return p.parse_args()
 
@@ -321,7 +321,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     SCALE_DOWN_S[0] = args.scale_down_s
-    FCFS[0] = not args.late_last
+    FCFS[0] = args.fcfs
     curves = replace(h100_8b(), streamed=not args.pull)
     if args.startup_s is not None:
         curves = replace(curves, startup_s=args.startup_s)

@@ -103,6 +103,9 @@ def autoscaled_service() -> dict[str, Any]:
     spec = body["spec"]
     spec["runtime"] = {
         "remotePrefillMinTokens": 0,  # every prompt is prefilled by the prefill pool
+        # the test relaxes slo.ttftMs mid-run: with the workers carrying it (late prompts last)
+        # that would roll every pod under the scale-down it watches
+        "latePromptsLast": False,
         # a plans file "in the image", shared
         "env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}],
     }

@@ -89,3 +89,19 @@ def test_decode_workers_get_the_tpot_target_for_their_phase_boundary(
     argv = fleet._new_worker("decode").argv
     assert argv[argv.index("--tpot-target-ms") + 1] == "40"
     assert "--tpot-target-ms" not in fleet._new_worker("prefill").argv
+
+
+def test_every_worker_gets_the_ttft_target_for_late_prompts_last(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`phasefleet serve --ttft-ms` passes the target to every pool; a --late-after-ms of the
+    user's own in --worker-args comes later in the argv, so it wins."""
+    fleet = make_fleet(tiny_model, tmp_path)
+    assert "--late-after-ms" not in fleet._new_worker("prefill").argv
+    fleet.config.late_after_ms = 800
+    for pool in ("prefill", "decode"):
+        argv = fleet._new_worker(pool).argv
+        assert argv[argv.index("--late-after-ms") + 1] == "800"
+    fleet.config.worker_args = ["--late-after-ms", "500"]
+    argv = fleet._new_worker("prefill").argv
+    assert argv[len(argv) - 1 - argv[::-1].index("--late-after-ms") + 1] == "500"

@@ -12,7 +12,7 @@ import pytest
 
 from phasefleet.autoscale.policy import PoolLimits
 from phasefleet.cli import build_parser
-from phasefleet.local.scaling_flags import hold_args, pool_sizes, scaling_config
+from phasefleet.local.scaling_flags import hold_args, late_after, pool_sizes, scaling_config
 
 DISAGGREGATED = ["prefill", "decode"]
 
@@ -130,3 +130,10 @@ def test_serve_refuses_a_bad_flag_before_loading_anything(tiny_model: Path) -> N
     assert "phasefleet serve: --max: expected POOL=N with N a whole number, got 'prefill=x'" in (
         out.stderr
     )
+
+
+def test_the_ttft_target_serves_late_prompts_last_unless_turned_off() -> None:
+    assert late_after(parse()) is None  # no target: first come, first served
+    assert late_after(parse("--ttft-ms", "800")) == 800
+    assert late_after(parse("--ttft-ms", "800", "--no-late-prompts-last")) is None
+    assert late_after(parse("--ttft-ms", "300000")) is None  # past the late prompts' own limit

@@ -314,9 +314,9 @@ def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
     assert not prefill.adaptive_phase_boundary and prefill.tpot_target_ms is None
 
 
-def test_every_pool_serves_late_prompts_last_with_the_ttft_target_when_asked():
-    """With runtime.latePromptsLast and slo.ttftMs, every worker is told the target (late
-    prompts last); by default, or without a target, prompts are first come, first served."""
+def test_every_pool_serves_late_prompts_last_with_the_ttft_target():
+    """With slo.ttftMs every worker is told the target (late prompts last, the default);
+    with runtime.latePromptsLast false, or without a target, first come, first served."""
     from phasefleet.cli import build_parser
 
     def late_after(spec, role):
@@ -331,9 +331,29 @@ def test_every_pool_serves_late_prompts_last_with_the_ttft_target_when_asked():
     )
     assert late_after(aggregated, Role.WORKER) == 800
     assert late_after(make_spec(runtime=on), Role.PREFILL) is None
-    assert late_after(make_spec(slo={"ttftMs": 800}), Role.PREFILL) is None  # off by default
+    assert late_after(make_spec(slo={"ttftMs": 800}), Role.DECODE) == 800  # on by default
+    off = make_spec(slo={"ttftMs": 800}, runtime={"latePromptsLast": False})
+    assert late_after(off, Role.PREFILL) is None
     # a target of 300 s or more is past the late prompts' own limit: first come, first served
     assert late_after(make_spec(slo={"ttftMs": 300_000}, runtime=on), Role.PREFILL) is None
+
+
+def test_only_the_targets_the_workers_carry_roll_them():
+    """slo.ttftMs is every worker's flag (late prompts last), so changing it rolls every pool;
+    the quantile and the autoscaling fields are the operator's alone and roll nothing."""
+
+    def template(spec, role):
+        return worker_deployment(make_owner(), spec, role, replicas=1)["spec"]["template"]
+
+    slo = {"ttftMs": 800, "tpotMs": 50}
+    before = make_spec(slo=slo)
+    same = [
+        make_spec(slo={**slo, "percentile": 0.99}),
+        make_spec(slo=slo, autoscaling={"enabled": True, "maxStep": 3}),
+    ]
+    for role in (Role.PREFILL, Role.DECODE):
+        assert all(template(after, role) == template(before, role) for after in same)
+        assert template(make_spec(slo={**slo, "ttftMs": 900}), role) != template(before, role)
 
 
 def test_engine_image_user_satisfies_run_as_non_root():

@@ -277,12 +277,11 @@ class RuntimeSpec(ApiModel):
         ),
     )
     late_prompts_last: bool = Field(
-        default=False,
+        default=True,
         description=(
             "With slo.ttftMs (under 300 s): a prompt that has waited longer than the target"
             " (it has missed it) goes behind the prompts that can still meet it, for up to"
-            " 5 min; none is dropped. Off by default: it gains in the simulator, not yet on"
-            " a real worker."
+            " 5 min; none is dropped. false: first come, first served."
         ),
     )
     kv_lease_seconds: int = Field(

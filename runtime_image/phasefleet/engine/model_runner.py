@@ -107,8 +107,9 @@ class ModelRunner:
         """`separate_device`: keep the block tables and the step's inputs in device memory of
         their own, sent by copies as on a GPU (default: on CUDA only); tests set it on the CPU
         to run the GPU path's host side (always set with tensor parallelism). `startup` gets the
-        device_init, weights and cpu_linear_plan phases. `tensor_parallel_size` > 1: this runner is rank 0
-        and starts the others; `tp`: this runner is a rank the rank 0 started (ranks.py)."""
+        device_init, weights and cpu_linear_plan phases. `tensor_parallel_size` > 1: this
+        runner is rank 0 and starts the others; `tp`: this runner is a rank the rank 0 started
+        (ranks.py)."""
         startup = startup or StartupTimes()
         self.ranks: RankSet | None = None
         if tp is None and tensor_parallel_size > 1:

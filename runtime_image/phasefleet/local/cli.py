@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir=run_dir,
             worker_args=worker_args,
             tpot_target_ms=args.tpot_ms,
+            late_after_ms=scaling_flags.late_after(args),
             tensor_parallel={
                 pool: degree
                 for pool in ("prefill", "decode", "worker")

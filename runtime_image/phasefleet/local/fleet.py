@@ -80,6 +80,7 @@ class FleetConfig:
     run_dir: Path  # logs and the membership file
     worker_args: list[str] = field(default_factory=list)  # passed to every worker
     tpot_target_ms: int | None = None  # passed to decode workers (their phase boundary)
+    late_after_ms: int | None = None  # every worker's TTFT target: late prompts last
     tensor_parallel: dict[str, int] = field(default_factory=dict)  # pool -> ranks per worker
     router_args: list[str] = field(default_factory=list)  # passed to the router
     host: str = "127.0.0.1"  # where the router listens
@@ -142,8 +143,10 @@ class Fleet:
             "--host", "127.0.0.1",
             WorkerFlag.PORT, str(port),
             WorkerFlag.DRAIN_TIMEOUT, str(self.config.drain_timeout),
-            *self.config.worker_args,
         ]  # fmt: skip
+        if self.config.late_after_ms is not None:  # before worker_args: theirs wins
+            argv += [WorkerFlag.LATE_AFTER_MS, str(self.config.late_after_ms)]
+        argv += self.config.worker_args
         degree = self.config.tensor_parallel.get(pool, 1)
         if degree > 1:
             argv += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(degree)]

@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tpot-ms", type=int, help="time-per-output-token target (ms; default none)"
     )
+    group.add_argument(
+        "--late-prompts-last",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --ttft-ms, a prompt that has waited past it goes behind those that can still"
+        " meet it, with or without --autoscale (runtime.latePromptsLast; default on)",
+    )
     group.add_argument("--percentile", type=float, help="the targets' quantile (default 0.9)")
     group.add_argument(
         "--kv-cache-target", type=float, help="decode KV-cache usage to aim for (default 0.7)"
@@ -74,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without requests before a pool with --min POOL=0 stops its last worker"
         " (default 600); the router holds requests while it wakes",
     )
+
+
+def late_after(args: argparse.Namespace) -> int | None:
+    """Every worker's --late-after-ms: the TTFT target, as the operator passes slo.ttftMs."""
+    from phasefleet.api.contract import late_after_ms
+
+    return late_after_ms(args.ttft_ms) if args.late_prompts_last else None
 
 
 def _counts(flag: str, values: list[str] | None, pools: list[str], least: int) -> dict[str, int]:
