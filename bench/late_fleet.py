@@ -75,7 +75,6 @@ def late_total(metrics: str) -> float:
 
 
 def run_order(args: argparse.Namespace, late: bool, rate: float | None, run_dir: Path) -> dict:
-    worker_args = ["--late-after-ms", str(args.ttft_ms)] if late else []
     fleet = Fleet(
         FleetConfig(
             model=str(args.model),
@@ -83,7 +82,7 @@ def run_order(args: argparse.Namespace, late: bool, rate: float | None, run_dir:
             port=free_port(),
             pools={"worker": 1},
             run_dir=run_dir / ("late" if late else "fcfs"),
-            worker_args=worker_args,
+            late_after_ms=args.ttft_ms if late else None,  # the router sends it per request
             router_args=["--log-level", "warning"],
             drain_timeout=5.0,
         )

@@ -103,8 +103,8 @@ def autoscaled_service() -> dict[str, Any]:
     spec = body["spec"]
     spec["runtime"] = {
         "remotePrefillMinTokens": 0,  # every prompt is prefilled by the prefill pool
-        # the test relaxes slo.ttftMs mid-run: with the workers carrying it (late prompts last)
-        # that would roll every pod under the scale-down it watches
+        # the test relaxes slo.ttftMs mid-run: with the router carrying it (late prompts last)
+        # that would roll the router pod it streams through
         "latePromptsLast": False,
         # a plans file "in the image", shared
         "env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}],

@@ -221,6 +221,13 @@ def test_a_prompt_past_the_ttft_target_is_served_after_a_fresh_one(tiny_model: M
     fcfs.add_request("old", old, greedy(2), arrival_time=time.monotonic() - 5.0)
     fcfs.add_request("fresh", fresh, greedy(2))
     assert fcfs.step()[0].request_id == "old"
+    # no target in the config, one with each request (what the router's header gives)
+    sent = LLMEngine(engine_config(tiny_model("llama"), max_num_seqs=1))
+    sent.add_request("old", old, greedy(2), arrival_time=time.monotonic() - 5.0, late_after_s=1)
+    sent.add_request("fresh", fresh, greedy(2), late_after_s=1.0)
+    assert sent.step()[0].request_id == "fresh"
+    with pytest.raises(ValueError, match="late_after_s must be > 0"):
+        sent.add_request("bad", fresh, greedy(2), late_after_s=0.0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

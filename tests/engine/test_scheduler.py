@@ -194,18 +194,20 @@ def admission_order(sched: Scheduler) -> list[str]:
     return order
 
 
-def late_scheduler(late_limit_s: float = 60.0) -> Scheduler:
+def late_scheduler(late_limit_s: float = 60.0, per_request: bool = False) -> Scheduler:
     """TTFT target 1 s, the clock at 5.8 s; r0-r3 arrived at 0, 0.5, 5 and 5.5 s, and each
-    prompt takes a whole step's budget, so one is admitted a step."""
+    prompt takes a whole step's budget, so one is admitted a step. `per_request`: the target
+    comes with each request (as the router sends it), not with the scheduler."""
     sched = make_scheduler(
         num_blocks=64,
         max_num_batched_tokens=8,
         clock=lambda: 5.8,
-        late_after_s=1.0,
+        late_after_s=None if per_request else 1.0,
         late_limit_s=late_limit_s,
     )
     for r, arrived in zip(make_requests(4, 8, max_tokens=1), (0.0, 0.5, 5.0, 5.5), strict=True):
         r.arrival_time = arrived
+        r.late_after_s = 1.0 if per_request else None
         sched.add_request(r)
     return sched
 
@@ -214,6 +216,14 @@ def test_late_prompts_go_behind_the_ones_that_can_still_meet_the_target() -> Non
     sched = late_scheduler()
     assert admission_order(sched) == ["r2", "r3", "r0", "r1"]
     assert sched.late_prompts_total == 2  # counted once, though they waited several steps
+
+
+def test_a_target_sent_with_each_request_serves_late_prompts_last_alike() -> None:
+    assert admission_order(late_scheduler(per_request=True)) == ["r2", "r3", "r0", "r1"]
+    fcfs = late_scheduler(per_request=True)
+    for r in fcfs.waiting:
+        r.late_after_s = None  # no target anywhere: first come, first served
+    assert admission_order(fcfs) == ["r0", "r1", "r2", "r3"]
 
 
 def test_a_prompt_arriving_after_the_late_ones_went_behind_goes_ahead_of_them() -> None:

@@ -91,18 +91,19 @@ def test_decode_workers_get_the_tpot_target_for_their_phase_boundary(
     assert "--tpot-target-ms" not in fleet._new_worker("prefill").argv
 
 
-def test_every_worker_gets_the_ttft_target_for_late_prompts_last(
+def test_the_router_gets_the_ttft_target_for_late_prompts_last(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    """`phasefleet serve --ttft-ms` passes the target to every pool; a --late-after-ms of the
-    user's own in --worker-args comes later in the argv, so it wins."""
+    """`phasefleet serve --ttft-ms` gives the target to the router, which sends it with each
+    request, not to the workers; a --late-after-ms of the user's own in --router-args comes
+    later in the argv, so it wins."""
     fleet = make_fleet(tiny_model, tmp_path)
-    assert "--late-after-ms" not in fleet._new_worker("prefill").argv
+    assert "--late-after-ms" not in fleet._router_argv()
     fleet.config.late_after_ms = 800
-    for pool in ("prefill", "decode"):
-        argv = fleet._new_worker(pool).argv
-        assert argv[argv.index("--late-after-ms") + 1] == "800"
-    fleet.config.worker_args = ["--late-after-ms", "500"]
-    argv = fleet._new_worker("prefill").argv
+    argv = fleet._router_argv()
+    assert argv[argv.index("--late-after-ms") + 1] == "800"
+    assert all("--late-after-ms" not in fleet._new_worker(p).argv for p in ("prefill", "decode"))
+    fleet.config.router_args = ["--late-after-ms", "500"]
+    argv = fleet._router_argv()
     given = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--late-after-ms"]
     assert given == ["800", "500"]  # argparse keeps the last

@@ -15,7 +15,7 @@ from phasefleet.operator.children import (
     pool_replicas,
 )
 from phasefleet.operator.meta import ISVC_LABEL, ROLE_LABEL, SPEC_HASH_ANNOTATION
-from phasefleet.operator.workloads import worker_deployment
+from phasefleet.operator.workloads import router_deployment, worker_deployment
 from tests.operator.factories import make_owner, make_spec
 
 
@@ -314,46 +314,60 @@ def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
     assert not prefill.adaptive_phase_boundary and prefill.tpot_target_ms is None
 
 
-def test_every_pool_serves_late_prompts_last_with_the_ttft_target():
-    """With slo.ttftMs every worker is told the target (late prompts last, the default);
-    with runtime.latePromptsLast false, or without a target, first come, first served."""
+def test_the_router_sends_the_ttft_target_for_late_prompts_last():
+    """With slo.ttftMs the router is told the target (late prompts last, the default) and sends
+    it with each request; with runtime.latePromptsLast false, or without a target, none is
+    sent and the workers serve first come, first served. No worker carries it as a flag."""
     from phasefleet.cli import build_parser
 
-    def late_after(spec, role):
+    def late_after(spec):
+        args = _pod(router_deployment(make_owner(), spec))["containers"][0]["args"]
+        return build_parser().parse_args(args).late_after_ms
+
+    def worker_flags(spec, role):
         dep = worker_deployment(make_owner(), spec, role, replicas=1)
         return build_parser().parse_args(_pod(dep)["containers"][0]["args"]).late_after_ms
 
     on = {"latePromptsLast": True}
-    spec = make_spec(slo={"ttftMs": 800}, runtime=on)
-    assert late_after(spec, Role.PREFILL) == late_after(spec, Role.DECODE) == 800
+    assert late_after(make_spec(slo={"ttftMs": 800}, runtime=on)) == 800
     aggregated = make_spec(
         mode="aggregated", prefill=None, decode=None, worker={}, slo={"ttftMs": 800}, runtime=on
     )
-    assert late_after(aggregated, Role.WORKER) == 800
-    assert late_after(make_spec(runtime=on), Role.PREFILL) is None
-    assert late_after(make_spec(slo={"ttftMs": 800}), Role.DECODE) == 800  # on by default
-    off = make_spec(slo={"ttftMs": 800}, runtime={"latePromptsLast": False})
-    assert late_after(off, Role.PREFILL) is None
+    assert late_after(aggregated) == 800
+    assert late_after(make_spec(runtime=on)) is None
+    assert late_after(make_spec(slo={"ttftMs": 800})) == 800  # on by default
+    assert late_after(make_spec(slo={"ttftMs": 800}, runtime={"latePromptsLast": False})) is None
     # a target of 300 s or more is past the late prompts' own limit: first come, first served
-    assert late_after(make_spec(slo={"ttftMs": 300_000}, runtime=on), Role.PREFILL) is None
+    assert late_after(make_spec(slo={"ttftMs": 300_000}, runtime=on)) is None
+    for role in (Role.PREFILL, Role.DECODE):
+        assert worker_flags(make_spec(slo={"ttftMs": 800}), role) is None
 
 
-def test_only_the_targets_the_workers_carry_roll_them():
-    """slo.ttftMs is every worker's flag (late prompts last), so changing it rolls every pool;
-    the quantile and the autoscaling fields are the operator's alone and roll nothing."""
+def test_an_slo_edit_rolls_the_router_for_ttft_and_the_decode_pool_for_tpot():
+    """slo.ttftMs reaches the workers through the router's requests, so changing it rolls the
+    router and no pool; slo.tpotMs is the decode pool's flag (its phase boundary); the quantile
+    and the autoscaling fields are the operator's alone and roll nothing."""
 
     def template(spec, role):
         return worker_deployment(make_owner(), spec, role, replicas=1)["spec"]["template"]
+
+    def router_template(spec):
+        return router_deployment(make_owner(), spec)["spec"]["template"]
 
     slo = {"ttftMs": 800, "tpotMs": 50}
     before = make_spec(slo=slo)
     same = [
         make_spec(slo={**slo, "percentile": 0.99}),
         make_spec(slo=slo, autoscaling={"enabled": True, "maxStep": 3}),
+        make_spec(slo={**slo, "ttftMs": 900}),
     ]
     for role in (Role.PREFILL, Role.DECODE):
         assert all(template(after, role) == template(before, role) for after in same)
-        assert template(make_spec(slo={**slo, "ttftMs": 900}), role) != template(before, role)
+    assert router_template(make_spec(slo={**slo, "ttftMs": 900})) != router_template(before)
+    assert router_template(same[0]) == router_template(before)
+    tpot = make_spec(slo={**slo, "tpotMs": 60})
+    assert template(tpot, Role.PREFILL) == template(before, Role.PREFILL)
+    assert template(tpot, Role.DECODE) != template(before, Role.DECODE)
 
 
 def test_engine_image_user_satisfies_run_as_non_root():

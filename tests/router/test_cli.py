@@ -67,6 +67,7 @@ def test_a_static_list_for_local_use() -> None:
         ["--worker-service", "no-port"],
         ["--workers", "h:1", "--max-attempts", "0"],
         ["--workers", "ftp://h:1"],
+        ["--workers", "h:1", "--late-after-ms", "0"],
     ],
 )
 def test_bad_settings_exit_2_with_a_message(

@@ -49,7 +49,10 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             members.write_text(
                 json.dumps({"prefill": [prefill.base_url], "decode": [decode.base_url]})
             )
-            args = ("--workers-file", str(members), "--refresh-interval", "0.5")
+            args = (
+                "--workers-file", str(members), "--refresh-interval", "0.5",
+                "--late-after-ms", "1",  # a TTFT target for late prompts last, per request
+            )  # fmt: skip
             with run_router(*args, "--policy", "prefix-aware") as router:
                 yield Fleet(router, prefill, decode, reference, members)
     finally:
@@ -107,10 +110,8 @@ def test_a_seeded_sample_through_the_hand_off_equals_one_worker(fleet: Fleet) ->
     assert sampled(fleet.router.client(), 12) != through_router  # another seed, other tokens
 
 
-def test_two_hundred_concurrent_streams_are_each_their_own(fleet: Fleet) -> None:
-    expected = {
-        p: complete(fleet.reference.client(), p, stream=False, max_tokens=8) for p in PROMPTS
-    }
+def stream_all(fleet: Fleet, prompts: list[str]) -> list[str]:
+    """Every prompt streamed through the router at once (8 tokens, greedy); their texts."""
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
         chunks = await client.completions.create(
@@ -123,12 +124,32 @@ def test_two_hundred_concurrent_streams_are_each_their_own(fleet: Fleet) -> None
             base_url=f"{fleet.router.base_url}/v1", api_key="unused", max_retries=0, timeout=300
         )
         try:
-            return await asyncio.gather(*(one(client, PROMPTS[i % 20]) for i in range(200)))
+            return await asyncio.gather(*(one(client, p) for p in prompts))
         finally:
             await client.close()
 
-    results = asyncio.run(run_all())
+    return asyncio.run(run_all())
+
+
+def test_two_hundred_concurrent_streams_are_each_their_own(fleet: Fleet) -> None:
+    expected = {
+        p: complete(fleet.reference.client(), p, stream=False, max_tokens=8) for p in PROMPTS
+    }
+    results = stream_all(fleet, [PROMPTS[i % 20] for i in range(200)])
     assert [r == expected[PROMPTS[i % 20]] for i, r in enumerate(results)] == [True] * 200
+
+
+def test_the_routers_ttft_target_reaches_the_prefill_worker(fleet: Fleet) -> None:
+    """The router sends its --late-after-ms with each request and the decode worker passes it
+    on with the hand-off: the prefill worker, started without the flag, serves the prompts
+    that waited past 1 ms after fresher ones, and every answer is still whole and the same."""
+    late = "phasefleet_late_prompts_total"
+    before = fleet.prefill.counter(late)
+    prompts = [f"Late {i}: " + "the tide comes in and goes out again " * 4 for i in range(40)]
+    expected = [complete(fleet.reference.client(), p, stream=False, max_tokens=8) for p in prompts]
+    assert stream_all(fleet, prompts) == expected
+    assert fleet.prefill.counter(late) > before
+    assert fleet.reference.counter(late) == 0  # no router, no target: first come, first served
 
 
 def test_a_prefill_worker_that_dies_costs_no_request(fleet: Fleet, tiny_model: Path) -> None:

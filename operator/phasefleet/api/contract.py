@@ -28,6 +28,11 @@ PREFILL_URL_HEADER = "X-PhaseFleet-Prefill-Url"
 # prompt tokens in milliseconds of that throughput (the adaptive phase boundary reads it).
 PREFILL_BACKLOG_HEADER = "X-PhaseFleet-Prefill-Backlog-Ms"
 PREFILL_SPEED_HEADER = "X-PhaseFleet-Prefill-Tokens-Per-S"  # and that throughput
+# Set by the router on every request it forwards when the service has a TTFT target (late
+# prompts last): the worker serves the prompt as if started with --late-after-ms this value, and
+# a decode worker passes it on to the prefill worker. The router carries it, not the workers'
+# flags, so that changing slo.ttftMs rolls the router only.
+LATE_AFTER_HEADER = "X-PhaseFleet-Late-After-Ms"
 
 # Labels on every child object and pod of an InferenceService.
 ISVC_LABEL = "phasefleet.dev/inferenceservice"  # the owning InferenceService's name
@@ -106,8 +111,9 @@ DEFAULT_LATE_LIMIT_S = 300.0
 
 
 def late_after_ms(ttft_ms: int | None) -> int | None:
-    """The workers' --late-after-ms for a TTFT target: the target, or None (first come, first
-    served) without one or with one of DEFAULT_LATE_LIMIT_S or more, where it cannot apply."""
+    """The router's --late-after-ms for a TTFT target (it sends it with each request): the
+    target, or None (first come, first served) without one or with one of DEFAULT_LATE_LIMIT_S
+    or more, where it cannot apply."""
     if ttft_ms is None or ttft_ms >= DEFAULT_LATE_LIMIT_S * 1000:
         return None
     return ttft_ms
@@ -121,6 +127,7 @@ class RouterFlag:
     POLICY = "--policy"
     HOLD_SECONDS = "--hold-seconds"
     MAX_HELD_REQUESTS = "--max-held-requests"
+    LATE_AFTER_MS = "--late-after-ms"  # the TTFT target, sent to the workers per request
 
     @staticmethod
     def pool_service(pool: str) -> str:

@@ -133,9 +133,6 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
             args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)
         if spec.slo.tpot_ms is not None:
             args += [WorkerFlag.TPOT_TARGET_MS, str(spec.slo.tpot_ms)]
-    late_after = late_after_ms(spec.slo.ttft_ms)
-    if spec.runtime.late_prompts_last and late_after is not None:
-        args += [WorkerFlag.LATE_AFTER_MS, str(late_after)]
     return args + list(spec.runtime.extra_args)
 
 
@@ -427,6 +424,9 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     ]  # fmt: skip
     for role in spec.pools():
         args += [RouterFlag.pool_service(role.value), worker_service_address(owner, role)]
+    late_after = late_after_ms(spec.slo.ttft_ms)
+    if spec.runtime.late_prompts_last and late_after is not None:
+        args += [RouterFlag.LATE_AFTER_MS, str(late_after)]  # per request: no worker rolls
     return args
 
 

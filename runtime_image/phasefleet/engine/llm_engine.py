@@ -136,8 +136,10 @@ class LLMEngine:
         first_token_id: int | None = None,
         imported_kv: list[KVChunk] | None = None,
         importing_from: int | None = None,
+        late_after_s: float | None = None,
     ) -> None:
-        """Queues a request. Hand-off forms: `prefill_only` (prefill role) finishes with
+        """Queues a request. `late_after_s`: its TTFT target for late prompts last (else the
+        engine's `late_after_s`). Hand-off forms: `prefill_only` (prefill role) finishes with
         'handoff' after the first token and keeps the prompt's KV under a lease;
         `first_token_id` (decode role) continues a request another worker prefilled, from
         `imported_kv` (consecutive chunks of its prompt's blocks, in this engine's layout: the
@@ -168,6 +170,8 @@ class LLMEngine:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
             if params.max_tokens < 2:
                 raise ValueError("a request continued from its first token needs max_tokens >= 2")
+        if late_after_s is not None and late_after_s <= 0:
+            raise ValueError(f"late_after_s must be > 0 seconds, got {late_after_s}")
         handed_off = first_token_id is not None or importing_from is not None
         if handed_off and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
@@ -188,6 +192,7 @@ class LLMEngine:
             num_imported_tokens=imported_tokens,
             import_first_block=first_block,
             importing=importing_from is not None,
+            late_after_s=late_after_s,
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.

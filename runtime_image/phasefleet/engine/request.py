@@ -41,6 +41,8 @@ class Request:
     importing: bool = False
     """More of that KV is on its way: admitted (blocks reserved) but computed only once the
     import ends (engine/kv_import.py)."""
+    late_after_s: float | None = None
+    """This prompt's TTFT target for late prompts last (the router's); None: the scheduler's."""
 
     @property
     def num_prompt_tokens(self) -> int:

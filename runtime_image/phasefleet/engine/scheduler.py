@@ -7,12 +7,12 @@ blocks for its whole prompt are free. When a decode needs a new block and none i
 newest running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
 
-Late prompts last (`late_after_s`, the service's TTFT target; None: first come, first served):
-a prompt that has waited longer than that has missed the target already, so it moves to a late
-queue, admitted from only in a step with no other prefill (nothing waiting, no running prompt
-unfinished), until it has waited `late_limit_s`; then it goes back to the front. None is
-dropped. In the trace replay it lets more prompts meet the target through a burst; on a real
-CPU worker it has not yet (bench/RESULTS.md, "Late prompts last"), so it is opt-in.
+Late prompts last (the service's TTFT target: a request's own `late_after_s`, which the router
+sends, else the scheduler's; neither: first come, first served): a prompt that has waited
+longer than that has missed the target already, so it moves to a late queue, admitted from only
+in a step with no other prefill (nothing waiting, no running prompt unfinished), until it has
+waited `late_limit_s`; then it goes back to the front. None is dropped. Through a burst more
+prompts meet the target (bench/RESULTS.md, "Late prompts last").
 """
 
 from __future__ import annotations
@@ -136,8 +136,7 @@ class Scheduler:
             self._add(out, req, n)
             budget -= n
 
-        if self.late_after_s is not None:
-            self._late_last(self.late_after_s)
+        self._late_last()
         while (
             (self.waiting or self.late)
             and budget > 0
@@ -178,10 +177,11 @@ class Scheduler:
             budget -= n
         return out
 
-    def _late_last(self, late_after: float) -> None:
-        """Moves the new prompts that waited past `late_after` from the front of the waiting
+    def _late_last(self) -> None:
+        """Moves the new prompts that waited past their target from the front of the waiting
         queue (arrival order, but for preempted requests there) to the late queue, and the
-        late prompts that waited `late_limit_s` back to the front, oldest first."""
+        late prompts that waited `late_limit_s` back to the front, oldest first. A prompt
+        without a target counts as on time."""
         now, limit = self.clock(), self.late_limit_s
         expired: list[Request] = []
         while self.late and now - self.late[0].arrival_time >= limit:
@@ -190,7 +190,8 @@ class Scheduler:
         while self.waiting:
             req = self.waiting[0]
             waited = now - req.arrival_time
-            if _new_prompt(req) and waited <= late_after:
+            late_after = self.late_after_s if req.late_after_s is None else req.late_after_s
+            if _new_prompt(req) and (late_after is None or waited <= late_after):
                 break  # on time, and so is everything that arrived after it
             self.waiting.popleft()
             if not _new_prompt(req) or waited >= limit:

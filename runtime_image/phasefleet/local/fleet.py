@@ -80,7 +80,7 @@ class FleetConfig:
     run_dir: Path  # logs and the membership file
     worker_args: list[str] = field(default_factory=list)  # passed to every worker
     tpot_target_ms: int | None = None  # passed to decode workers (their phase boundary)
-    late_after_ms: int | None = None  # every worker's TTFT target: late prompts last
+    late_after_ms: int | None = None  # the TTFT target the router sends: late prompts last
     tensor_parallel: dict[str, int] = field(default_factory=dict)  # pool -> ranks per worker
     router_args: list[str] = field(default_factory=list)  # passed to the router
     host: str = "127.0.0.1"  # where the router listens
@@ -143,10 +143,8 @@ class Fleet:
             "--host", "127.0.0.1",
             WorkerFlag.PORT, str(port),
             WorkerFlag.DRAIN_TIMEOUT, str(self.config.drain_timeout),
+            *self.config.worker_args,
         ]  # fmt: skip
-        if self.config.late_after_ms is not None:  # before worker_args: theirs wins
-            argv += [WorkerFlag.LATE_AFTER_MS, str(self.config.late_after_ms)]
-        argv += self.config.worker_args
         degree = self.config.tensor_parallel.get(pool, 1)
         if degree > 1:
             argv += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(degree)]
@@ -173,18 +171,23 @@ class Fleet:
             for joined in [executor.submit(self.admit, child) for child in started]:
                 if not joined.result():
                     raise RuntimeError("the fleet was stopped while its workers were starting")
+        argv = self._router_argv()
+        self.router = Child("router", argv, self.config.port, self.config.run_dir / "router.log")
+        self.router.env = self._env()
+        self.router.start()
+        self.router.wait_healthy(60.0)
+
+    def _router_argv(self) -> list[str]:
         argv = [
             *PHASEFLEET, "router",
             RouterFlag.SERVED_MODEL_NAME, self.config.served_model_name,
             "--host", self.config.host,
             RouterFlag.PORT, str(self.config.port),
             "--workers-file", str(self.members_path),
-            *self.config.router_args,
         ]  # fmt: skip
-        self.router = Child("router", argv, self.config.port, self.config.run_dir / "router.log")
-        self.router.env = self._env()
-        self.router.start()
-        self.router.wait_healthy(60.0)
+        if self.config.late_after_ms is not None:  # before router_args: theirs wins
+            argv += [RouterFlag.LATE_AFTER_MS, str(self.config.late_after_ms)]
+        return argv + self.config.router_args
 
     def start_worker(self, pool: str) -> Child:
         """Starts one more worker process in `pool`, listed as starting; `admit` waits for it."""

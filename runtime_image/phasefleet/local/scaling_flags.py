@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def late_after(args: argparse.Namespace) -> int | None:
-    """Every worker's --late-after-ms: the TTFT target, as the operator passes slo.ttftMs."""
+    """The router's --late-after-ms (sent with each request): the TTFT target, as the operator
+    passes slo.ttftMs."""
     from phasefleet.api.contract import late_after_ms
 
     return late_after_ms(args.ttft_ms) if args.late_prompts_last else None

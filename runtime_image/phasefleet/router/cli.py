@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_HELD,
         help="requests held per pool at once; more get 503 at once",
     )
+    server.add_argument(
+        RouterFlag.LATE_AFTER_MS,
+        type=int,
+        default=None,
+        help="the service's TTFT target, sent with every request: the workers serve prompts"
+        " that waited past it after those that can still meet it (default: none, the workers'"
+        " own --late-after-ms)",
+    )
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
@@ -153,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
         hold_seconds=args.hold_seconds,
         max_held_requests=args.max_held_requests,
+        late_after_ms=args.late_after_ms,
     )
     try:
         config.validate()

@@ -20,6 +20,7 @@ class RouterConfig:
     internal_token: str | None = None  # the service's token: needed to name a prefill worker
     hold_seconds: float = DEFAULT_HOLD_SECONDS  # a request's longest wait for a ready worker
     max_held_requests: int = DEFAULT_MAX_HELD  # requests held per pool at once
+    late_after_ms: int | None = None  # the TTFT target sent with each request: late prompts last
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -32,3 +33,5 @@ class RouterConfig:
             raise ValueError(f"hold_seconds must be >= 0 (0: no holding), got {self.hold_seconds}")
         if self.max_held_requests < 1:
             raise ValueError(f"max_held_requests must be >= 1, got {self.max_held_requests}")
+        if self.late_after_ms is not None and self.late_after_ms < 1:
+            raise ValueError(f"late_after_ms must be >= 1 ms, got {self.late_after_ms}")

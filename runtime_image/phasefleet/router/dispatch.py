@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from phasefleet.api.contract import (
     INTERNAL_TOKEN_HEADER,
+    LATE_AFTER_HEADER,
     PREFILL_BACKLOG_HEADER,
     PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
@@ -184,6 +185,8 @@ class Router:
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(prompt_text(body)) if affinity else []
         headers = {"content-type": "application/json"}
+        if self.config.late_after_ms is not None:
+            headers[LATE_AFTER_HEADER] = str(self.config.late_after_ms)
         prefill = self.choose_prefill(chunks)
         if prefill is not None and self.config.internal_token:
             headers[PREFILL_URL_HEADER] = prefill.url

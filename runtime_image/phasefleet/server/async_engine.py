@@ -90,6 +90,7 @@ class _Add:
     prompts: list[list[int]]  # one per choice
     params: list[SamplingParams]  # one per choice
     options: list[EngineOptions] | None  # one per choice, or None: plain requests
+    late_after_s: float | None = None  # their TTFT target (late prompts last); None: the engine's
 
 
 @dataclass
@@ -300,10 +301,12 @@ class AsyncEngine:
         arrival_time: float,
         options: list[EngineOptions] | None = None,
         reserved: bool = False,
+        late_after_s: float | None = None,
     ) -> RequestStream:
         """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError.
         `reserved`: the caller passed `check_room` earlier (a decode after its remote prefill),
-        so a queue filled since does not refuse it."""
+        so a queue filled since does not refuse it. `late_after_s`: their TTFT target (late
+        prompts last), else the engine's."""
         if not self.ready or self.fatal_error is not None:
             raise EngineNotReadyError("the engine is not ready")
         if len(request_ids) > self.max_queue_len:  # would never fit: not a QueueFullError
@@ -318,7 +321,7 @@ class AsyncEngine:
             if not reserved and waiting + len(request_ids) > self.max_queue_len:
                 raise QueueFullError(self.max_queue_len)
             self._shared.pending_adds += len(request_ids)
-            self._shared.commands.append(_Add(stream, prompts, params, options))
+            self._shared.commands.append(_Add(stream, prompts, params, options, late_after_s))
             self._cond.notify()
         self.in_flight += 1
         return stream
@@ -453,6 +456,7 @@ class AsyncEngine:
                         first_token_id=options.first_token_id,
                         imported_kv=options.imported_kv,
                         importing_from=options.importing_from,
+                        late_after_s=command.late_after_s,
                     )
                 except ValueError as exc:
                     error = exc

@@ -83,6 +83,7 @@ async def create_chat_completion(
         arrival,
         "messages",
         remote=state.remote_prefill(raw.headers, [prompt] * req.n),
+        late_after_s=state.late_after_s(raw.headers),
     )
     await gen.start()
     response_id = f"chatcmpl-{gen.request_id}"

@@ -105,6 +105,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
         arrival,
         "prompt",
         remote=state.remote_prefill(raw.headers, choice_prompts),
+        late_after_s=state.late_after_s(raw.headers),
     )
     await gen.start()
     response_id = f"cmpl-{gen.request_id}"

@@ -148,6 +148,7 @@ class Generation:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     options: list[EngineOptions] | None = None  # one per choice: the hand-off forms
     remote: RemotePrefill | None = None  # prefill on another worker (one prompt, n = 1)
+    late_after_s: float | None = None  # the TTFT target the router sent; None: the engine's
     stream: RequestStream | None = None
     timings: list[ChoiceTiming] = field(default_factory=list)
     # Per choice, as events pass: the output tokens' logprobs, and the prompt's (if asked for)
@@ -179,8 +180,9 @@ class Generation:
         ids = [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
         try:
             stream = self.engine.submit(
-                ids, self.prompts, self.params, self.arrival_time, options, reserved
-            )
+                ids, self.prompts, self.params, self.arrival_time, options, reserved,
+                self.late_after_s,
+            )  # fmt: skip
         except QueueFullError as exc:
             raise queue_full(exc.limit) from None
         except ValueError as exc:  # more engine requests than the whole queue
@@ -214,7 +216,12 @@ class Generation:
         prompt, params = self.prompts[0], self.params[0]
         try:
             handoff = await remote.client.open(
-                remote.prefill_url, self.request_id, prompt, params, remote.cached_tokens
+                remote.prefill_url,
+                self.request_id,
+                prompt,
+                params,
+                remote.cached_tokens,
+                self.late_after_s,
             )
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()

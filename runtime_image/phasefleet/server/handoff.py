@@ -129,9 +129,11 @@ class HandoffClient:
         prompt: list[int],
         params: SamplingParams,
         skip_tokens: int,
+        late_after_s: float | None = None,
     ) -> Handoff:
         """The hand-off once the prefill worker has taken the prompt (HandoffFailed when it
-        does not): its layout, the KV as it arrives, then the first token."""
+        does not): its layout, the KV as it arrives, then the first token. `late_after_s`:
+        the prompt's TTFT target there (late prompts last)."""
         loop = asyncio.get_running_loop()
         started: asyncio.Future[StartFrame] = loop.create_future()
         first: asyncio.Future[First] = loop.create_future()
@@ -146,7 +148,9 @@ class HandoffClient:
         def on_chunk(chunk: StreamChunk) -> None:  # the reading thread, in stream order
             loop.call_soon_threadsafe(arrivals.put, _kv_chunk(chunk))
 
-        body = PrefillRequest.of(request_id, prompt, params, skip_tokens).model_dump_json()
+        body = PrefillRequest.of(
+            request_id, prompt, params, skip_tokens, late_after_s
+        ).model_dump_json()
         began = time.monotonic()
         reading = asyncio.ensure_future(
             asyncio.to_thread(

@@ -62,10 +62,18 @@ class PrefillRequest(_Wire):
     # prompt tokens the decode worker's prefix cache holds: the sender skips its whole blocks
     # below this (in its own block size)
     skip_tokens: int = Field(default=0, ge=0)
+    # the TTFT target the router sent the decode worker (late prompts last); None: the
+    # prefill worker's own --late-after-ms
+    late_after_ms: int | None = Field(default=None, ge=1)
 
     @classmethod
     def of(
-        cls, request_id: str, prompt: list[int], params: SamplingParams, skip_tokens: int = 0
+        cls,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        skip_tokens: int = 0,
+        late_after_s: float | None = None,
     ) -> PrefillRequest:
         return cls(
             request_id=request_id,
@@ -80,6 +88,7 @@ class PrefillRequest(_Wire):
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
             skip_tokens=skip_tokens,
+            late_after_ms=None if late_after_s is None else max(1, round(late_after_s * 1000)),
         )
 
     def sampling(self) -> SamplingParams:

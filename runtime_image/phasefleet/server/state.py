@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from phasefleet.api.boundary import LocalLoad, PhaseBoundary
 from phasefleet.api.contract import (
     INTERNAL_TOKEN_HEADER,
+    LATE_AFTER_HEADER,
     PREFILL_BACKLOG_HEADER,
     PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
@@ -93,6 +94,13 @@ class WorkerState:
         if not remote:
             return None
         return RemotePrefill(self.handoff, url, self.first_token_text, cached)
+
+    @staticmethod
+    def late_after_s(headers: Mapping[str, str]) -> float | None:
+        """The TTFT target the router sent with this request (late prompts last); None: none,
+        or not a positive number, so the engine's own applies."""
+        ms = _number(headers, LATE_AFTER_HEADER)
+        return ms / 1000 if ms else None
 
     def local_load(self, prefill_s: float) -> LocalLoad:
         stats, m = self.engine.stats(), self.metrics
