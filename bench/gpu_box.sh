@@ -12,11 +12,7 @@ if [[ ${1:-} == stage ]]; then
   ls -l .gpu-stage
   exit 0
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .gpu-pack/wheels/*.whl
-export PYTHONPATH="/tmp/site:$PWD/operator:$PWD/runtime_image${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-python3 bench/gpu_pack.py verify /tmp/site
+source bench/gpu_site.sh
 smollm2=()
 if python3 bench/gpu_pack.py join; then smollm2=(--smollm2 .gpu-models); fi
 exec python3 bench/gpu_check.py --out "${OUT:-bench/gpu_check}" "${smollm2[@]}" "$@"

@@ -79,7 +79,7 @@ def internal_routes() -> APIRouter:
             "prompt_token_ids",
             request_id=f"prefill-{body.request_id}",
             options=[EngineOptions(prefill_only=True)],
-            late_after_s=None if body.late_after_ms is None else body.late_after_ms / 1000,
+            late_after_s=body.late_after_s,
         )
         await gen.start()  # a refusal here is an HTTP error, before any frame
         layout = state.engine.kv_layout

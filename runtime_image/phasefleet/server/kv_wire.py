@@ -64,7 +64,7 @@ class PrefillRequest(_Wire):
     skip_tokens: int = Field(default=0, ge=0)
     # the TTFT target the router sent the decode worker (late prompts last); None: the
     # prefill worker's own --late-after-ms
-    late_after_ms: int | None = Field(default=None, ge=1)
+    late_after_s: float | None = Field(default=None, gt=0)
 
     @classmethod
     def of(
@@ -88,7 +88,7 @@ class PrefillRequest(_Wire):
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
             skip_tokens=skip_tokens,
-            late_after_ms=None if late_after_s is None else max(1, round(late_after_s * 1000)),
+            late_after_s=late_after_s,
         )
 
     def sampling(self) -> SamplingParams:
