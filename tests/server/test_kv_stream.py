@@ -378,3 +378,22 @@ def test_a_stalled_stream_times_out_and_hangs_up(responder: Responder) -> None:
     assert result.failure.detail == "no byte for 0.2s"
     assert [c.first_block for c in chunks] == [0]
     assert hung_up.wait(5) and heard == [b""]
+
+
+def test_the_ttft_target_crosses_the_hand_off_and_a_bad_one_is_ignored_or_refused() -> None:
+    """The router's header becomes a request's target only when it is a positive number (else
+    the worker's own applies); the hand-off's request carries it on and refuses one <= 0."""
+    from pydantic import ValidationError
+
+    from phasefleet.api.contract import LATE_AFTER_HEADER
+    from phasefleet.engine.sampling_params import SamplingParams
+    from phasefleet.server.kv_wire import PrefillRequest
+    from phasefleet.server.state import WorkerState
+
+    given = {v: WorkerState.late_after_s({LATE_AFTER_HEADER: v}) for v in ("800", "0", "-5", "x")}
+    assert given == {"800": 0.8, "0": None, "-5": None, "x": None}
+    assert WorkerState.late_after_s({}) is None
+    body = PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=2), late_after_s=0.8)
+    assert PrefillRequest.model_validate_json(body.model_dump_json()).late_after_s == 0.8
+    with pytest.raises(ValidationError, match="late_after_s"):
+        PrefillRequest.model_validate({**body.model_dump(), "late_after_s": 0})
