@@ -362,3 +362,23 @@ def test_a_bad_prefill_request_is_a_400_naming_the_field(
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == field
     assert prefill.counter("phasefleet_kv_leases") == 0
+
+
+def test_a_later_field_is_served_and_another_wire_version_is_a_409(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    """A decode worker of a later release (more fields) is served; one of another wire version
+    is refused before anything is prefilled (server/kv_wire.py's version rules)."""
+    prefill, _, _ = workers
+    headers = {INTERNAL_TOKEN_HEADER: TOKEN}
+    body = {"request_id": "v", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}
+    url = prefill.base_url + "/internal/prefill"
+    with httpx.stream("POST", url, json={**body, "a_later_field": 1}, headers=headers) as answer:
+        assert answer.status_code == 200
+        assert answer.read()  # the whole stream, so its blocks are let go
+    answer = httpx.post(url, json={**body, "wire_version": 2}, headers=headers, timeout=30)
+    assert answer.status_code == 409, answer.text
+    error = answer.json()["error"]
+    assert (error["code"], error["param"]) == ("wire_version_mismatch", "wire_version")
+    assert "different releases" in error["message"]
+    prefill.wait_until(lambda: prefill.counter("phasefleet_kv_leases") == 0, 15)

@@ -5,6 +5,7 @@ stream is a StreamError (before the first token) or a returned failure (after it
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import socket
 import threading
@@ -21,6 +22,7 @@ from phasefleet.server.kv_stream import (
     stream_prefill,
 )
 from phasefleet.server.kv_wire import (
+    HEADER_LENGTH,
     MEDIA_TYPE,
     PREFILL_PATH,
     EndFrame,
@@ -397,3 +399,28 @@ def test_the_ttft_target_crosses_the_hand_off_and_a_bad_one_is_ignored_or_refuse
     assert PrefillRequest.model_validate_json(body.model_dump_json()).late_after_s == 0.8
     with pytest.raises(ValidationError, match="late_after_s"):
         PrefillRequest.model_validate({**body.model_dump(), "late_after_s": 0})
+
+
+def newer(frame: bytes, **fields: object) -> bytes:
+    """`frame` (a header without payload) as a peer of a later release sends it: more fields."""
+    header = json.loads(frame[HEADER_LENGTH.size :]) | fields
+    data = json.dumps(header).encode()
+    return HEADER_LENGTH.pack(len(data)) + data
+
+
+def test_a_newer_peers_unknown_fields_are_ignored_both_ways(responder: Responder) -> None:
+    """The wire's version rule: fields added by a later release do not break this one."""
+    from phasefleet.engine.sampling_params import SamplingParams
+    from phasefleet.server.kv_wire import WIRE_VERSION, PrefillRequest
+
+    stream = newer(start(6), compression="zstd") + kv(0, A) + kv(2, B)
+    stream += newer(encode_header(FIRST), draft_token_ids=[4, 5]) + kv(3, C) + end(6)
+    responder.handlers.append(send(ok_head() + chunked(stream)))
+    result, firsts, chunks = pull(responder)
+    assert result.failure is None and firsts == [FIRST]
+    assert [bytes(c.payload) for c in chunks] == [A, B, C]
+
+    sent = PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=2))
+    assert sent.wire_version == WIRE_VERSION and '"wire_version":1' in sent.model_dump_json()
+    later = PrefillRequest.model_validate({**sent.model_dump(), "priority": "high"})
+    assert later == sent

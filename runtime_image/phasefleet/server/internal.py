@@ -31,6 +31,7 @@ from phasefleet.server.errors import APIError
 from phasefleet.server.generation import Generation, checked
 from phasefleet.server.kv_wire import (
     MEDIA_TYPE,
+    WIRE_VERSION,
     EndFrame,
     ErrorFrame,
     FirstFrame,
@@ -61,12 +62,26 @@ def check_token(request: Request) -> None:
         )
 
 
+def check_version(body: PrefillRequest) -> None:
+    """This worker answers in one wire version; a decode worker of another prefills locally."""
+    if body.wire_version != WIRE_VERSION:
+        raise APIError(
+            409,
+            f"the hand-off's wire version {body.wire_version} is not this prefill worker's "
+            f"({WIRE_VERSION}): the decode and prefill pools run different releases; "
+            "the decode worker prefills locally until both run the same image",
+            param="wire_version",
+            code="wire_version_mismatch",
+        )
+
+
 def internal_routes() -> APIRouter:
     routes = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
 
     @routes.post("/prefill")
     async def prefill(body: PrefillRequest, request: Request) -> GenerationStream:
         state = request.app.state.worker
+        check_version(body)
         state.check_accepting()
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
         params = checked(body.sampling())

@@ -21,6 +21,16 @@ prompt, so the KV of each chunk travels while the next chunk is computed:
 
 The HTTP body is sent with chunked transfer encoding; frame boundaries are independent of the
 HTTP chunks.
+
+Versions: the two pools roll to a new image one pod at a time, so for a while a decode worker
+and a prefill worker of different releases talk. Two rules keep that working:
+- Every message ignores fields it does not know. A field may be added to a message when a peer
+  that ignores it still does the right thing: a hint (`late_after_s`), or a request the
+  answer confirms (`skip_tokens`, confirmed by the start frame's `skip_blocks`).
+- Anything else (a new frame kind, a field whose meaning changes, another payload layout)
+  raises `WIRE_VERSION`. The decode worker sends its version in every request; a prefill worker
+  answers in the version asked for or refuses it (409, `wire_version_mismatch`), and the decode
+  worker prefills locally.
 """
 
 from __future__ import annotations
@@ -37,17 +47,20 @@ from phasefleet.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, 
 
 PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
+WIRE_VERSION = 1
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a peer of a later release may send fields this one does not know (the module's rules)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class PrefillRequest(_Wire):
     """One prompt to prefill; the sampling fields choose the first token."""
 
+    wire_version: int = Field(default=WIRE_VERSION, ge=1)
     request_id: str = Field(min_length=1, max_length=200)
     prompt_token_ids: list[int] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
