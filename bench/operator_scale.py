@@ -49,13 +49,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir  # noqa: E402
-from e2e.harness.process import free_port  # noqa: E402
-from e2e.harness.wait import wait_for  # noqa: E402
-from e2e.test_operator_support import (  # noqa: E402
+from e2e.harness.phasefleet_operator import (  # noqa: E402
     Operator,
     install_chart,
     service_account_kubeconfig,
 )
+from e2e.harness.process import free_port  # noqa: E402
+from e2e.harness.wait import wait_for  # noqa: E402
 
 NAMESPACE = "scale"
 NOISE_NAMESPACE = "noise"

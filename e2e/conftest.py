@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
+from e2e.harness.phasefleet_operator import Operator, install_chart, service_account_kubeconfig
 from e2e.harness.podrunner import RUN_LABEL, RUN_VALUE
 from e2e.harness.prometheus import Prometheus
-from e2e.test_operator_support import Operator, install_chart, service_account_kubeconfig
 
 _started: list[ControlPlane] = []
 

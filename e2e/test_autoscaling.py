@@ -25,7 +25,6 @@ Each decision is checked in `kubectl get`, `kubectl describe` (Events) and the o
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import threading
 import time
@@ -40,14 +39,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.harness.chart import pod_monitor_scrape_config
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.kubeapi import KubeApi
-from e2e.harness.podsd import PodDiscovery
-from e2e.harness.process import free_port
-from e2e.harness.prometheus import Prometheus
-from e2e.harness.wait import wait_for
-from e2e.test_operator_support import (
-    CHART,
+from e2e.harness.phasefleet_operator import (
     RELEASE,
     SYSTEM_NAMESPACE,
     Operator,
@@ -57,10 +52,21 @@ from e2e.test_operator_support import (
     is_ready,
     service_account_kubeconfig,
 )
-from e2e.test_serving import DISAGGREGATED, client, pods, ready_ips, wait_router_sees
+from e2e.harness.podsd import PodDiscovery
+from e2e.harness.process import free_port
+from e2e.harness.prometheus import Prometheus
+from e2e.harness.serving import (
+    DISAGGREGATED,
+    PLANS,
+    client,
+    pods,
+    ready_ips,
+    ship_linear_plans,
+    wait_router_sees,
+)
+from e2e.harness.wait import wait_for
 from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT, Metric
 from phasefleet.autoscale.deployments import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
-from phasefleet.engine.models.linear_plan import DEFAULT_CACHE_FILE
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
 
 NAME = "tiny"
@@ -72,7 +78,6 @@ GPU = {
     "requests": {"cpu": "500m", "memory": "1Gi"},
 }
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-PLANS = "plans/cpu_linear_plans.json"
 METRICS_PORT = free_port()  # the operator's own /metrics
 
 
@@ -85,16 +90,6 @@ def operator_metric(name: str, ns: str, pool: str | None = None) -> float | None
             if sample.name == name and sample.labels == want:
                 return float(sample.value)
     return None
-
-
-def ship_linear_plans(cluster: ControlPlane) -> None:
-    """Puts this machine's CPU linear plans "in the image": a worker pod otherwise times its
-    linears at every start (its HOME is an emptyDir), which takes minutes on a busy 2-core
-    machine; plans for another CPU or torch are keyed apart and not used."""
-    shipped = cluster.image_root / PLANS
-    shipped.parent.mkdir(parents=True, exist_ok=True)
-    if DEFAULT_CACHE_FILE.is_file() and not shipped.exists():
-        shutil.copyfile(DEFAULT_CACHE_FILE, shipped)
 
 
 def autoscaled_service() -> dict[str, Any]:
@@ -121,44 +116,6 @@ def autoscaled_service() -> dict[str, Any]:
         "scaleDownStabilizationSeconds": WINDOW_S, "maxStep": 2, "gpuBudget": 3,
     }  # fmt: skip
     return dict(body)
-
-
-def pod_monitor_scrape_config(cluster: ControlPlane, discovery_url: str) -> dict[str, Any]:
-    """The chart's PodMonitor as a plain Prometheus scrape config over pod discovery: its pod
-    selector and port, the labels the Prometheus Operator gives every PodMonitor target
-    (namespace, pod), and the PodMonitor's own relabelings, read from the rendered chart."""
-    out = cluster.helm(
-        "template", "t", str(CHART), "--kube-version=1.33.0",
-        "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
-    ).stdout  # fmt: skip
-    (monitor,) = [
-        d
-        for d in yaml.safe_load_all(out)
-        if d and d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-engines")
-    ]
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    ((label, value),) = monitor["spec"]["selector"]["matchLabels"].items()
-    meta_label = "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in label)
-    relabel = [
-        {"source_labels": [meta_label], "regex": value, "action": "keep"},
-        {
-            "source_labels": ["__meta_kubernetes_pod_container_port_name"],
-            "regex": endpoint["port"],
-            "action": "keep",
-        },
-        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        *(
-            {"source_labels": r["sourceLabels"], "target_label": r["targetLabel"]}
-            for r in endpoint["relabelings"]
-        ),
-    ]
-    return {
-        "job_name": "phasefleet-engines",
-        "metrics_path": endpoint["path"],
-        "http_sd_configs": [{"url": discovery_url, "refresh_interval": "1s"}],
-        "relabel_configs": relabel,
-    }
 
 
 @contextmanager

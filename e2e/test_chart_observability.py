@@ -16,51 +16,26 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from e2e.harness.controlplane import ControlPlane, tools_bin_dir
-from e2e.test_operator_support import CHART, ROOT, monitoring_crd
+from e2e.harness.chart import (
+    CHART,
+    KUBE_VERSION,
+    ROOT,
+    RULE_API,
+    helm,
+    kinds,
+    monitoring_crd,
+    one,
+    render,
+    rendered_dashboard,
+    rule_groups,
+)
+from e2e.harness.controlplane import ControlPlane
 
-KUBE_VERSION = "--kube-version=1.33.0"
-RULE_API = "--api-versions=monitoring.coreos.com/v1/PrometheusRule"
 PROMTOOL_CASES = ROOT / "e2e" / "promtool" / "alerts_test.yaml"
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    binary = tools_bin_dir() / "helm"
-    if not binary.exists():
-        pytest.fail(f"{binary} missing: run `make tools` (e2e/tools/install.sh)")
-    return subprocess.run(
-        [str(binary), *args], capture_output=True, text=True, check=check, timeout=120
-    )
-
-
-def render(*args: str) -> list[dict[str, Any]]:
-    """The chart's objects, rendered for Kubernetes 1.33 in namespace `pf`."""
-    out = helm("template", "t", str(CHART), KUBE_VERSION, "-n", "pf", *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = [o for o in objects if o["kind"] == kind]
-    return found
-
-
-def kinds(objects: list[dict[str, Any]]) -> list[str]:
-    return [o["kind"] for o in objects]
-
-
-def rendered_dashboard(*args: str) -> dict[str, Any]:
-    """The dashboard JSON as the chart's ConfigMap carries it."""
-    config_map = one(render("--set", "dashboard.enabled=true", *args), "ConfigMap")
-    return dict(json.loads(config_map["data"]["phasefleet.json"]))
-
-
-def rule_groups(*args: str) -> list[dict[str, Any]]:
-    return list(one(render(RULE_API, *args), "PrometheusRule")["spec"]["groups"])
 
 
 def promtool() -> str:

@@ -25,14 +25,14 @@ import openai
 import pytest
 import yaml
 
+from e2e.harness.chart import pod_monitor_scrape_config, rendered_dashboard, rule_groups
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.kubeapi import KubeApi
+from e2e.harness.phasefleet_operator import Operator, is_ready
 from e2e.harness.podsd import PodDiscovery
 from e2e.harness.prometheus import Prometheus
+from e2e.harness.serving import PLANS, ship_linear_plans
 from e2e.harness.wait import wait_for
-from e2e.test_autoscaling import PLANS, pod_monitor_scrape_config, ship_linear_plans
-from e2e.test_chart_observability import rendered_dashboard, rule_groups
-from e2e.test_operator_support import Operator, is_ready
 from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT, ROUTER_ROLE
 from phasefleet.api.dashboard import KSM_METRICS
 

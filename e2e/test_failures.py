@@ -22,7 +22,7 @@ import pytest
 
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.memcg import MemoryCgroup
-from e2e.test_operator_support import Operator, condition, get
+from e2e.harness.phasefleet_operator import Operator, condition, get
 from tests.server.hub_server import FakeHub, FakeRepo, read_folder
 
 GATED = "org/gated"  # a repository of the local Hub that needs a token

@@ -17,21 +17,18 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.harness.chart import CHART, KUBE_VERSION, ROOT, monitoring_crd
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
-from e2e.harness.wait import wait_for
-from e2e.test_operator_support import (
-    CHART,
-    ROOT,
+from e2e.harness.phasefleet_operator import (
     Operator,
     can_i,
     get,
     is_ready,
-    monitoring_crd,
     service_account_kubeconfig,
 )
+from e2e.harness.wait import wait_for
 from phasefleet.api.contract import CHILD_KINDS
 
-KUBE_VERSION = "--kube-version=1.33.0"
 PODMONITOR_CRD = monitoring_crd("PodMonitor")
 
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from e2e.harness.controlplane import ControlPlane
+from e2e.harness.phasefleet_operator import Operator, get, is_ready
 from e2e.harness.wait import wait_for
-from e2e.test_operator_support import Operator, get, is_ready
 from phasefleet.api.contract import ROUTER_PORT
 from tests.server.hub_server import FakeHub, FakeRepo, read_folder
 

@@ -15,14 +15,14 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane
-from e2e.harness.wait import wait_for
-from e2e.test_operator_support import (
+from e2e.harness.phasefleet_operator import (
     Operator,
     can_i,
     condition,
     get,
     is_ready,
 )
+from e2e.harness.wait import wait_for
 from phasefleet.api import contract
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,10 +20,9 @@ import httpx
 import yaml
 
 from e2e.harness.controlplane import ControlPlane
+from e2e.harness.phasefleet_operator import Operator, condition, get, is_ready
+from e2e.harness.serving import AGGREGATED, PLANS, pods, ready_ips, ship_linear_plans
 from e2e.harness.wait import wait_for
-from e2e.test_autoscaling import PLANS, ship_linear_plans
-from e2e.test_operator_support import Operator, condition, get, is_ready
-from e2e.test_serving import AGGREGATED, pods, ready_ips
 from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT
 
 NAME = "tiny-agg"

@@ -18,18 +18,16 @@ import openai
 import pytest
 
 from e2e.harness.controlplane import ControlPlane
-from e2e.harness.podnet import POD_RANGE
-from e2e.harness.wait import wait_for
-from e2e.test_operator_support import (
+from e2e.harness.phasefleet_operator import (
     Operator,
     get,
     is_ready,
 )
+from e2e.harness.podnet import POD_RANGE
+from e2e.harness.serving import AGGREGATED, DISAGGREGATED, client, pods, ready_ips, wait_router_sees
+from e2e.harness.wait import wait_for
 from phasefleet.api.contract import ROUTER_PORT, WORKER_PORT
 
-ROOT = Path(__file__).resolve().parents[1]
-AGGREGATED = ROOT / "examples" / "tiny-aggregated.yaml"
-DISAGGREGATED = ROOT / "examples" / "tiny-disaggregated.yaml"
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5"]
 MAX_TOKENS = 16
 
@@ -42,30 +40,6 @@ def reference(cluster: ControlPlane, image_model: str) -> Iterator[Any]:
     local = cluster.image_root / image_model.lstrip("/")
     with run_worker(local, "--dtype", "float32", "--max-model-len", "512") as worker:
         yield worker
-
-
-def pods(cluster: ControlPlane, namespace: str, role: str) -> list[dict[str, Any]]:
-    found = get(cluster, "pods", "-n", namespace, "-l", f"phasefleet.dev/role={role}")
-    return list((found or {}).get("items", []))
-
-
-def ready_ips(cluster: ControlPlane, namespace: str, role: str) -> list[str]:
-    """Pod IPs of the role's pods that are Ready and not terminating."""
-    return sorted(
-        p["status"]["podIP"]
-        for p in pods(cluster, namespace, role)
-        if not p["metadata"].get("deletionTimestamp")
-        and any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in p["status"].get("conditions") or []
-        )
-    )
-
-
-def client(ip: str, port: int) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://{ip}:{port}/v1", api_key="unused", max_retries=0, timeout=120
-    )
 
 
 def complete(api: openai.OpenAI, prompt: str, stream: bool, **extra: Any) -> str:
@@ -96,14 +70,6 @@ def serve(
         return name
 
     return apply
-
-
-def wait_router_sees(ip: str, ready: dict[str, int]) -> None:
-    def sees() -> bool:
-        health = httpx.get(f"http://{ip}:{ROUTER_PORT}/health", timeout=5).json()
-        return bool(health["ready_workers"] == ready)
-
-    wait_for(sees, 30, f"router at {ip} to see {ready} ready workers")
 
 
 def test_pods_are_ready_only_once_their_probe_passes(

@@ -17,8 +17,8 @@ import pytest
 
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.nodes import FAKE_NODES, GPU_RESOURCE
+from e2e.harness.phasefleet_operator import Operator, condition, get, is_ready
 from e2e.harness.wait import wait_for
-from e2e.test_operator_support import Operator, condition, get, is_ready
 from phasefleet.api.contract import ROUTER_PORT, WORKER_PORT
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -62,7 +62,7 @@ def up() -> int:
 
 def demo() -> int:
     """The operator on the control plane with the tiny aggregated example really serving."""
-    from e2e.test_operator_support import Operator, install_chart, service_account_kubeconfig
+    from e2e.harness.phasefleet_operator import Operator, install_chart, service_account_kubeconfig
     from phasefleet.api.contract import ROUTER_PORT
     from phasefleet.engine.tiny import make_tiny
 

@@ -1,4 +1,5 @@
-"""Helpers for the operator e2e tests and bench/operator_scale.py (this module has no tests).
+"""PhaseFleet on the control plane, for the e2e tests and bench/operator_scale.py: the chart
+installed, the operator run, and InferenceServices read back.
 
 The chart is installed with replicaCount=0 (pods on KWOK nodes run nothing), and the operator
 runs here as a `phasefleet operator` process authenticated as the chart's ServiceAccount, so
@@ -13,12 +14,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from e2e.harness.chart import CHART
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.process import Component, free_port
 from e2e.harness.wait import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "helm" / "phasefleet"
 RELEASE = "pf"
 SYSTEM_NAMESPACE = "phasefleet-system"
 SERVICE_ACCOUNT = f"{RELEASE}-phasefleet"
@@ -118,32 +118,3 @@ def can_i(cluster: ControlPlane, user: str, *args: str) -> bool:
     """`kubectl auth can-i --as user ...`: what the API server's RBAC allows that user."""
     result = cluster.kubectl("auth", "can-i", "--as", user, *args, check=False)
     return result.stdout.strip() == "yes"
-
-
-def monitoring_crd(kind: str) -> dict[str, Any]:
-    """A schemaless stand-in for the Prometheus Operator's CRD of `kind` (monitoring.coreos.com
-    /v1), so the chart sees that API exist."""
-    plural = f"{kind.lower()}s"
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-        "spec": {
-            "group": "monitoring.coreos.com",
-            "scope": "Namespaced",
-            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "x-kubernetes-preserve-unknown-fields": True,
-                        }
-                    },
-                }
-            ],
-        },
-    }
