@@ -30,7 +30,7 @@ tools:
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy operator/phasefleet runtime_image/phasefleet e2e tests
+	$(VENV)/bin/mypy operator/phasefleet runtime_image/phasefleet e2e tests bench
 
 test-unit: venv
 	$(PYTEST) tests

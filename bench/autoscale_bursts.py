@@ -80,7 +80,9 @@ def cases(
         trace = load(name)
         scaled[name] = scale_rate(trace, rate_factor(trace, replace(curves, streamed=False), peak))
     out += [Case(n, scaled[n]) for n in names]
-    base = scaled.get("azure2023_conv")
+    if not variants:
+        return out
+    base = scaled["azure2023_conv"]
     make = {
         "bursts": lambda: compress_bursts(base),
         "spike": lambda: add_spike(base, at_s=base.duration / 2),

@@ -64,7 +64,7 @@ def host_step(runner: ModelRunner, batch: list[ScheduledRequest], graphs: bool) 
     rows = [SamplingRow(GREEDY)] * len(batch)
     plan = plan_step(batch, runner.tables, runner.block_size, group=not graphs)
     sampling = SamplingBatch.from_rows(rows, [s.start + s.num_tokens for s in batch], 512)
-    step = runner._upload(plan, sampling)
+    step = runner._upload(plan, runner.tables.pending_updates(), sampling)
     if graphs and runner.graphs is not None:
         runner.graphs.run(
             step.input_ids, step.positions, step.slots, step.decode_rows, step.decode_ctx

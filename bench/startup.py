@@ -382,7 +382,7 @@ def main() -> int:
             print(f"wrote {folder} in {time.perf_counter() - t:.1f} s", flush=True)
         else:
             folder = model_folder(name, scratch)
-        entry = {"folder": str(folder)}
+        entry: dict[str, Any] = {"folder": str(folder)}
         entry["weights"] = time_loaders(folder, args.device, args.rounds) if args.rounds else {}
         print(name, "weights", json.dumps(entry["weights"]), flush=True)
         (args.out / "startup.json").write_text(json.dumps({**results, name: entry}, indent=1))
