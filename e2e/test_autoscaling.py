@@ -66,8 +66,8 @@ from e2e.harness.serving import (
 )
 from e2e.harness.wait import wait_for
 from phasefleet.api.contract import CPU_LINEAR_CACHE_ENV, ROUTER_PORT, Metric
-from phasefleet.autoscale.deployments import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER
+from phasefleet.operator.pool_scaling import DELETION_COST_ANNOTATION, REMOVE_FIRST_COST
 
 NAME = "tiny"
 INTERVAL_S = 3

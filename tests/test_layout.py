@@ -3,6 +3,7 @@ and a test runner wrapper that never mistakes "no tests" for success."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import operator
 import subprocess
@@ -33,6 +34,24 @@ def test_phasefleet_is_a_namespace_package_over_both_roots() -> None:
         module = importlib.import_module(f"phasefleet.{name}")
         assert module.__doc__
         assert Path(str(module.__file__)).resolve().parent == REPO / root / "phasefleet" / name
+
+
+def imports(path: Path) -> set[str]:
+    """The modules a file imports (absolute imports, as every module here writes them)."""
+    tree = ast.parse(path.read_text())
+    found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return found | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_packages_import_one_way() -> None:
+    """The policy and its sources know no Kubernetes objects: operator/ imports autoscale/,
+    never the reverse; and no e2e test module imports another (shared code is harness)."""
+    for path in (REPO / "operator/phasefleet/autoscale").glob("*.py"):
+        wrong = {m for m in imports(path) if m.startswith("phasefleet.operator")}
+        assert not wrong, f"{path.name} imports {wrong}"
+    for path in [*(REPO / "e2e").glob("*.py"), *(REPO / "bench").glob("*.py")]:
+        wrong = {m for m in imports(path) if m.startswith("e2e.test_")}
+        assert not wrong, f"{path.relative_to(REPO)} imports {wrong}"
 
 
 def test_operator_is_still_the_standard_library_module() -> None:

@@ -10,18 +10,18 @@ from typing import Any, cast
 
 from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL
 from phasefleet.api.names import validate_service
-from phasefleet.autoscale.deployments import (
+from phasefleet.autoscale.policy import ScalingConfig
+from phasefleet.autoscale.prometheus import PrometheusSource
+from phasefleet.autoscale.report import Notice, metrics, summary
+from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
+from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, replicas_managers
+from phasefleet.operator.pool_scaling import (
     DELETION_COST_ANNOTATION,
     REMOVE_FIRST_COST,
     mark_for_removal,
 )
-from phasefleet.autoscale.policy import ScalingConfig
-from phasefleet.autoscale.prometheus import PrometheusSource
-from phasefleet.autoscale.report import Notice, metrics, summary
-from phasefleet.autoscale.service import ServiceAutoscaler, rfc3339, scrape_targets
-from phasefleet.autoscale.signals import MetricsUnavailable, PodLoad, PoolSignals, Signals
-from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, FIELD_MANAGER, replicas_managers
 from phasefleet.operator.reconcile import reconcile
+from phasefleet.operator.service_autoscaler import ServiceAutoscaler, rfc3339, scrape_targets
 from tests.operator.factories import NAMESPACE, make_isvc
 from tests.operator.fake_api import FakeApi
 
@@ -367,7 +367,7 @@ def test_a_scraping_step_reads_the_service_its_deployments_and_its_pods_once_eac
 def test_a_step_given_the_watch_caches_view_reads_no_api_and_decides_the_same():
     """The operator's daemon passes the service, Deployments and pods from kopf's watches: the
     step then makes no API read, and decides as it would have from the API server."""
-    from phasefleet.autoscale.service import read_view
+    from phasefleet.operator.service_autoscaler import read_view
 
     decisions = []
     for from_cache in (False, True):

@@ -27,10 +27,10 @@ import kopf
 from phasefleet.api.contract import ISVC_LABEL
 from phasefleet.api.crd import GROUP, PLURAL, VERSION
 from phasefleet.autoscale.report import summary
-from phasefleet.autoscale.service import ClusterView, ServiceAutoscaler
 from phasefleet.operator.handlers import PODS, plain
 from phasefleet.operator.kube import Gone, Rejected, Transient
 from phasefleet.operator.metrics import AUTOSCALER_METRICS
+from phasefleet.operator.service_autoscaler import ClusterView, ServiceAutoscaler
 
 RETRY_SECONDS = 5.0  # after an API error, before the next step
 

@@ -16,14 +16,6 @@ from phasefleet.api.contract import ISVC_LABEL, ROLE_LABEL, ROUTER_PORT, ROUTER_
 from phasefleet.api.crd import API_VERSION, KIND
 from phasefleet.api.names import InvalidService, validate_service
 from phasefleet.api.spec import InferenceServiceSpec
-from phasefleet.autoscale.deployments import (
-    least_loaded,
-    mark_for_removal,
-    owns_replicas,
-    scale,
-    serving,
-    startup_seconds,
-)
 from phasefleet.autoscale.policy import Decision, PolicyState, ScalingConfig, decide
 from phasefleet.autoscale.prometheus import PrometheusSource
 from phasefleet.autoscale.report import (
@@ -36,6 +28,14 @@ from phasefleet.autoscale.scrape import ScrapeSource, ScrapeTargets
 from phasefleet.autoscale.signals import NO_SAMPLES, MetricsUnavailable, Signals
 from phasefleet.operator.kube import Api
 from phasefleet.operator.meta import AUTOSCALER_FIELD_MANAGER, Owner, child_name, is_owned_by
+from phasefleet.operator.pool_scaling import (
+    least_loaded,
+    mark_for_removal,
+    owns_replicas,
+    scale,
+    serving,
+    startup_seconds,
+)
 
 # Rates and latency quantiles cover spec.autoscaling.signalWindowSeconds (30 s by default, the
 # window the trace replay measured; with 60 s a burst is averaged over twice its length:
