@@ -126,6 +126,15 @@ class PolicyState:
 
 
 @dataclass(frozen=True)
+class Want:
+    """What a pool's signals ask for this decision, before the windows and bounds."""
+
+    replicas: int
+    sentence: str  # the term that decided, as the reason's words
+    pressure: float  # how far over its target that term is (the budget shares by it)
+
+
+@dataclass(frozen=True)
 class PoolDecision:
     role: str
     current: int
@@ -176,26 +185,26 @@ def decide(
         role for role in config.pools
         if current.get(role, 0) > 0 and _reporting(signals, role) == 0
     ]  # fmt: skip
-    wanted: dict[str, tuple[int, str, float]] = {}
+    wanted: dict[str, Want] = {}
     for role in config.pools:
         size = current.get(role, 0)
         if role in missing:
-            wanted[role] = (size, "no replica reports metrics yet", 0.0)
+            wanted[role] = Want(size, "no replica reports metrics yet", 0.0)
         else:
             wanted[role] = _recommend(config, role, signals, size)
 
     asks = {
         role: (*((t, n) for t, n in state.asks.get(role, ()) if now - t <= config.startup_s),
-               (now, wanted[role][0]))
+               (now, wanted[role].replicas))
         for role in config.pools
     }  # fmt: skip
     # An ask is remembered within the pool's bounds: a latency far over a tiny target can ask
     # for thousands, and the tail would otherwise hold a bounded pool for its whole length.
-    bounded = {r: _bounded(config.pools[r], w[0]) for r, w in wanted.items()}
+    bounded = {r: _bounded(config.pools[r], w.replicas) for r, w in wanted.items()}
     history = _remember(config, state, bounded, current, now)
     peaks = {
         role: _remember_peak(config, state, role, bounded[role], now)
-        if role not in missing and wanted[role][1] != NO_LOAD_SIGNAL
+        if role not in missing and wanted[role].sentence != NO_LOAD_SIGNAL
         else _remember_peak(config, state, role, None, now)
         for role in config.pools
     }
@@ -205,18 +214,19 @@ def decide(
         for role in config.pools
     }
     for role in config.pools:
-        ask, sentence, pressure = wanted[role]
+        want = wanted[role]
+        ask = want.replicas
         ahead = min(_ahead(asks[role], ask), max(ask, config.pools[role].max_replicas))
         if role not in missing and ask > current.get(role, 0) and ahead > ask:
-            wanted[role] = (ahead, f"{sentence}, rising to {ahead} by the time replicas load",
-                            pressure)  # fmt: skip
+            rising = f"{want.sentence}, rising to {ahead} by the time replicas load"
+            wanted[role] = Want(ahead, rising, want.pressure)
             forecasts[role] += ((now, ahead),)
     desired: dict[str, int] = {}
     limits: dict[str, str] = {}
     for role, limits_ in config.pools.items():
         size = current.get(role, 0)
         target = _stabilized(
-            config, history[role], forecasts[role], size, wanted[role][0], now,
+            config, history[role], forecasts[role], size, wanted[role].replicas, now,
             _peak_floor(config, peaks[role]),
         )  # fmt: skip
         if role not in missing and target < size and demand.hot(role, signals, config.targets):
@@ -296,17 +306,16 @@ def _reporting(signals: Signals, role: str) -> int:
     return pool.reporting if pool else 0
 
 
-def _recommend(
-    config: ScalingConfig, role: str, signals: Signals, size: int
-) -> tuple[int, str, float]:
-    """(replicas the signals ask for, the sentence of the term that decided, its pressure)."""
+def _recommend(config: ScalingConfig, role: str, signals: Signals, size: int) -> Want:
+    """What the pool's load terms ask for: the largest term decides, the highest pressure
+    counts."""
     pool = signals.pools.get(role) or PoolSignals(reporting=0)
     found = demand.terms(role, pool, signals, config.targets, config.pools[role].max_num_seqs)
     if not found:
-        return size, NO_LOAD_SIGNAL, 0.0
+        return Want(size, NO_LOAD_SIGNAL, 0.0)
     top = demand.largest(found)
     pressure = max(t.pressure for t in found)
-    return top.replicas, top.sentence, pressure
+    return Want(top.replicas, top.sentence, pressure)
 
 
 def _remember(
@@ -399,7 +408,7 @@ def _within_budget(
     config: ScalingConfig,
     current: Mapping[str, int],
     desired: dict[str, int],
-    wanted: Mapping[str, tuple[int, str, float]],
+    wanted: Mapping[str, Want],
 ) -> tuple[dict[str, int], str | None]:
     budget = config.gpu_budget
     if budget is None:
@@ -408,7 +417,7 @@ def _within_budget(
     if gpus <= budget:
         return desired, None
     asks = {
-        role: Ask(current.get(role, 0), desired[role], p.gpus_per_replica, wanted[role][2])
+        role: Ask(current.get(role, 0), desired[role], p.gpus_per_replica, wanted[role].pressure)
         for role, p in config.pools.items()
     }
     granted = share(budget, asks)
@@ -427,14 +436,14 @@ def _explain(
     role: str,
     size: int,
     desired: int,
-    wanted: tuple[int, str, float],
+    wanted: Want,
     signals: Signals,
     limited: str | None,
     window_max: int,  # the highest ask over the down window
     peaks: tuple[tuple[float, int], ...],  # the load signals' asks over it (burst memory)
     floor: int,  # what the burst memory holds: _peak_floor
 ) -> PoolDecision:
-    ask, sentence, _ = wanted
+    ask, sentence = wanted.replicas, wanted.sentence
     context = demand.context(role, signals, config.targets, sentence)
     if ask < desired <= floor:  # the burst memory decided (at 1: the peak ask itself)
         window = config.scale_down_stabilization_s
