@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 
-from phasefleet.operator.reconcile import Blocked, InvalidSpec, reconcile, sync_child, sync_pod
+from phasefleet.api.contract import ISVC_LABEL
+from phasefleet.operator.reconcile import (
+    Blocked,
+    InvalidSpec,
+    Outcome,
+    owns_child,
+    reconcile,
+    sync_owner,
+)
 from tests.operator.factories import NAMESPACE, make_isvc
 from tests.operator.fake_api import FakeApi
 
 NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T00:05:00Z"
+
+
+def sync_child(api: FakeApi, child: dict[str, Any], now: str) -> Outcome | None:
+    """What the operator does on a child's event: its owner's pass, if it owns the child."""
+    if not owns_child(api, child):
+        return None
+    meta = child["metadata"]
+    return sync_owner(api, meta["namespace"], meta["labels"][ISVC_LABEL], now)
 
 
 def setup(**overrides: Any) -> tuple[FakeApi, dict]:
@@ -354,19 +372,19 @@ def crashing_pod(message: str) -> dict[str, Any]:
 def test_a_pod_change_runs_the_pass_and_a_new_degraded_text_is_news_once():
     api, body = setup()
     reconcile(api, body, NOW)
-    assert sync_pod(api, NAMESPACE, "llm", LATER) is not None  # settled: the pass runs
+    assert sync_owner(api, NAMESPACE, "llm", LATER) is not None  # settled: the pass runs
     api.add(crashing_pod("model folder /models/m does not exist: put the model there"))
-    outcome = sync_pod(api, NAMESPACE, "llm", LATER)
+    outcome = sync_owner(api, NAMESPACE, "llm", LATER)
     assert outcome is not None and outcome.degraded is not None
     assert outcome.degraded.reason == "ContainerFailing"
     assert outcome.degraded.message == condition(fresh(api), "Degraded")["message"]
     assert "model folder /models/m does not exist" in outcome.degraded.message
-    again = sync_pod(api, NAMESPACE, "llm", LATER)
+    again = sync_owner(api, NAMESPACE, "llm", LATER)
     assert again is not None and again.degraded is None  # the same text: no second event
     api.add(crashing_pod("out of memory loading model /models/m"))
     reworded = reconcile(api, fresh(api), LATER)
     assert reworded.degraded is not None and "out of memory" in reworded.degraded.message
-    assert sync_pod(api, NAMESPACE, "gone", LATER) is None
+    assert sync_owner(api, NAMESPACE, "gone", LATER) is None
 
 
 def test_invalid_name_is_permanent_reported_in_status_and_says_why():
@@ -437,3 +455,39 @@ def test_a_field_the_operator_stops_setting_is_applied():
     api.applies.clear()
     reconcile(api, fresh(api), LATER)
     assert api.applies == [("Service", "llm-decode")]
+
+
+def test_events_arriving_while_a_pass_waits_are_folded_into_it():
+    """Event passes over one owner run one at a time; while one waits for its turn, a later
+    event returns at once (the waiting pass reads after it); other owners are not held."""
+    from phasefleet.operator import reconcile as module
+
+    ran: list[str] = []
+    results: dict[str, Outcome | None] = {}
+
+    def event(owner: str, name: str) -> threading.Thread:
+        def run() -> Outcome:
+            ran.append(name)
+            return Outcome()
+
+        def handle() -> None:
+            results[name] = module.event_pass("ns", owner, run)
+
+        thread = threading.Thread(target=handle)
+        thread.start()
+        return thread
+
+    with module.one_at_a_time("ns", "svc"):  # a pass over the owner is running
+        waiter = event("svc", "waiter")
+        deadline = time.monotonic() + 5
+        while ("ns", "svc") not in module._waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        later = event("svc", "later")
+        later.join(5)
+        assert not later.is_alive() and results["later"] is None  # folded, at once
+        event("other", "other").join(5)
+        assert ran == ["other"] and results["other"] is not None
+    waiter.join(5)
+    assert ran == ["other", "waiter"] and results["waiter"] is not None
+    event("svc", "next").join(5)
+    assert ran[-1] == "next"  # nothing waited any more: the next event's pass ran

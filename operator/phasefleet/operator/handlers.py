@@ -19,16 +19,17 @@ import kopf
 
 from phasefleet.api.contract import CHILD_KINDS, ISVC_LABEL
 from phasefleet.api.crd import GROUP, KIND, PLURAL, VERSION
-from phasefleet.operator.kube import Gone, Kube, NamespaceTerminating, Rejected, Transient
+from phasefleet.operator.kube import Api, Gone, Kube, NamespaceTerminating, Rejected, Transient
 from phasefleet.operator.reconcile import (
     PROBLEM_RETRY_SECONDS,
     Blocked,
     InvalidSpec,
     Outcome,
+    event_pass,
     one_at_a_time,
+    owns_child,
     reconcile,
-    sync_child,
-    sync_pod,
+    sync_owner,
 )
 
 TRANSIENT_RETRY_SECONDS = 5
@@ -116,13 +117,22 @@ def reconcile_service(
     )  # fmt: skip
 
 
+def owner_event_pass(api: Api, namespace: str, owner: str) -> Outcome | None:
+    """The owner's pass after an event on its child or pod, folded into one already waiting."""
+    return event_pass(namespace, owner, lambda: sync_owner(api, namespace, owner, _now()))
+
+
 def child_event(
     body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
+    namespace = body.metadata.namespace or ""
     owner = (body.metadata.labels or {}).get(ISVC_LABEL, "")
     try:
-        with one_at_a_time(body.metadata.namespace or "", owner):
-            outcome = sync_child(memo.api, plain(body), _now())
+        if not owns_child(memo.api, plain(body)):
+            return  # not a child of a live service (a look-alike, or its owner is gone)
+        outcome = event_pass(
+            namespace, owner, lambda: sync_owner(memo.api, namespace, owner, _now())
+        )
     except (NamespaceTerminating, Gone):
         return  # the owner or its namespace is going away; nothing to restore
     except (InvalidSpec, Blocked):
@@ -172,8 +182,9 @@ def pod_event(
     namespace = body.metadata.namespace or ""
     owner = (body.metadata.labels or {}).get(ISVC_LABEL, "")
     try:
-        with one_at_a_time(namespace, owner):
-            outcome = sync_pod(memo.api, namespace, owner, _now())
+        outcome = event_pass(
+            namespace, owner, lambda: sync_owner(memo.api, namespace, owner, _now())
+        )
     except (NamespaceTerminating, Gone, InvalidSpec, Blocked):
         return  # as for a child's event: the owner's own handler reports and retries
     except (Transient, Rejected) as exc:

@@ -1,9 +1,11 @@
 """One reconcile pass over an InferenceService: the only path that writes children or status.
 
 Plain functions over `kube.Api`, so tests drive them with an in-memory fake. The kopf
-handlers map the exceptions here onto kopf's retry taxonomy. A child's event runs the same
-pass over its owner (`sync_child`), so an event can never report a state the owner's own
-reconcile would not, and `one_at_a_time` keeps two passes over one owner from interleaving.
+handlers map the exceptions here onto kopf's retry taxonomy. A child's or a pod's event runs
+the same pass over its owner (`sync_owner`), so an event can never report a state the owner's
+own reconcile would not, and `one_at_a_time` keeps two passes over one owner from interleaving.
+Events that arrive while an event's pass over their owner is still waiting its turn are folded
+into it (`event_pass`): that pass reads everything after they arrived.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,7 @@ PROBLEM_RETRY_SECONDS = 20  # how soon a missing PVC or Secret, or a rejected ch
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
+_waiting: dict[tuple[str, str], object] = {}  # owner -> the event pass waiting for its lock
 
 
 @contextlib.contextmanager
@@ -59,6 +62,25 @@ def one_at_a_time(namespace: str, name: str) -> Iterator[None]:
         lock = _locks.setdefault((namespace, name), threading.Lock())
     with lock:
         yield
+
+
+def event_pass(namespace: str, name: str, run: Callable[[], Outcome | None]) -> Outcome | None:
+    """`run` (a child's or a pod's pass over their owner) in its turn, as `one_at_a_time`; None
+    at once when another event's pass over the owner is already waiting for its turn: that pass
+    starts after this event arrived and reads the owner and its children fresh, so running
+    this one after it would repeat it. A burst of events (a service created, a pool scaled)
+    costs two passes, not one per event, and no handler thread blocks behind the rest."""
+    key, ticket = (namespace, name), object()
+    with _locks_guard:
+        if key in _waiting:
+            return None
+        _waiting[key] = ticket
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        with _locks_guard:
+            if _waiting.get(key) is ticket:
+                del _waiting[key]
+        return run()
 
 
 class InvalidSpec(Exception):
@@ -379,27 +401,23 @@ def reconcile(api: Api, body: dict[str, Any], now: str) -> Outcome:
     return outcome
 
 
-def sync_child(api: Api, child: dict[str, Any], now: str) -> Outcome | None:
-    """After an event on one child: the owner's reconcile pass, if this generation is settled.
-
-    Returns None when the owner is gone, being deleted, not the child's controller, or its
-    current generation is still with its own handler (not yet observed: being applied, or
-    retried after a problem). Otherwise the Outcome's `applied` lists what drifted.
-    """
+def owns_child(api: Api, child: dict[str, Any]) -> bool:
+    """Whether the InferenceService the child's label names exists and controls it."""
     meta = child["metadata"]
     name = (meta.get("labels") or {}).get(ISVC_LABEL)
     parent = api.get(KIND, meta["namespace"], name) if name else None
-    if parent is None or parent["metadata"].get("deletionTimestamp"):
-        return None
-    if not is_owned_by(child, Owner.from_body(parent)):
-        return None
-    return _settled_pass(api, parent, now)
+    return parent is not None and is_owned_by(child, Owner.from_body(parent))
 
 
-def sync_pod(api: Api, namespace: str, owner_name: str, now: str) -> Outcome | None:
-    """After a change to a pod of the service that is not ready: the owner's pass, if this
-    generation is settled. A container that fails, or a pod the scheduler cannot place,
-    changes no Deployment, so without this the Degraded condition would wait for one."""
+def sync_owner(api: Api, namespace: str, owner_name: str, now: str) -> Outcome | None:
+    """After an event on one of the service's children or pods: the owner's pass, if this
+    generation is settled. (A container that fails, or a pod the scheduler cannot place,
+    changes no Deployment, so without pod events the Degraded condition would wait for one.)
+
+    Returns None when the owner is gone, being deleted, or its current generation is still
+    with its own handler (not yet observed: being applied, or retried after a problem).
+    Otherwise the Outcome's `applied` lists what drifted.
+    """
     parent = api.get(KIND, namespace, owner_name)
     if parent is None or parent["metadata"].get("deletionTimestamp"):
         return None
