@@ -130,9 +130,7 @@ def child_event(
     try:
         if not owns_child(memo.api, plain(body)):
             return  # not a child of a live service (a look-alike, or its owner is gone)
-        outcome = event_pass(
-            namespace, owner, lambda: sync_owner(memo.api, namespace, owner, _now())
-        )
+        outcome = owner_event_pass(memo.api, namespace, owner)
     except (NamespaceTerminating, Gone):
         return  # the owner or its namespace is going away; nothing to restore
     except (InvalidSpec, Blocked):
@@ -182,9 +180,7 @@ def pod_event(
     namespace = body.metadata.namespace or ""
     owner = (body.metadata.labels or {}).get(ISVC_LABEL, "")
     try:
-        outcome = event_pass(
-            namespace, owner, lambda: sync_owner(memo.api, namespace, owner, _now())
-        )
+        outcome = owner_event_pass(memo.api, namespace, owner)
     except (NamespaceTerminating, Gone, InvalidSpec, Blocked):
         return  # as for a child's event: the owner's own handler reports and retries
     except (Transient, Rejected) as exc:

@@ -68,8 +68,8 @@ def event_pass(namespace: str, name: str, run: Callable[[], Outcome | None]) -> 
     """`run` (a child's or a pod's pass over their owner) in its turn, as `one_at_a_time`; None
     at once when another event's pass over the owner is already waiting for its turn: that pass
     starts after this event arrived and reads the owner and its children fresh, so running
-    this one after it would repeat it. A burst of events (a service created, a pool scaled)
-    costs two passes, not one per event, and no handler thread blocks behind the rest."""
+    this one after it would repeat it. Events that come while a pass waits cost no pass, and
+    their handler threads do not wait behind it."""
     key, ticket = (namespace, name), object()
     with _locks_guard:
         if key in _waiting:
