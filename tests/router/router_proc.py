@@ -8,16 +8,12 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import openai
-
 from tests.server.worker_proc import (
+    Served,
     Worker,
     free_port,
-    parse_metrics,
     stop,
     wait_until_healthy,
 )
@@ -26,26 +22,8 @@ STARTUP_TIMEOUT = 60.0  # seconds
 ROUTER_COMMAND = [sys.executable, "-m", "phasefleet.cli", "router"]
 
 
-@dataclass
-class Router:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, timeout: float = 60.0) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=timeout
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
+class Router(Served):
+    """A `phasefleet router` process."""
 
 
 def worker_list(*workers: Worker) -> str:

@@ -34,10 +34,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 @dataclass
-class Worker:
+class Served:
+    """A `phasefleet` process serving HTTP on localhost: its address, log and metrics."""
+
     proc: subprocess.Popen[bytes]
     port: int
-    model: str
     log_path: Path
 
     @property
@@ -55,6 +56,11 @@ class Worker:
     def metrics(self) -> dict[str, float]:
         """Sample name (with labels) -> value, e.g. 'phasefleet_kv_cache_usage_perc{...}'."""
         return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
+
+
+@dataclass
+class Worker(Served):
+    model: str
 
     def counter(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples whose labels include `labels` (e.g. reason="...")."""
@@ -93,7 +99,7 @@ def run_worker(
     ]  # fmt: skip
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    worker = Worker(proc, port, served_name, log_path)
+    worker = Worker(proc, port, log_path, served_name)
     try:
         if wait_healthy:
             wait_until_healthy(proc, worker.base_url, worker.log, "worker", STARTUP_TIMEOUT)
