@@ -52,7 +52,7 @@ PROBLEM_RETRY_SECONDS = 20  # how soon a missing PVC or Secret, or a rejected ch
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
-_waiting: dict[tuple[str, str], object] = {}  # owner -> the event pass waiting for its lock
+_waiting: set[tuple[str, str]] = set()  # owners with an event pass waiting for their lock
 
 
 @contextlib.contextmanager
@@ -70,16 +70,14 @@ def event_pass(namespace: str, name: str, run: Callable[[], Outcome | None]) -> 
     starts after this event arrived and reads the owner and its children fresh, so running
     this one after it would repeat it. Events that come while a pass waits cost no pass, and
     their handler threads do not wait behind it."""
-    key, ticket = (namespace, name), object()
+    key = (namespace, name)
     with _locks_guard:
         if key in _waiting:
             return None
-        _waiting[key] = ticket
-        lock = _locks.setdefault(key, threading.Lock())
-    with lock:
+        _waiting.add(key)  # only this pass takes it out, once the lock is its own
+    with one_at_a_time(namespace, name):
         with _locks_guard:
-            if _waiting.get(key) is ticket:
-                del _waiting[key]
+            _waiting.discard(key)
         return run()
 
 
