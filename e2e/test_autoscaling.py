@@ -227,7 +227,7 @@ def test_autoscaling_closed_loop(
     ship_linear_plans(cluster)
     discovery = PodDiscovery(KubeApi.from_kubeconfig(cluster.kubeconfig), [ns])
     discovery.start()
-    prometheus = start_prometheus([pod_monitor_scrape_config(cluster, discovery.url)])
+    prometheus = start_prometheus([pod_monitor_scrape_config(discovery.url)])
     with closing(discovery), operator_with_prometheus(cluster, prometheus.url) as operator:
         cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(autoscaled_service()))
         try:

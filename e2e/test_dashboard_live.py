@@ -140,7 +140,7 @@ def test_every_panel_has_data_while_requests_flow(
     discovery = PodDiscovery(KubeApi.from_kubeconfig(cluster.kubeconfig), [namespace])
     discovery.start()
     with closing(discovery):
-        prometheus = start_prometheus([pod_monitor_scrape_config(cluster, discovery.url)])
+        prometheus = start_prometheus([pod_monitor_scrape_config(discovery.url)])
         check_live_service(prometheus, namespace)
 
 

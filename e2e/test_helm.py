@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness.chart import CHART, KUBE_VERSION, ROOT, monitoring_crd
+from e2e.harness.chart import CHART, KUBE_VERSION, ROOT, monitoring_crd, render
 from e2e.harness.controlplane import ControlPlane, tools_bin_dir
 from e2e.harness.phasefleet_operator import (
     Operator,
@@ -30,11 +30,6 @@ from e2e.harness.wait import wait_for
 from phasefleet.api.contract import CHILD_KINDS
 
 PODMONITOR_CRD = monitoring_crd("PodMonitor")
-
-
-def render(cluster: ControlPlane, *args: str) -> list[dict[str, Any]]:
-    out = cluster.helm("template", "t", str(CHART), KUBE_VERSION, "-n", "pf", *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
 
 
 def kinds(docs: list[dict[str, Any]]) -> list[str]:
@@ -73,8 +68,8 @@ def test_a_kube_version_below_the_minimum_is_refused(tmp_path: Path) -> None:
         assert ok.returncode == 0, (version, ok.stderr)
 
 
-def test_default_render_is_cluster_wide(cluster: ControlPlane) -> None:
-    docs = render(cluster)
+def test_default_render_is_cluster_wide() -> None:
+    docs = render()
     assert kinds(docs) == [
         "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
         "Deployment", "ServiceAccount",
@@ -89,8 +84,8 @@ def test_default_render_is_cluster_wide(cluster: ControlPlane) -> None:
     assert env["PHASEFLEET_WATCH_NAMESPACES"] == ""
 
 
-def test_watched_namespaces_get_roles_not_a_cluster_role(cluster: ControlPlane) -> None:
-    docs = render(cluster, "--set", "watchNamespaces={team-a,team-b}", "--set", "logLevel=debug")
+def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
+    docs = render("--set", "watchNamespaces={team-a,team-b}", "--set", "logLevel=debug")
     roles = [d for d in docs if d["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
@@ -102,10 +97,10 @@ def test_watched_namespaces_get_roles_not_a_cluster_role(cluster: ControlPlane) 
     assert "--log-level=debug" in container["args"]
 
 
-def test_reading_secrets_is_opt_in(cluster: ControlPlane) -> None:
+def test_reading_secrets_is_opt_in() -> None:
     def verbs(resource: str, *args: str) -> set[str]:
         (role,) = [
-            d for d in render(cluster, *args)
+            d for d in render(*args)
             if d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-discovery")
         ]  # fmt: skip
         return {v for rule in role["rules"] if resource in rule["resources"] for v in rule["verbs"]}
@@ -130,9 +125,7 @@ def test_rights_never_go_to_the_default_service_account(cluster: ControlPlane) -
         check=False,
     )  # fmt: skip
     assert "never binds rights to the namespace's default ServiceAccount" in result.stderr
-    docs = render(
-        cluster, "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"
-    )
+    docs = render("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops")
     assert "ServiceAccount" not in kinds(docs)
     for binding in (d for d in docs if d["kind"].endswith("Binding")):
         assert [s["name"] for s in binding["subjects"]] == ["ops"]
@@ -140,9 +133,9 @@ def test_rights_never_go_to_the_default_service_account(cluster: ControlPlane) -
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
-def test_podmonitor_only_when_the_api_exists(cluster: ControlPlane) -> None:
-    assert "PodMonitor" not in kinds(render(cluster))
-    with_api = render(cluster, "--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+def test_podmonitor_only_when_the_api_exists() -> None:
+    assert "PodMonitor" not in kinds(render())
+    with_api = render("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
     monitors = {d["metadata"]["name"]: d for d in with_api if d["kind"] == "PodMonitor"}
     engines = monitors["t-phasefleet-engines"]["spec"]["podMetricsEndpoints"][0]
     assert engines["relabelings"][0]["targetLabel"] == "inferenceservice"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness.controlplane import ControlPlane, tools_bin_dir
+from e2e.harness.controlplane import tools_bin_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "phasefleet"
@@ -53,18 +53,14 @@ def rule_groups(*args: str) -> list[dict[str, Any]]:
     return list(one(render(RULE_API, *args), "PrometheusRule")["spec"]["groups"])
 
 
-def pod_monitor_scrape_config(cluster: ControlPlane, discovery_url: str) -> dict[str, Any]:
+def pod_monitor_scrape_config(discovery_url: str) -> dict[str, Any]:
     """The chart's PodMonitor as a plain Prometheus scrape config over pod discovery: its pod
     selector and port, the labels the Prometheus Operator gives every PodMonitor target
     (namespace, pod), and the PodMonitor's own relabelings, read from the rendered chart."""
-    out = cluster.helm(
-        "template", "t", str(CHART), KUBE_VERSION,
-        "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
-    ).stdout  # fmt: skip
     (monitor,) = [
         d
-        for d in yaml.safe_load_all(out)
-        if d and d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-engines")
+        for d in render("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+        if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-engines")
     ]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ((label, value),) = monitor["spec"]["selector"]["matchLabels"].items()
