@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from phasefleet.engine.detokenizer import IncrementalDetokenizer
+from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def tokenizer(tiny_model: Callable[[str], Path]) -> object:
 
 
 def feed(tok: object, text: str, stop: list[str]) -> tuple[IncrementalDetokenizer, list[str]]:
-    detok = IncrementalDetokenizer(tok, stop)
+    detok = IncrementalDetokenizer(decoder(tok), stop)
     seen = []
     for t in tok.encode(text, add_special_tokens=False):  # type: ignore[attr-defined]
         detok.update([t])
@@ -57,3 +57,40 @@ def test_stop_string_spanning_tokens(tokenizer: object) -> None:
     detok, _ = feed(tokenizer, "the quick brown fox", ["k br"])
     assert detok.stopped
     assert detok.text(final=True) == "the quic"
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decoder_gives_transformers_text(tiny_model: Callable[[str], Path], clean_up: bool) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    tok.clean_up_tokenization_spaces = clean_up
+    specials = [i for i in (tok.bos_token_id, tok.eos_token_id) if i is not None]
+    assert specials
+    texts = ["Héllo wörld , 日本語 🙂 isn't it ?", "a . b , c ! do n't", "  two  spaces "]
+    cases = [tok.encode(t, add_special_tokens=False) for t in texts]
+    cases += [specials + cases[0] + specials, [specials[0]], [], list(range(len(tok)))[:300]]
+    decode = decoder(tok)
+    for ids in cases:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_decoder_skips_transformers_wrapper_for_fast_tokenizers(
+    tokenizer: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def wrapper(*args: object, **kwargs: object) -> str:
+        raise AssertionError("went through transformers' decode")
+
+    ids = tokenizer.encode("plain text", add_special_tokens=False)  # type: ignore[attr-defined]
+    expected = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+    monkeypatch.setattr(tokenizer, "decode", wrapper)
+    monkeypatch.setattr(tokenizer, "_decode", wrapper)
+    assert decoder(tokenizer)(ids) == expected
+
+
+def test_decoder_keeps_a_tokenizer_that_decodes_its_own_way(tokenizer: object) -> None:
+    class Shouting(type(tokenizer)):  # type: ignore[misc]
+        def decode(self, token_ids: object, **kwargs: object) -> str:
+            return str(super().decode(token_ids, **kwargs)).upper()
+
+    shouting = Shouting.from_pretrained(tokenizer.name_or_path)  # type: ignore[attr-defined]
+    ids = shouting.encode("quiet words", add_special_tokens=False)
+    assert decoder(shouting)(ids) == "QUIET WORDS"

@@ -47,6 +47,14 @@ def stop_string_case(eng: LLMEngine) -> tuple[list[int], RequestOutput, str]:
     return prompt, full, text[start : start + 3]
 
 
+def test_outputs_carry_their_step_tokens_and_the_last_all(eng: LLMEngine) -> None:
+    outs = run_one(eng, random_prompts([10])[0], greedy(6, ignore_eos=True))
+    assert [len(o.new_token_ids) for o in outs] == [1] * 6
+    assert all(o.output_token_ids == [] for o in outs[:-1])
+    assert outs[-1].finished
+    assert outs[-1].output_token_ids == [t for o in outs for t in o.new_token_ids]
+
+
 def test_engine_identity(eng: LLMEngine, tiny_model: ModelPath) -> None:
     assert eng.model_name == tiny_model("llama").name
     assert eng.max_model_len == 2048
@@ -275,8 +283,8 @@ def test_dtype_auto_is_float32_on_cpu_and_16_bit_on_cuda(
 class BrokenDetokenizer(IncrementalDetokenizer):
     """Raises from the detokenizer (update) or from the stop-string search."""
 
-    def __init__(self, tokenizer: object, stop: list[str], where: str) -> None:
-        super().__init__(tokenizer, stop)
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], where: str) -> None:
+        super().__init__(decode, stop)
         self.where = where
 
     def update(self, new_token_ids: list[int]) -> None:
@@ -293,7 +301,7 @@ def inject(eng: LLMEngine, request_id: str, fault: str) -> None:
     if fault == "nan":
         eng._rows[request_id].params.temperature = float("nan")  # past validation
     else:
-        eng._detok[request_id] = BrokenDetokenizer(eng.tokenizer, ["zzz-never"], fault)
+        eng._detok[request_id] = BrokenDetokenizer(eng._decode, ["zzz-never"], fault)
 
 
 def run_batch(eng: LLMEngine, fault: str | None) -> dict[str, RequestOutput]:
@@ -329,6 +337,8 @@ def test_a_fault_in_one_request_leaves_its_batch_untouched(eng: LLMEngine, fault
     faulty = run_batch(eng, fault)
     victim = faulty.pop("victim")
     assert victim.finish_reason == "error" and victim.error
+    if fault != "nan":  # the injected fault itself, not another one on its way
+        assert "injected" in victim.error
     assert len(victim.output_token_ids) < len(clean["victim"].output_token_ids)
     assert faulty.keys() == {"n0", "n1", "n2", "n3"}
     for rid, out in faulty.items():

@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+
+def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of the ids.
+
+    For a fast tokenizer whose class keeps transformers' own `decode` and `_decode`, the same
+    text straight from the Rust tokenizer: transformers' wrapper adds ~40 us of Python a call
+    (argument conversion, attribute hooks), which a decode step pays twice per running request
+    (bench/RESULTS.md, "The host's share of a decode step"). Any other tokenizer goes through
+    its own `decode`.
+    """
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    ):
+        rust_decode = tokenizer._tokenizer.decode
+        if tokenizer.clean_up_tokenization_spaces:
+            clean_up = tokenizer.clean_up_tokenization
+            return lambda ids: str(clean_up(rust_decode(ids, skip_special_tokens=True)))
+        return lambda ids: str(rust_decode(ids, skip_special_tokens=True))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 class IncrementalDetokenizer:
@@ -13,8 +39,9 @@ class IncrementalDetokenizer:
     tail (decoded as U+FFFD) and any suffix that could be the start of a stop string.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        """`decode`: the tokenizer's, from `decoder` (made once per tokenizer, not per request)."""
+        self._decode = decode
         self.stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
         self._tokens: list[int] = []
@@ -22,9 +49,6 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this have been turned into text
         self._text = ""  # all text decoded so far
         self.stopped = False  # a stop string was found; text ends before it
-
-    def _decode(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
     def update(self, new_token_ids: list[int]) -> None:
         if self.stopped:

@@ -90,10 +90,12 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:  # most decode steps: no block filled since the last
+            return
         hashes = self._block_hashes(request, num_full)
         table = self.block_tables[request.request_id]
-        start = self._num_registered.get(request.request_id, 0)
-        self._num_registered[request.request_id] = max(start, num_full)
+        self._num_registered[request.request_id] = num_full
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
             self.pool.cache(table[i], hashes[i], parent, request.token_ids(i * bs, (i + 1) * bs))

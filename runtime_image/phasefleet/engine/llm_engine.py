@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import EngineConfig
-from phasefleet.engine.detokenizer import IncrementalDetokenizer
+from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
 from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
@@ -60,6 +60,7 @@ class LLMEngine:
         with startup.phase("config"):
             self.hf_config: Any = AutoConfig.from_pretrained(folder)
             self.tokenizer: Any = load_tokenizer(folder)
+        self._decode = decoder(self.tokenizer)
         limit = int(self.hf_config.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
@@ -196,7 +197,7 @@ class LLMEngine:
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detok = IncrementalDetokenizer(self._decode, params.stop)
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)
@@ -435,7 +436,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=list(new),
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=list(req.output_token_ids) if req.is_finished else [],
             text=text,
             finished=req.is_finished,
             finish_reason=req.finish_reason,

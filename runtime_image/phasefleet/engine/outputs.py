@@ -20,7 +20,9 @@ class RequestOutput:
     new_token_ids: list[int]
     """Tokens produced by this step."""
     output_token_ids: list[int]
-    """All output tokens so far."""
+    """All output tokens, on the request's last output (`finished`); empty on the outputs before
+    it, which carry their step's tokens in `new_token_ids` (a copy of the whole list at every
+    step would cost each step time that grows with the answer)."""
     text: str
     """Detokenized output so far. Only ever grows between steps: an incomplete UTF-8 tail and any
     trailing text that could start a stop string are held back; a stop string is excluded."""

@@ -255,7 +255,7 @@ class Generation:
         output = RequestOutput(
             request_id=self._engine_id,
             new_token_ids=[first.token_id],
-            output_token_ids=[first.token_id],
+            output_token_ids=[first.token_id] if final else [],
             text=text,
             finished=final,
             finish_reason=("stop" if stopped else first.finish_reason) if final else None,

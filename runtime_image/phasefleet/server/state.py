@@ -116,9 +116,9 @@ class WorkerState:
         """The text a first token adds and whether a stop string ends the request there."""
 
         def detokenize() -> tuple[str, bool]:
-            from phasefleet.engine.detokenizer import IncrementalDetokenizer
+            from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
 
-            detok = IncrementalDetokenizer(self.tokenizer, stop)
+            detok = IncrementalDetokenizer(decoder(self.tokenizer), stop)
             detok.update([token])
             if detok.stopped:
                 detok.flush()
