@@ -299,9 +299,9 @@ class BrokenDetokenizer(IncrementalDetokenizer):
 def inject(eng: LLMEngine, request_id: str, fault: str) -> None:
     """Break one running request the way a real fault would."""
     if fault == "nan":
-        eng._rows[request_id].params.temperature = float("nan")  # past validation
+        eng._live[request_id].row.params.temperature = float("nan")  # past validation
     else:
-        eng._detok[request_id] = BrokenDetokenizer(eng._decode, ["zzz-never"], fault)
+        eng._live[request_id].detok = BrokenDetokenizer(eng._decode, ["zzz-never"], fault)
 
 
 def run_batch(eng: LLMEngine, fault: str | None) -> dict[str, RequestOutput]:

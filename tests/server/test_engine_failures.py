@@ -50,9 +50,9 @@ class FaultyEngine(LLMEngine):
             raise RuntimeError("injected setup fault")
         super().add_request(request_id, *args, **kwargs)
         if self.poison == "nan":  # the distribution turns NaN, as top_p=5e-324 once made it
-            self._rows[request_id].params.temperature = float("nan")
+            self._live[request_id].row.params.temperature = float("nan")
         elif self.poison == "detokenizer":
-            self._detok[request_id].update = _raise  # type: ignore[method-assign,assignment]
+            self._live[request_id].detok.update = _raise  # type: ignore[method-assign,assignment]
         self.poison = None
 
     def step(self) -> list[RequestOutput]:

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,15 @@ __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """What the engine keeps for a request from its admission to its last output, beside the
+    scheduler's Request."""
+
+    row: SamplingRow
+    detok: IncrementalDetokenizer
 
 
 class LLMEngine:
@@ -113,8 +123,7 @@ class LLMEngine:
         self.kv_usage_peak = WindowPeak()
         self.last_step_idle = False  # the last step computed nothing (importers wait for KV)
         self.imports = KVImports(self.runner, self.kv, self.kv_layout)
-        self._rows: dict[str, SamplingRow] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._live: dict[str, _Live] = {}
         self._aborted: list[RequestOutput] = []
 
     def _eos_token_ids(self) -> set[int]:
@@ -204,8 +213,7 @@ class LLMEngine:
         row = SamplingRow(params)
         if len(request.output_token_ids) < params.min_tokens:
             row.banned = self._min_tokens_banned(params)
-        self._rows[request_id] = row
-        self._detok[request_id] = detok
+        self._live[request_id] = _Live(row, detok)
         if imported_kv or importing_from is not None:
             self.imports.add(request_id, imported_kv)
 
@@ -226,9 +234,10 @@ class LLMEngine:
             return
         if first_token_id is not None:
             self._check_first_token(req, first_token_id)
-            self._detok[request_id].update([first_token_id])
+            live = self._live[request_id]
+            live.detok.update([first_token_id])
             if len(req.output_token_ids) + 1 >= req.params.min_tokens:
-                self._rows[request_id].banned = []
+                live.row.banned = []
         self.scheduler.end_import(req, first_token_id)
         if req.status is RequestStatus.RUNNING:  # else what came loads at admission
             self.imports.dropped(request_id)
@@ -312,8 +321,8 @@ class LLMEngine:
         would have read it left); any other unknown or finished id is a no-op."""
         req = self.scheduler.finish_request(request_id, "abort")
         if req is not None:
-            detok = self._detok.get(request_id)
-            text = detok.text(final=True) if detok is not None else ""
+            live = self._live.get(request_id)
+            text = live.detok.text(final=True) if live is not None else ""
             self._aborted.append(self._output(req, [], text))
             self._forget(request_id)
         elif self.leases.pop(request_id) is not None:
@@ -352,11 +361,11 @@ class LLMEngine:
         self._load_imports(out)
         if not out.scheduled:  # only admissions of importers, or preemptions
             return outputs
-        sampled = self.runner.execute(out, self._rows)
+        sampled = self.runner.execute(out, self._row_of)
         for s in out.scheduled:
-            row = self._rows.get(s.request.request_id)
-            if s.sample and row is not None and row.error is not None:
-                outputs.append(self._fail(s.request, row.error))
+            live = self._live.get(s.request.request_id)
+            if s.sample and live is not None and live.row.error is not None:
+                outputs.append(self._fail(s.request, live.row.error))
         changed = self.scheduler.update_from_output(out, sampled)
         outputs += self._prefill_progress(out)
         for req in changed:
@@ -366,6 +375,9 @@ class LLMEngine:
                 logger.exception("request %s failed", req.request_id)
                 outputs.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
         return outputs
+
+    def _row_of(self, request_id: str) -> SamplingRow:
+        return self._live[request_id].row
 
     def _prefill_progress(self, out: SchedulerOutput) -> list[RequestOutput]:
         """For each prefill-only request that computed a chunk but sampled nothing this step,
@@ -383,7 +395,8 @@ class LLMEngine:
     def _advance(self, req: Request) -> RequestOutput:
         """Detokenize the request's new token, apply stop strings; its output for this step."""
         new = req.output_token_ids[-1:]
-        detok = self._detok[req.request_id]
+        live = self._live[req.request_id]
+        detok, row = live.detok, live.row
         detok.update(new)
         if req.is_finished:
             detok.flush()  # the held-back tail may still hold a stop string
@@ -393,7 +406,6 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(req.request_id, "stop")
         output = self._output(req, new, detok.text(final=req.is_finished))
-        row = self._rows[req.request_id]
         if row.logprob is not None:
             output.logprobs = [row.logprob]
         if row.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
@@ -448,8 +460,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.runner.release(request_id)
-        self._rows.pop(request_id, None)
-        self._detok.pop(request_id, None)
+        self._live.pop(request_id, None)
         self.imports.dropped(request_id)
 
     def stats(self) -> EngineStats:

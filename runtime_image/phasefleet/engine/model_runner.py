@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,17 +322,17 @@ class ModelRunner:
         self.tables.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput, row_of: Callable[[str], SamplingRow]) -> dict[str, int]:
         """One forward pass over the scheduled tokens; returns request_id -> sampled token for
-        the requests whose `sample` flag is set."""
+        the requests whose `sample` flag is set. `row_of(request_id)`: its sampling row."""
         graph = self.graphs is not None and self.graphs.fits(out)
         group = self.decode_backend == "torch" and not graph
         plan = plan_step(out.scheduled, self.tables, self.block_size, group)
-        sampled_rows = [rows[s.request.request_id] for s in plan.sampled]
+        sampled_rows = [row_of(s.request.request_id) for s in plan.sampled]
         sampling = SamplingBatch.from_rows(
             sampled_rows, [s.start + s.num_tokens for s in plan.sampled], self.vocab_size
         )
-        spans = _prompt_logprob_spans(plan, rows)
+        spans = _prompt_logprob_spans(plan, row_of)
         step = RankStep(
             plan.arrays(), self.tables.pending_updates(), graph, [(a, b) for a, b, *_ in spans]
         )
@@ -448,7 +448,7 @@ class ModelRunner:
 
 
 def _prompt_logprob_spans(
-    plan: StepPlan, rows: dict[str, SamplingRow]
+    plan: StepPlan, row_of: Callable[[str], SamplingRow]
 ) -> list[tuple[int, int, SamplingRow, list[int]]]:
     """For each request that asks for prompt logprobs and has prompt tokens this step, the rows
     [start, end) of the step's hidden states predicting its prompt tokens (position p predicts
@@ -462,7 +462,7 @@ def _prompt_logprob_spans(
         req = s.request
         if req.params.prompt_logprobs is None:
             continue
-        row = rows[req.request_id]
+        row = row_of(req.request_id)
         end = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
         if end <= s.start or s.start != len(row.prompt_logprobs):
             continue
