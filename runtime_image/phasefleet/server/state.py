@@ -63,6 +63,13 @@ class WorkerState:
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=_tokenizer_thread)
 
+    @functools.cached_property
+    def decode(self) -> Callable[[list[int]], str]:
+        """The tokenizer's decode for detokenizers (`detokenizer.decoder`), made once."""
+        from phasefleet.engine.detokenizer import decoder
+
+        return decoder(self.tokenizer)
+
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the tokenizer thread; what it raises (an APIError) is raised here."""
         loop = asyncio.get_running_loop()
@@ -116,9 +123,9 @@ class WorkerState:
         """The text a first token adds and whether a stop string ends the request there."""
 
         def detokenize() -> tuple[str, bool]:
-            from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
+            from phasefleet.engine.detokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(decoder(self.tokenizer), stop)
+            detok = IncrementalDetokenizer(self.decode, stop)
             detok.update([token])
             if detok.stopped:
                 detok.flush()
