@@ -26,7 +26,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +56,19 @@ def model_with_tokenizer(tokenizer_folder: Path | None, folder: Path) -> Path:
     return folder
 
 
-class Before:
-    """The engine as it was: transformers' decode, and a copy of all tokens in every output."""
+def as_before(eng: LLMEngine) -> None:
+    """Makes `eng` the engine as it was: transformers' decode, and a copy of all tokens in every
+    output."""
+    tokenizer = eng.tokenizer
+    eng._decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+    output = eng._output
 
-    def __init__(self, eng: LLMEngine) -> None:
-        tokenizer = eng.tokenizer
-        eng._decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
-        output = eng._output
+    def every_output_copies(req: Request, *args: Any, **kwargs: Any) -> RequestOutput:
+        out = output(req, *args, **kwargs)
+        out.output_token_ids = list(req.output_token_ids)
+        return out
 
-        def every_output_copies(req: Request, *args: Any, **kwargs: Any) -> RequestOutput:
-            out = output(req, *args, **kwargs)
-            out.output_token_ids = list(req.output_token_ids)
-            return out
-
-        eng._output = every_output_copies  # type: ignore[method-assign]
+    eng._output = every_output_copies  # type: ignore[method-assign]
 
 
 def bookkeeping_ms(eng: LLMEngine, batch: int, out: int, steps: int) -> float:
@@ -139,18 +137,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_with_tokenizer(source, Path(tmp) / "m")
         print(f"tokenizer: {source or 'make-tiny'}; torch {torch.__version__}, one thread")
-        engines: dict[str, LLMEngine] = {}
-        for name in ("before", "now"):
-            engines[name] = engine(folder, max(batches), max_len)
-        Before(engines["before"])
-        run: Callable[[str, int, int], float] = lambda name, b, o: bookkeeping_ms(  # noqa: E731
-            engines[name], b, o, args.steps
-        )
+        as_it_was, as_it_is = (engine(folder, max(batches), max_len) for _ in range(2))
+        as_before(as_it_was)
         print("| batch | output tokens | before ms | now ms | before / now |")
         print("|---|---|---|---|---|")
         for b in batches:
             for o in outs:
-                before, now = run("before", b, o), run("now", b, o)
+                before, now = (bookkeeping_ms(e, b, o, args.steps) for e in (as_it_was, as_it_is))
                 print(f"| {b} | {o} | {before:.2f} | {now:.2f} | {before / now:.2f}x |")
 
 
