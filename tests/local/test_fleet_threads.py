@@ -80,15 +80,16 @@ def test_terminate_sends_sigterm_once(tmp_path: Path) -> None:
     assert "sigterms 1" in child.log_tail()
 
 
-def test_decode_workers_get_the_tpot_target_for_their_phase_boundary(
+def test_the_router_gets_the_tpot_target_for_the_decode_workers_phase_boundary(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     fleet = make_fleet(tiny_model, tmp_path)
-    assert "--tpot-target-ms" not in fleet._new_worker("decode").argv
+    assert "--tpot-target-ms" not in fleet._router_argv()
     fleet.config.tpot_target_ms = 40
-    argv = fleet._new_worker("decode").argv
+    argv = fleet._router_argv()
     assert argv[argv.index("--tpot-target-ms") + 1] == "40"
-    assert "--tpot-target-ms" not in fleet._new_worker("prefill").argv
+    for pool in ("decode", "prefill"):  # it comes with each request instead
+        assert "--tpot-target-ms" not in fleet._new_worker(pool).argv
 
 
 def test_the_router_gets_the_ttft_target_for_late_prompts_last(

@@ -296,22 +296,38 @@ def test_worker_args_parse_with_the_worker_cli():
     assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"
 
 
-def test_the_decode_pool_gets_the_phase_boundary_and_the_tpot_target():
-    """The decode worker decides the phase boundary: it gets the TPOT target that bounds its
-    local prefill, and the adaptive rule when the spec turns it on."""
+def test_the_decode_pool_gets_the_phase_boundary_and_the_router_the_tpot_target():
+    """The decode worker decides the phase boundary (the adaptive rule when the spec turns it
+    on); the TPOT target that bounds its local prefill comes with each request from the router,
+    which gets it only where a decode pool applies it. No worker carries it as a flag."""
     from phasefleet.cli import build_parser
 
     def parsed(spec, role):
         dep = worker_deployment(make_owner(), spec, role, replicas=1)
         return build_parser().parse_args(_pod(dep)["containers"][0]["args"])
 
-    default = parsed(make_spec(), Role.DECODE)
-    assert not default.adaptive_phase_boundary and default.tpot_target_ms is None
-    spec = make_spec(slo={"tpotMs": 40}, runtime={"adaptivePhaseBoundary": True})
-    decode = parsed(spec, Role.DECODE)
-    assert decode.adaptive_phase_boundary and decode.tpot_target_ms == 40
-    prefill = parsed(spec, Role.PREFILL)  # a prefill worker has no boundary to keep
+    def router_tpot(spec):
+        args = _pod(router_deployment(make_owner(), spec))["containers"][0]["args"]
+        return build_parser().parse_args(args).tpot_target_ms
+
+    assert not parsed(make_spec(), Role.DECODE).adaptive_phase_boundary
+    adaptive = {"adaptivePhaseBoundary": True}
+    spec = make_spec(slo={"tpotMs": 40}, runtime=adaptive)
+    decode, prefill = parsed(spec, Role.DECODE), parsed(spec, Role.PREFILL)
+    assert decode.adaptive_phase_boundary and decode.tpot_target_ms is None
     assert not prefill.adaptive_phase_boundary and prefill.tpot_target_ms is None
+    assert router_tpot(spec) == 40
+    assert router_tpot(make_spec(slo={"tpotMs": 40})) is None  # the fixed threshold: unused
+    assert router_tpot(make_spec(runtime=adaptive)) is None
+    aggregated = make_spec(
+        mode="aggregated",
+        prefill=None,
+        decode=None,
+        worker={},
+        slo={"tpotMs": 40},
+        runtime=adaptive,
+    )
+    assert router_tpot(aggregated) is None  # no decode pool, no boundary
 
 
 def test_the_router_sends_the_ttft_target_for_late_prompts_last():
@@ -343,10 +359,10 @@ def test_the_router_sends_the_ttft_target_for_late_prompts_last():
         assert worker_flags(make_spec(slo={"ttftMs": 800}), role) is None
 
 
-def test_an_slo_edit_rolls_the_router_for_ttft_and_the_decode_pool_for_tpot():
-    """slo.ttftMs reaches the workers through the router's requests, so changing it rolls the
-    router and no pool; slo.tpotMs is the decode pool's flag (its phase boundary); the quantile
-    and the autoscaling fields are the operator's alone and roll nothing."""
+def test_an_slo_edit_rolls_the_router_and_no_pool():
+    """slo.ttftMs and slo.tpotMs reach the workers through the router's requests, so changing
+    either rolls the router and no pool; the quantile and the autoscaling fields are the
+    operator's alone and roll nothing."""
 
     def template(spec, role):
         return worker_deployment(make_owner(), spec, role, replicas=1)["spec"]["template"]
@@ -354,20 +370,20 @@ def test_an_slo_edit_rolls_the_router_for_ttft_and_the_decode_pool_for_tpot():
     def router_template(spec):
         return router_deployment(make_owner(), spec)["spec"]["template"]
 
-    slo = {"ttftMs": 800, "tpotMs": 50}
-    before = make_spec(slo=slo)
-    same = [
-        make_spec(slo={**slo, "percentile": 0.99}),
-        make_spec(slo=slo, autoscaling={"enabled": True, "maxStep": 3}),
-        make_spec(slo={**slo, "ttftMs": 900}),
+    slo, adaptive = {"ttftMs": 800, "tpotMs": 50}, {"adaptivePhaseBoundary": True}
+    before = make_spec(slo=slo, runtime=adaptive)
+    targets = [
+        make_spec(slo={**slo, "ttftMs": 900}, runtime=adaptive),
+        make_spec(slo={**slo, "tpotMs": 60}, runtime=adaptive),
+    ]
+    operators = [
+        make_spec(slo={**slo, "percentile": 0.99}, runtime=adaptive),
+        make_spec(slo=slo, runtime=adaptive, autoscaling={"enabled": True, "maxStep": 3}),
     ]
     for role in (Role.PREFILL, Role.DECODE):
-        assert all(template(after, role) == template(before, role) for after in same)
-    assert router_template(make_spec(slo={**slo, "ttftMs": 900})) != router_template(before)
-    assert router_template(same[0]) == router_template(before)
-    tpot = make_spec(slo={**slo, "tpotMs": 60})
-    assert template(tpot, Role.PREFILL) == template(before, Role.PREFILL)
-    assert template(tpot, Role.DECODE) != template(before, Role.DECODE)
+        assert all(template(after, role) == template(before, role) for after in targets + operators)
+    assert all(router_template(after) != router_template(before) for after in targets)
+    assert all(router_template(after) == router_template(before) for after in operators)
 
 
 def test_engine_image_user_satisfies_run_as_non_root():

@@ -33,6 +33,10 @@ PREFILL_SPEED_HEADER = "X-PhaseFleet-Prefill-Tokens-Per-S"  # and that throughpu
 # a decode worker passes it on to the prefill worker. The router carries it, not the workers'
 # flags, so that changing slo.ttftMs rolls the router only.
 LATE_AFTER_HEADER = "X-PhaseFleet-Late-After-Ms"
+# Set by the router (with the prefill URL) when the service has a TPOT target: the decode worker
+# bounds its local prefill by it (the adaptive phase boundary), over its own --tpot-target-ms.
+# The router carries it for the same reason: changing slo.tpotMs rolls the router, not the GPUs.
+TPOT_TARGET_HEADER = "X-PhaseFleet-Tpot-Target-Ms"
 
 # Labels on every child object and pod of an InferenceService.
 ISVC_LABEL = "phasefleet.dev/inferenceservice"  # the owning InferenceService's name
@@ -128,6 +132,7 @@ class RouterFlag:
     HOLD_SECONDS = "--hold-seconds"
     MAX_HELD_REQUESTS = "--max-held-requests"
     LATE_AFTER_MS = "--late-after-ms"  # the TTFT target, sent to the workers per request
+    TPOT_TARGET_MS = "--tpot-target-ms"  # the TPOT target, sent to decode workers per request
 
     @staticmethod
     def pool_service(pool: str) -> str:

@@ -128,11 +128,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args.append(WorkerFlag.NO_PREFIX_CACHING)
     if pool.tensor_parallel_size > 1:
         args += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(pool.tensor_parallel_size)]
-    if role is Role.DECODE:  # the phase boundary is the decode worker's decision
-        if spec.runtime.adaptive_phase_boundary:
-            args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)
-        if spec.slo.tpot_ms is not None:
-            args += [WorkerFlag.TPOT_TARGET_MS, str(spec.slo.tpot_ms)]
+    if role is Role.DECODE and spec.runtime.adaptive_phase_boundary:
+        args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)  # the decode worker's decision
     return args + list(spec.runtime.extra_args)
 
 
@@ -427,6 +424,9 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     late_after = late_after_ms(spec.slo.ttft_ms)
     if spec.runtime.late_prompts_last and late_after is not None:
         args += [RouterFlag.LATE_AFTER_MS, str(late_after)]  # per request: no worker rolls
+    tpot = spec.slo.tpot_ms if spec.runtime.adaptive_phase_boundary else None
+    if Role.DECODE in spec.pools() and tpot is not None:  # the decode workers' phase boundary
+        args += [RouterFlag.TPOT_TARGET_MS, str(tpot)]
     return args
 
 

@@ -79,7 +79,7 @@ class FleetConfig:
     pools: dict[str, int]  # pool -> workers: {"prefill": N, "decode": M} or {"worker": N}
     run_dir: Path  # logs and the membership file
     worker_args: list[str] = field(default_factory=list)  # passed to every worker
-    tpot_target_ms: int | None = None  # passed to decode workers (their phase boundary)
+    tpot_target_ms: int | None = None  # the router sends it to decode workers (phase boundary)
     late_after_ms: int | None = None  # the TTFT target the router sends: late prompts last
     tensor_parallel: dict[str, int] = field(default_factory=dict)  # pool -> ranks per worker
     router_args: list[str] = field(default_factory=list)  # passed to the router
@@ -148,8 +148,6 @@ class Fleet:
         degree = self.config.tensor_parallel.get(pool, 1)
         if degree > 1:
             argv += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(degree)]
-        if role is EngineRole.DECODE and self.config.tpot_target_ms is not None:
-            argv += [WorkerFlag.TPOT_TARGET_MS, str(self.config.tpot_target_ms)]
         log = self.config.run_dir / f"{name}.log"
         return Child(name, argv, port, log, self._env(), restarts=restarts)
 
@@ -187,6 +185,8 @@ class Fleet:
         ]  # fmt: skip
         if self.config.late_after_ms is not None:  # before router_args: theirs wins
             argv += [RouterFlag.LATE_AFTER_MS, str(self.config.late_after_ms)]
+        if self.config.tpot_target_ms is not None:
+            argv += [RouterFlag.TPOT_TARGET_MS, str(self.config.tpot_target_ms)]
         return argv + self.config.router_args
 
     def start_worker(self, pool: str) -> Child:

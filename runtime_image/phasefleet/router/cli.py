@@ -108,6 +108,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " that waited past it after those that can still meet it (default: none, the workers'"
         " own --late-after-ms)",
     )
+    server.add_argument(
+        RouterFlag.TPOT_TARGET_MS,
+        type=int,
+        default=None,
+        help="the service's TPOT target, sent with every request that names a prefill worker:"
+        " a decode worker prefills locally only while its inter-token latency stays within it"
+        " (default: none, the decode workers' own --tpot-target-ms)",
+    )
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
@@ -162,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         hold_seconds=args.hold_seconds,
         max_held_requests=args.max_held_requests,
         late_after_ms=args.late_after_ms,
+        tpot_target_ms=args.tpot_target_ms,
     )
     try:
         config.validate()

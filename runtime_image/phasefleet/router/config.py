@@ -21,6 +21,7 @@ class RouterConfig:
     hold_seconds: float = DEFAULT_HOLD_SECONDS  # a request's longest wait for a ready worker
     max_held_requests: int = DEFAULT_MAX_HELD  # requests held per pool at once
     late_after_ms: int | None = None  # the TTFT target sent with each request: late prompts last
+    tpot_target_ms: int | None = None  # the TPOT target sent to decode workers: phase boundary
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -35,3 +36,5 @@ class RouterConfig:
             raise ValueError(f"max_held_requests must be >= 1, got {self.max_held_requests}")
         if self.late_after_ms is not None and self.late_after_ms < 1:
             raise ValueError(f"late_after_ms must be >= 1 ms, got {self.late_after_ms}")
+        if self.tpot_target_ms is not None and self.tpot_target_ms < 1:
+            raise ValueError(f"tpot_target_ms must be >= 1 ms, got {self.tpot_target_ms}")

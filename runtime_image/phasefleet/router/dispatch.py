@@ -38,6 +38,7 @@ from phasefleet.api.contract import (
     PREFILL_BACKLOG_HEADER,
     PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
+    TPOT_TARGET_HEADER,
 )
 from phasefleet.router.config import RouterConfig
 from phasefleet.router.hold import Held, HeldRequests
@@ -59,6 +60,26 @@ logger = logging.getLogger(__name__)
 DEFAULT_RETRY_AFTER = 1  # seconds, when a worker's 429 says nothing
 HELD_RETRY_AFTER = 5  # seconds, after a hold that no worker ended (the pool is still waking)
 PASSED_HEADERS = ("content-type", "retry-after")  # kept from a worker's error answer
+
+
+def forward_headers(config: RouterConfig, prefill: Candidate | None) -> dict[str, str]:
+    """What a generation request is forwarded with besides its body: the service's TTFT target
+    (late prompts last); with a prefill worker, its URL and the service's token, its backlog and
+    throughput once measured, and the TPOT target that bounds the decode worker's own prefills."""
+    headers = {"content-type": "application/json"}
+    if config.late_after_ms is not None:
+        headers[LATE_AFTER_HEADER] = str(config.late_after_ms)
+    if prefill is None or not config.internal_token:
+        return headers
+    headers[PREFILL_URL_HEADER] = prefill.url
+    headers[INTERNAL_TOKEN_HEADER] = config.internal_token
+    if config.tpot_target_ms is not None:
+        headers[TPOT_TARGET_HEADER] = str(config.tpot_target_ms)
+    backlog_s = prefill_backlog_s(prefill)
+    if backlog_s is not None and prefill.prefill_rate:  # a backlog implies the rate
+        headers[PREFILL_BACKLOG_HEADER] = f"{backlog_s * 1000:.0f}"
+        headers[PREFILL_SPEED_HEADER] = f"{prefill.prefill_rate:.0f}"
+    return headers
 
 
 class _Retry(Exception):
@@ -184,17 +205,7 @@ class Router:
                 return self._not_woken(pool, held)
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(prompt_text(body)) if affinity else []
-        headers = {"content-type": "application/json"}
-        if self.config.late_after_ms is not None:
-            headers[LATE_AFTER_HEADER] = str(self.config.late_after_ms)
-        prefill = self.choose_prefill(chunks)
-        if prefill is not None and self.config.internal_token:
-            headers[PREFILL_URL_HEADER] = prefill.url
-            headers[INTERNAL_TOKEN_HEADER] = self.config.internal_token
-            backlog_s = prefill_backlog_s(prefill)
-            if backlog_s is not None and prefill.prefill_rate:  # a backlog implies the rate
-                headers[PREFILL_BACKLOG_HEADER] = f"{backlog_s * 1000:.0f}"
-                headers[PREFILL_SPEED_HEADER] = f"{prefill.prefill_rate:.0f}"
+        headers = forward_headers(self.config, self.choose_prefill(chunks))
         tried: set[str] = set()
         retries: list[_Retry] = []
         while len(tried) < self.config.max_attempts:

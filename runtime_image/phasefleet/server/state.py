@@ -18,6 +18,7 @@ from phasefleet.api.contract import (
     PREFILL_BACKLOG_HEADER,
     PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
+    TPOT_TARGET_HEADER,
 )
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
@@ -57,7 +58,8 @@ class WorkerState:
     handoff: HandoffClient | None = None  # decode side: talks to prefill workers
     # Decode side: which prompts are prefilled here rather than on the router's prefill worker.
     boundary: PhaseBoundary = field(default_factory=PhaseBoundary)
-    tpot_target_s: float | None = None  # the service's TPOT target, bounding local prefill
+    # the service's TPOT target, bounding local prefill, where the router sends none
+    tpot_target_s: float | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix seconds
     # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
@@ -82,7 +84,7 @@ class WorkerState:
         the prefill-URL header, honoured only with the internal token), or here (None) when
         there is none, several choices, or the phase boundary says so (api/boundary.py: the
         uncached part's length, the prefill worker's backlog the router sent, this worker's
-        own prefill and inter-token latency)."""
+        own prefill and inter-token latency, held to the TPOT target the router sent)."""
         url = headers.get(PREFILL_URL_HEADER)
         if url is None or self.handoff is None or self.internal_token is None or len(prompts) != 1:
             return None
@@ -95,7 +97,9 @@ class WorkerState:
         speed = _number(headers, PREFILL_SPEED_HEADER)  # prompt tokens/s, the pools' hardware
         backlog_s = backlog_ms / 1000 if backlog_ms is not None and speed else None
         prefill_s = uncached / speed if speed else 0.0
-        remote = self.boundary.remote(uncached, backlog_s, self.local_load(prefill_s))
+        tpot_ms = _number(headers, TPOT_TARGET_HEADER)
+        tpot_s = tpot_ms / 1000 if tpot_ms else self.tpot_target_s
+        remote = self.boundary.remote(uncached, backlog_s, self.local_load(prefill_s, tpot_s))
         if remote != self.boundary.fixed(uncached):
             self.metrics.boundary_moves["remote" if remote else "local"].inc()
         if not remote:
@@ -109,13 +113,13 @@ class WorkerState:
         ms = _number(headers, LATE_AFTER_HEADER)
         return ms / 1000 if ms else None
 
-    def local_load(self, prefill_s: float) -> LocalLoad:
+    def local_load(self, prefill_s: float, tpot_target_s: float | None) -> LocalLoad:
         stats, m = self.engine.stats(), self.metrics
         if stats is None:
-            return LocalLoad(0, None, self.tpot_target_s, prefill_s, decoding=0)
+            return LocalLoad(0, None, tpot_target_s, prefill_s, decoding=0)
         tokens = stats.prefill_tokens_pending + stats.prefill_tokens_waiting
         return LocalLoad(
-            tokens, m.recent_itl_s, self.tpot_target_s, prefill_s, m.recent_output_tokens,
+            tokens, m.recent_itl_s, tpot_target_s, prefill_s, m.recent_output_tokens,
             stats.num_running,
         )  # fmt: skip
 
