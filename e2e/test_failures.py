@@ -70,6 +70,16 @@ CASES = (
         ),
     ),
     Case(
+        "unknown-flag",  # what an engine image of an older release says to a newer flag
+        {"runtime": {"extraArgs": ["--no-such-flag", "7"]}},
+        "ContainerFailing",
+        (
+            "(pool worker) keeps failing: container engine (image",
+            "does not know the flags --no-such-flag 7; if spec.runtime.extraArgs has them, fix"
+            " or remove them, else the image is of an older release than this operator",
+        ),
+    ),
+    Case(
         "oom-killed",  # the kernel kills the worker at its memory limit, in its cgroup
         {"worker": {"resources": {"limits": {"memory": "150Mi"}}}},
         "ContainerFailing",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phasefleet.api.spec import DEFAULT_IMAGE
 from phasefleet.operator.status import Problem, degraded_news, pod_problem
 
 SCHEDULER_SAYS = (
@@ -110,6 +111,24 @@ def test_a_crash_loop_quotes_the_termination_message_not_the_back_off():
         "Pod team-a/llm-decode-x2 (pool decode) keeps failing: container engine exited with"
         f" code 2 ({said}); change what the message names (kubectl logs --previous has the"
         " rest)",
+    )
+
+
+def test_flags_the_image_does_not_know_ask_for_the_operators_release():
+    """An image older than the operator exits with argparse's usage and error (the log tail is
+    the termination message): the sentence names the flags, the image and both fixes."""
+    tail = (
+        "usage: phasefleet router [-h] [--port PORT] [--policy {least-loaded,prefix-aware}]\n"
+        "phasefleet router: error: unrecognized arguments: --tpot-target-ms 40\n"
+    )
+    problem = pod_problem([pod("llm-router-x2", role="router", **crashed(2, "Error", tail))])
+    assert problem == Problem(
+        "ContainerFailing",
+        "Pod team-a/llm-router-x2 (pool router) keeps failing: container engine (image"
+        " ghcr.io/phasefleet/engine:0.4.0) does not know the flags --tpot-target-ms 40; if"
+        " spec.runtime.extraArgs has them, fix or remove them, else the image is of an older"
+        " release than this operator: set spec.runtime.image to one of the operator's release"
+        f" (its default, {DEFAULT_IMAGE})",
     )
 
 

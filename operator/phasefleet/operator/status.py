@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from phasefleet.api.spec import InferenceServiceSpec, Role
+from phasefleet.api.spec import DEFAULT_IMAGE, InferenceServiceSpec, Role
 from phasefleet.api.status import DEGRADED, PROGRESSING, READY
 from phasefleet.operator.children import endpoint
 from phasefleet.operator.compare import contains
@@ -48,6 +48,9 @@ POD_FIXES = {
 }
 
 PULL_ERROR = "ErrImagePull: "  # where an ImagePullBackOff message quotes the failed pull
+# argparse's words, ending a program's log, for flags it does not know: a worker or router
+# image of another release than the operator's (or a typo in spec.runtime.extraArgs).
+UNKNOWN_FLAGS = "error: unrecognized arguments: "
 
 # The scheduler's reasons (in its "0/3 nodes are available: ..." message), most specific first,
 # and the fix for each; {pool} is the pool's field in the spec.
@@ -117,6 +120,15 @@ def _exit_problem(container: dict[str, Any], where: str, role: str) -> Problem |
             f"{where} keeps failing: container {name} was killed for exceeding its memory"
             f" limit (OOMKilled, exit code {code}); raise spec.{role}.resources.limits.memory,"
             " or lower maxModelLen or maxNumSeqs",
+        )
+    if UNKNOWN_FLAGS in said:
+        flags = said.rsplit(UNKNOWN_FLAGS, 1)[1]
+        return Problem(
+            "ContainerFailing",
+            f"{where} keeps failing: container {name} (image {container.get('image', '?')})"
+            f" does not know the flags {_cut(flags)}; if spec.runtime.extraArgs has them, fix"
+            " or remove them, else the image is of an older release than this operator: set"
+            f" spec.runtime.image to one of the operator's release (its default, {DEFAULT_IMAGE})",
         )
     if said:
         return Problem(
