@@ -65,6 +65,11 @@ def test_a_decode_step_waits_on_the_device_once(tiny_model: ModelPath, plain_lin
         eng.add_request(f"g{i}", prompt, GREEDY)
     sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     eng.add_request("seeded", random_prompts([7], seed=3)[0], sampled)
+    penalized = SamplingParams(
+        max_tokens=12, temperature=0.7, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+        frequency_penalty=0.5, logit_bias={3: 2.0}, ignore_eos=True,
+    )  # fmt: skip
+    eng.add_request("penalized", random_prompts([6], seed=4)[0], penalized)
     eng.step()  # prefills
     tracer = traced_steps(eng, 4)
     assert tracer.mixes == [] and tracer.uploads == []

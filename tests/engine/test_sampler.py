@@ -177,3 +177,79 @@ def test_banned_tokens_are_never_sampled_but_keep_their_raw_logprob() -> None:
         sampled.banned = [1, 2]
         drawn.add(sample(logits.clone(), [sampled])[0])
     assert drawn == {0}
+
+
+def adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits the sampler draws from: bias and penalties applied."""
+    from phasefleet.engine.sampler import _biased_and_penalized
+
+    batch = SamplingBatch.from_rows(rows, [0] * len(rows), logits.shape[-1])
+    adjustments = DeviceSampling.direct(batch, CPU).adjustments
+    assert adjustments is not None
+    return _biased_and_penalized(logits.clone(), adjustments)
+
+
+def test_logit_bias_is_added_to_its_tokens_only() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [5.0, 0.0, 1.0, 2.0]])
+    rows = [row(temperature=0, logit_bias={0: 10.0, 3: -2.5}), row(temperature=0)]
+    want = logits.clone()
+    want[0, 0] += 10.0
+    want[0, 3] -= 2.5
+    assert torch.equal(adjusted(logits, rows), want)
+    assert sample(logits, rows) == [0, 0]
+    banned = row(temperature=0, logit_bias={1: -100.0})
+    assert sample(logits[:1], [banned]) == [2]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_seen() -> None:
+    """Tokens in the prompt or the output, each once, as transformers'
+    RepetitionPenaltyLogitsProcessor; a row without it is untouched."""
+    logits = torch.tensor([[2.0, -2.0, 4.0, 3.0, -1.0], [2.0, -2.0, 4.0, 3.0, -1.0]])
+    penalized = row(temperature=0, repetition_penalty=2.0)
+    penalized.prompt_ids = torch.tensor([0, 1]).numpy()
+    penalized.output_ids = [1, 2, 2]  # 1 is in both: penalized once
+    got = adjusted(logits, [penalized, row(temperature=0)])
+    assert got[0].tolist() == [1.0, -4.0, 2.0, 3.0, -1.0]
+    assert torch.equal(got[1], logits[1])
+    assert sample(logits, [penalized, row(temperature=0)]) == [3, 2]
+
+
+def test_output_counts_grow_past_their_first_arrays() -> None:
+    r = row(frequency_penalty=1.0)
+    r.output_ids = [t % 40 for t in range(100)]  # 40 distinct tokens: the arrays double twice
+    ids, counts = r.output_counts()
+    assert ids.tolist() == list(range(40))
+    assert counts.tolist() == [3.0] * 20 + [2.0] * 20
+    r.output_ids.append(39)
+    assert r.output_counts()[1][39] == 3.0
+
+
+def test_presence_and_frequency_penalties_follow_the_output_counts() -> None:
+    """OpenAI's: logit - count x frequency - (count > 0) x presence, over the output only."""
+    logits = torch.zeros(1, 4)
+    r = row(presence_penalty=0.5, frequency_penalty=0.25)
+    r.prompt_ids = torch.tensor([3]).numpy()  # the prompt does not count
+    r.output_ids = [0, 1, 1]
+    assert adjusted(logits, [r])[0].tolist() == [-0.75, -1.0, 0.0, 0.0]
+    r.output_ids.extend([0, 0])  # the engine appends; counts catch up, not recount
+    ids, counts = r.output_counts()
+    assert dict(zip(ids.tolist(), counts.tolist(), strict=True)) == {0: 3.0, 1: 2.0}
+    assert adjusted(logits, [r])[0].tolist() == [-1.25, -1.0, 0.0, 0.0]
+    negative = row(presence_penalty=-2.0)  # a negative penalty favours repeats
+    negative.output_ids = [2]
+    assert adjusted(logits, [negative])[0].tolist() == [0.0, 0.0, 2.0, 0.0]
+
+
+def test_min_p_drops_tokens_under_its_share_of_the_best() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    seen = {sample(probs.log(), [row(seed=s, min_p=0.35)])[0] for s in range(300)}
+    assert seen == {0, 1}  # 0.15 < 0.35 x 0.5 <= 0.3
+    seen = {sample(probs.log(), [row(seed=s, min_p=1.0)])[0] for s in range(50)}
+    assert seen == {0}  # the best token always stays
+    from phasefleet.engine.sampler import _probs
+
+    rows = [row(seed=1, min_p=0.35), row(seed=1)]
+    batch = SamplingBatch.from_rows(rows, [0, 0], 4)
+    got = _probs(probs.log().repeat(2, 1), DeviceSampling.direct(batch, CPU))
+    torch.testing.assert_close(got[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(got[1], probs[0])  # min_p off: the distribution as it was

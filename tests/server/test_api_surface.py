@@ -251,15 +251,19 @@ def test_version_and_a_stable_model_list(worker: Worker, client: openai.OpenAI) 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ("completions", {"logit_bias": {"five": 1.0}}, "logit_bias.five"),
+    ("completions", {"logit_bias": {"512": 1.0}}, "logit_bias"),  # past the vocabulary
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("completions", {"extra_body": {"min_p": 1.5}}, "min_p"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("chat", {"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
 ]
 
 
@@ -275,3 +279,25 @@ def test_refused_fields_get_a_400_naming_them(
     assert bad.value.status_code == 400
     assert bad.value.param == param
     assert param in bad.value.message
+
+
+def test_logit_bias_and_the_penalties_are_served(client: openai.OpenAI) -> None:
+    """OpenAI's logit_bias, presence and frequency penalties and vLLM's repetition_penalty
+    and min_p are taken (tests/engine/test_penalties.py checks their arithmetic)."""
+
+    def token_ids(**fields: Any) -> list[int]:
+        extra_body = {"return_token_ids": True, **fields.pop("extra_body", {})}
+        res = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra_body,
+            **fields,
+        )  # fmt: skip
+        return list(extra(res.choices[0], "token_ids"))
+
+    assert token_ids(logit_bias={"42": 100}) == [42] * 6
+    pushed = token_ids(logit_bias={"42": 100}, frequency_penalty=2.0, presence_penalty=2.0)
+    assert pushed == [42] * 6  # 100 - 2 x count - 2 still wins
+    assert len(token_ids(extra_body={"repetition_penalty": 1.5, "min_p": 0.3})) == 6
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, logit_bias={"42": 100}, presence_penalty=1.0
+    )
+    assert chat.choices[0].finish_reason == "length"

@@ -8,6 +8,7 @@ import http.server
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -21,6 +22,7 @@ from phasefleet.api.contract import (
     PREFILL_SPEED_HEADER,
     PREFILL_URL_HEADER,
 )
+from phasefleet.server.kv_wire import MIN_WIRE_VERSION, WIRE_VERSION
 from tests.server.worker_proc import Worker, run_worker
 
 TOKEN = "test-internal-token"
@@ -104,6 +106,39 @@ def test_chat_through_a_hand_off_equals_a_single_worker(
     ]
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
     assert answers[0].usage == answers[1].usage
+
+
+def test_bias_penalties_and_min_p_cross_the_hand_off(
+    workers: tuple[Worker, Worker, Worker],
+) -> None:
+    """The prefill worker samples the first token with the request's bias, repetition penalty
+    and min-p (wire version 2), the decode worker the rest with its penalties too: the same
+    tokens as one worker, greedy and seeded."""
+    prefill, decode, reference = workers
+    remote_before = decode.counter("phasefleet_prefills_total", where="remote")
+    settings: list[dict[str, Any]] = [
+        {"temperature": 0, "logit_bias": {"42": 100}},  # every token 42, the first one too
+        {"temperature": 0, "logit_bias": {"42": 8}, "frequency_penalty": 2.0},
+        {
+            "temperature": 0.8, "seed": 11, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+            "extra_body": {"repetition_penalty": 1.8, "min_p": 0.2},
+        },
+    ]  # fmt: skip
+
+    def token_ids(client: openai.OpenAI, setting: dict[str, Any]) -> list[int]:
+        fields = {k: v for k, v in setting.items() if k != "extra_body"}
+        extra = {"return_token_ids": True, **setting.get("extra_body", {})}
+        out = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=8, extra_body=extra, **fields
+        )
+        return list(out.choices[0].token_ids)
+
+    clients = (handoff_client(decode, prefill.base_url), reference.client())
+    answers = [[token_ids(client, setting) for setting in settings] for client in clients]
+    assert answers[0] == answers[1]
+    assert answers[0][0] == [42] * 8
+    assert answers[0][1] != answers[0][0]  # the penalty pushes 42 back
+    assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 3
 
 
 def test_internal_endpoints_refuse_a_missing_or_wrong_token(
@@ -367,16 +402,19 @@ def test_a_bad_prefill_request_is_a_400_naming_the_field(
 def test_a_later_field_is_served_and_another_wire_version_is_a_409(
     workers: tuple[Worker, Worker, Worker],
 ) -> None:
-    """A decode worker of a later release (more fields) is served; one of another wire version
-    is refused before anything is prefilled (server/kv_wire.py's version rules)."""
+    """A decode worker of a later release (more fields) is served, and one of an earlier wire
+    version still answered in it; a version past this worker's is refused before anything is
+    prefilled (server/kv_wire.py's version rules)."""
     prefill, _, _ = workers
     headers = {INTERNAL_TOKEN_HEADER: TOKEN}
     body = {"request_id": "v", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}
     url = prefill.base_url + "/internal/prefill"
-    with httpx.stream("POST", url, json={**body, "a_later_field": 1}, headers=headers) as answer:
-        assert answer.status_code == 200
-        assert answer.read()  # the whole stream, so its blocks are let go
-    answer = httpx.post(url, json={**body, "wire_version": 2}, headers=headers, timeout=30)
+    for extra in ({"a_later_field": 1}, {"wire_version": MIN_WIRE_VERSION}):
+        with httpx.stream("POST", url, json={**body, **extra}, headers=headers) as answer:
+            assert answer.status_code == 200
+            assert answer.read()  # the whole stream, so its blocks are let go
+    later = {**body, "wire_version": WIRE_VERSION + 1}
+    answer = httpx.post(url, json=later, headers=headers, timeout=30)
     assert answer.status_code == 409, answer.text
     error = answer.json()["error"]
     assert (error["code"], error["param"]) == ("wire_version_mismatch", "wire_version")

@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -411,7 +412,7 @@ def newer(frame: bytes, **fields: object) -> bytes:
 def test_a_newer_peers_unknown_fields_are_ignored_both_ways(responder: Responder) -> None:
     """The wire's version rule: fields added by a later release do not break this one."""
     from phasefleet.engine.sampling_params import SamplingParams
-    from phasefleet.server.kv_wire import WIRE_VERSION, PrefillRequest
+    from phasefleet.server.kv_wire import MIN_WIRE_VERSION, PrefillRequest
 
     stream = newer(start(6), compression="zstd") + kv(0, A) + kv(2, B)
     stream += newer(encode_header(FIRST), draft_token_ids=[4, 5]) + kv(3, C) + end(6)
@@ -421,6 +422,32 @@ def test_a_newer_peers_unknown_fields_are_ignored_both_ways(responder: Responder
     assert [bytes(c.payload) for c in chunks] == [A, B, C]
 
     sent = PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=2))
-    assert sent.wire_version == WIRE_VERSION and '"wire_version":1' in sent.model_dump_json()
+    assert sent.wire_version == MIN_WIRE_VERSION and '"wire_version":1' in sent.model_dump_json()
     later = PrefillRequest.model_validate({**sent.model_dump(), "priority": "high"})
     assert later == sent
+
+
+@pytest.mark.parametrize(
+    ("settings", "version"),
+    [
+        ({}, 1),
+        ({"presence_penalty": 1.0, "frequency_penalty": -1.0}, 1),  # nothing to the first token
+        ({"repetition_penalty": 1.2}, 2),
+        ({"min_p": 0.1}, 2),
+        ({"logit_bias": {5: -3.0}}, 2),
+    ],
+)
+def test_a_request_goes_in_the_lowest_wire_version_that_carries_it(
+    settings: dict[str, Any], version: int
+) -> None:
+    """A prefill worker of version 1 would sample the first token without the bias, the
+    repetition penalty or min-p: such a request asks for version 2 (refused by that worker:
+    the decode worker prefills it itself); any other stays answerable by both."""
+    from phasefleet.engine.sampling_params import SamplingParams
+    from phasefleet.server.kv_wire import WIRE_VERSION, PrefillRequest
+
+    params = SamplingParams(max_tokens=4, **settings)
+    sent = PrefillRequest.of("r", [1, 2], params)
+    assert sent.wire_version == version <= WIRE_VERSION
+    received = PrefillRequest.model_validate_json(sent.model_dump_json())
+    assert received.sampling() == params  # every field across, the bias's ids as integers

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from transformers import AutoConfig
 
 from phasefleet.autoscale.peaks import WindowPeak
@@ -175,6 +176,10 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {prompt_token_ids}")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(
+                f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}"
+            )
         if first_token_id is not None:
             if not 0 <= first_token_id < vocab:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
@@ -210,7 +215,9 @@ class LLMEngine:
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)
-        row = SamplingRow(params)
+        row = SamplingRow(params, output_ids=request.output_token_ids)
+        if params.repeats_seen:
+            row.prompt_ids = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
         if len(request.output_token_ids) < params.min_tokens:
             row.banned = self._min_tokens_banned(params)
         self._live[request_id] = _Live(row, detok)

@@ -1,5 +1,7 @@
-"""Sampler: picks one token per request from its logits (greedy, temperature, top-k, top-p),
-with the tokens a row bans masked out, and the logprobs of the rows that ask for them.
+"""Sampler: picks one token per request from its logits (greedy, temperature, top-k, top-p,
+min-p), after its logit bias and its penalties on repeats (repetition, presence, frequency),
+with the tokens a row bans masked out, and the logprobs of the rows that ask for them (of the
+model's logits, before any of that).
 
 Every row is sampled by the same few batched ops, with no loop over rows: the draw is an
 exponential race, token = argmax(p / E) with E ~ Exp(1) per token, which picks token i with
@@ -16,7 +18,8 @@ step's only wait on the device (rows asking for logprobs add their own).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +42,46 @@ class SamplingRow:
     logprob: TokenLogprob | None = None  # set by sample() when params.logprobs is not None
     # Set by the model runner when params.prompt_logprobs is not None: prompt tokens 1.. so far
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Set by the engine for a row that penalizes repeats: the prompt's tokens (each once, for
+    # repetition_penalty) and the request's output, the list the scheduler appends to.
+    adjusts: bool = field(init=False)  # params.adjusts_logits, read at every step
+    bias_ids: np.ndarray = field(init=False)  # params.logit_bias as arrays, made once
+    bias_values: np.ndarray = field(init=False)
+    prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    output_ids: list[int] = field(default_factory=list)
+    # The output's distinct tokens and how often each occurs, kept as tokens arrive: [:n] of
+    # two arrays that double when full (n = len(_slot)), so a step reads views, not a count.
+    _slot: dict[int, int] = field(default_factory=dict)  # output token -> its index
+    _ids: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64))
+    _counts: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.float32))
+    _counted: int = 0  # output_ids[:_counted] are counted
+
+    def __post_init__(self) -> None:
+        self.adjusts = self.params.adjusts_logits
+        bias = self.params.logit_bias
+        self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias))
+        self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+
+    def output_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The output's distinct tokens so far, [n] int64, and how often each occurs, [n]
+        float32 (views, valid until the next call)."""
+        for token in self.output_ids[self._counted :]:
+            slot = self._slot.get(token)
+            if slot is None:
+                slot = self._slot[token] = len(self._slot)
+                if slot == len(self._ids):
+                    self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                self._ids[slot] = token
+            self._counts[slot] += 1
+        self._counted = len(self.output_ids)
+        n = len(self._slot)
+        return self._ids[:n], self._counts[:n]
+
+    def seen_ids(self) -> np.ndarray:
+        """The tokens repetition_penalty applies to: the prompt's, then the output's (a token in
+        both comes twice: the device sets a mask from them, which takes repeats as they are)."""
+        return np.concatenate([self.prompt_ids, self.output_counts()[0]])
 
 
 def seed_halves(seed: int) -> tuple[int, int]:
@@ -62,6 +105,7 @@ class SamplingBatch:
     position: np.ndarray  # [B] int64: the position of the token each row samples
     banned_rows: np.ndarray  # [N] int64: (row, token) pairs masked to -inf
     banned_ids: np.ndarray  # [N] int64
+    adjustments: Adjustments[np.ndarray] | None  # None: no row sets any
     all_greedy: bool
     any_seeded: bool
     any_top: bool  # some row has top-k or top-p on
@@ -85,6 +129,7 @@ class SamplingBatch:
             position=np.array(positions, dtype=np.int64),
             banned_rows=np.array([i for i, _ in banned], dtype=np.int64),
             banned_ids=np.array([t for _, t in banned], dtype=np.int64),
+            adjustments=Adjustments.of(rows) if any(r.adjusts for r in rows) else None,
             all_greedy=all(greedy),
             any_seeded=any(
                 p.seed is not None and not g for p, g in zip(params, greedy, strict=True)
@@ -97,7 +142,68 @@ class SamplingBatch:
         return [
             self.sampled, self.temperature, self.top_k, self.top_p, self.seeded, self.seed_lo,
             self.seed_hi, self.position, self.banned_rows, self.banned_ids,
+            *(self.adjustments.arrays() if self.adjustments is not None else []),
         ]  # fmt: skip
+
+
+A = TypeVar("A", np.ndarray, torch.Tensor)
+
+
+@dataclass
+class Adjustments(Generic[A]):
+    """The rows' logit bias, penalties on repeats and min-p, in a batch where some row sets one
+    (uploaded only then): host arrays (`of`), or the same as device tensors."""
+
+    min_p: A  # [B] float32; 0 when off
+    bias_rows: A  # [L] int64: (row, token, bias) triples added to the logits
+    bias_ids: A  # [L] int64
+    bias_values: A  # [L] float32
+    repetition: A  # [B] float32; 1 when off
+    seen_rows: A  # [K] int64: (row, token) pairs repetition applies to
+    seen_ids: A  # [K] int64
+    presence: A  # [B] float32; 0 when off
+    frequency: A  # [B] float32; 0 when off
+    count_rows: A  # [M] int64: (row, token, count) of the penalized rows' outputs
+    count_ids: A  # [M] int64
+    count_values: A  # [M] float32
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow]) -> Adjustments[np.ndarray]:
+        params = [r.params for r in rows]
+        biased = [(i, r) for i, r in enumerate(rows) if r.bias_ids.size]
+        bias_rows, bias_ids = _pairs([(i, r.bias_ids) for i, r in biased])
+        seen = _pairs([(i, r.seen_ids()) for i, r in enumerate(rows) if r.params.repeats_seen])
+        counted = [(i, r.output_counts()) for i, r in enumerate(rows) if r.params.penalized]
+        count_rows, count_ids = _pairs([(i, ids) for i, (ids, _) in counted])
+        return Adjustments(
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=_concat([r.bias_values for _, r in biased], np.float32),
+            repetition=np.array([p.repetition_penalty for p in params], dtype=np.float32),
+            seen_rows=seen[0],
+            seen_ids=seen[1],
+            presence=np.array([p.presence_penalty for p in params], dtype=np.float32),
+            frequency=np.array([p.frequency_penalty for p in params], dtype=np.float32),
+            count_rows=count_rows,
+            count_ids=count_ids,
+            count_values=_concat([n for _, (_, n) in counted], np.float32),
+        )
+
+    def arrays(self) -> list[A]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+def _pairs(rows: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token ids) -> the flat (row indices, token ids) arrays of every pair."""
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    index = np.repeat(np.array([i for i, _ in rows], np.int64), [len(ids) for _, ids in rows])
+    return index, _concat([ids for _, ids in rows], np.int64)
+
+
+def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
 @dataclass
@@ -115,10 +221,14 @@ class DeviceSampling:
     position: torch.Tensor
     banned_rows: torch.Tensor
     banned_ids: torch.Tensor
+    adjustments: Adjustments[torch.Tensor] | None = field(default=None, kw_only=True)
 
     @classmethod
     def take(cls, batch: SamplingBatch, tensors: list[torch.Tensor]) -> DeviceSampling:
-        return cls(batch, *tensors)
+        if batch.adjustments is None:
+            return cls(batch, *tensors)
+        base = len(tensors) - len(fields(Adjustments))  # the adjustments' tensors come last
+        return cls(batch, *tensors[:base], adjustments=Adjustments(*tensors[base:]))
 
     @classmethod
     def direct(cls, batch: SamplingBatch, device: torch.device) -> DeviceSampling:
@@ -133,6 +243,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
     logits = logits.float()
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[asking] if asking else None  # [a, V], a copy taken before any mask
+    if s.adjustments is not None:
+        logits = _biased_and_penalized(logits, s.adjustments)
     if len(s.batch.banned_rows):
         logits[s.banned_rows, s.banned_ids] = float("-inf")
     tokens = logits.argmax(dim=-1)  # [B]
@@ -156,9 +268,32 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
     return result
 
 
+def _biased_and_penalized(logits: torch.Tensor, a: Adjustments[torch.Tensor]) -> torch.Tensor:
+    """logits [B, V] float32 with each row's logit bias added, then its penalties on repeats:
+    repetition (prompt and output tokens' logits divided by it when positive, multiplied when
+    not), frequency (x each output token's count) and presence (once per output token) taken
+    off, as vLLM orders them. Rows without any are unchanged."""
+    if a.bias_rows.numel():
+        logits = logits.index_put((a.bias_rows, a.bias_ids), a.bias_values, accumulate=True)
+    if a.seen_rows.numel():
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[a.seen_rows, a.seen_ids] = True
+        penalty = a.repetition.unsqueeze(1)
+        logits = torch.where(
+            seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits
+        )
+    if a.count_rows.numel():
+        counts = torch.zeros_like(logits)
+        counts[a.count_rows, a.count_ids] = a.count_values
+        logits = logits - counts * a.frequency.unsqueeze(1)
+        logits = logits - (counts > 0).float() * a.presence.unsqueeze(1)
+    return logits
+
+
 def _probs(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; logits: [B, V] float32 -> probabilities [B, V].
-    Greedy rows get a temperature of 1 here; their draw is not used."""
+    """Temperature, then top-k, then top-p, then min-p (transformers' order); logits: [B, V]
+    float32 -> probabilities [B, V]. Greedy rows get a temperature of 1 here; their draw is not
+    used."""
     temps = torch.where(s.sampled, s.temperature, 1.0).unsqueeze(1)
     # Shifted so the best token is 0: a tiny temperature then sends the rest to -inf, never NaN;
     # a temperature below float32's range is clamped to its smallest normal number.
@@ -177,7 +312,13 @@ def _probs(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    adjusted = s.batch.adjustments
+    if s.adjustments is not None and adjusted is not None and adjusted.min_p.any():
+        # min-p; the most likely token always stays (min_p <= 1)
+        floor = s.adjustments.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = logits.masked_fill(probs < floor, float("-inf")).softmax(dim=-1)
+    return probs
 
 
 def _exponentials(probs: torch.Tensor, s: DeviceSampling) -> torch.Tensor:

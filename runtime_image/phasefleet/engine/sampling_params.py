@@ -29,6 +29,14 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 """Most alternatives (top logprobs) per token, as vLLM's default max_logprobs and OpenAI's
 top_logprobs."""
+MAX_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI's."""
+MAX_REPETITION_PENALTY = 2.0
+"""repetition_penalty lies in (0, MAX_REPETITION_PENALTY], as vLLM's; 1 is off."""
+MAX_LOGIT_BIAS = 100.0
+"""A logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's."""
+MAX_LOGIT_BIAS_TOKENS = 300
+"""Tokens one request may bias: each is a (row, token) entry of every step's upload."""
 
 
 @dataclass
@@ -61,6 +69,21 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Per prompt token after the first: the same, in [0, MAX_LOGPROBS]; None computes none.
     Such a prompt is always computed in full (the prefix cache has no logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI's), in
+    [-MAX_PENALTY, MAX_PENALTY]; 0 is off."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is already in the output (OpenAI's),
+    in [-MAX_PENALTY, MAX_PENALTY]; 0 is off."""
+    repetition_penalty: float = 1.0
+    """A token already in the prompt or the output has its logit divided by this when positive,
+    multiplied when negative (transformers' and vLLM's), in (0, MAX_REPETITION_PENALTY]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is under min_p x the most likely token's (after
+    temperature, top-k and top-p), in [0, 1]; 0 is off."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> a number added to its logit before sampling, in [-MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS]; at most MAX_LOGIT_BIAS_TOKENS tokens."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
@@ -110,9 +133,49 @@ class SamplingParams:
                     f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be a number in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value!r}"
+                )
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not 0 < rep <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {rep!r}"
+            )
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        bias = self.logit_bias
+        if (
+            not isinstance(bias, dict)
+            or len(bias) > MAX_LOGIT_BIAS_TOKENS
+            or not all(_is_int(t) and t >= 0 for t in bias)
+            or not all(_is_number(v) and abs(v) <= MAX_LOGIT_BIAS for v in bias.values())
+        ):
+            raise ValueError(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} non-negative token ids to"
+                f" numbers in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {_short(bias)}"
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """The output's counts change this request's logits (presence or frequency penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def repeats_seen(self) -> bool:
+        """The tokens of the prompt and the output change its logits (repetition penalty)."""
+        return self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Its logits are more than the model's: a bias, a penalty on repeats, or min-p."""
+        return bool(self.logit_bias) or self.penalized or self.repeats_seen or self.min_p > 0
 
 
 def _is_int(value: object) -> bool:

@@ -75,6 +75,11 @@ def sampling_params(
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=req.logit_bias_ids(),
     )
     return checked(params)
 
@@ -89,9 +94,15 @@ def checked(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def check_supported(req: SamplingFields) -> None:
+def check_supported(req: SamplingFields, vocab_size: int) -> None:
     for name in req.unsupported():
         raise bad_request(f"'{name}' is not supported by this worker", name)
+    outside = [t for t in req.logit_bias_ids() if t >= vocab_size]
+    if outside:
+        raise bad_request(
+            f"logit_bias holds token id {outside[0]}, outside the vocabulary [0, {vocab_size})",
+            "logit_bias",
+        )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

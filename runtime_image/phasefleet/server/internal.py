@@ -31,6 +31,7 @@ from phasefleet.server.errors import APIError
 from phasefleet.server.generation import Generation, checked
 from phasefleet.server.kv_wire import (
     MEDIA_TYPE,
+    MIN_WIRE_VERSION,
     WIRE_VERSION,
     EndFrame,
     ErrorFrame,
@@ -63,12 +64,14 @@ def check_token(request: Request) -> None:
 
 
 def check_version(body: PrefillRequest) -> None:
-    """This worker answers in one wire version; a decode worker of another prefills locally."""
-    if body.wire_version != WIRE_VERSION:
+    """This worker answers wire versions MIN_WIRE_VERSION to WIRE_VERSION; a decode worker that
+    asks for another prefills locally."""
+    if not MIN_WIRE_VERSION <= body.wire_version <= WIRE_VERSION:
         raise APIError(
             409,
-            f"the hand-off's wire version {body.wire_version} is not this prefill worker's "
-            f"({WIRE_VERSION}): the decode and prefill pools run different releases; "
+            f"the hand-off's wire version {body.wire_version} is not one this prefill worker "
+            f"answers ({MIN_WIRE_VERSION} to {WIRE_VERSION}): the decode and prefill pools run"
+            " different releases; "
             "the decode worker prefills locally until both run the same image",
             param="wire_version",
             code="wire_version_mismatch",
@@ -85,6 +88,8 @@ def internal_routes() -> APIRouter:
         state.check_accepting()
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
         params = checked(body.sampling())
+        if params.logit_bias:
+            state.check_token_ids(sorted(params.logit_bias), "logit_bias")
         gen = Generation(
             state.engine,
             state.metrics,

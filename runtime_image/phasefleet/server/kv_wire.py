@@ -28,9 +28,16 @@ and a prefill worker of different releases talk. Two rules keep that working:
   that ignores it still does the right thing: a hint (`late_after_s`), or a request the
   answer confirms (`skip_tokens`, confirmed by the start frame's `skip_blocks`).
 - Anything else (a new frame kind, a field whose meaning changes, another payload layout)
-  raises `WIRE_VERSION`. The decode worker sends its version in every request; a prefill worker
-  answers in the version asked for or refuses it (409, `wire_version_mismatch`), and the decode
-  worker prefills locally.
+  raises `WIRE_VERSION`. The decode worker sends, in every request, the lowest version that
+  carries it (`PrefillRequest.of`); a prefill worker answers any version from
+  `MIN_WIRE_VERSION` to its own, and refuses another (409, `wire_version_mismatch`), so the
+  decode worker prefills locally.
+
+Versions: 1, the first; 2 adds the sampling fields that change the first token
+(`repetition_penalty`, `min_p`, `logit_bias`), which a prefill worker of version 1 would
+ignore. A request that sets none of them goes as version 1; the penalties on the output
+(`presence_penalty`, `frequency_penalty`) travel as hints in either, as they change nothing
+before the second token.
 """
 
 from __future__ import annotations
@@ -43,11 +50,21 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from phasefleet.engine.kv_transfer import KVLayout
-from phasefleet.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from phasefleet.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+MIN_WIRE_VERSION = 1  # the oldest version this release still answers
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -72,6 +89,14 @@ class PrefillRequest(_Wire):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # version 2
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    logit_bias: dict[
+        Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+    ] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
     # prompt tokens the decode worker's prefix cache holds: the sender skips its whole blocks
     # below this (in its own block size)
     skip_tokens: int = Field(default=0, ge=0)
@@ -88,7 +113,9 @@ class PrefillRequest(_Wire):
         skip_tokens: int = 0,
         late_after_s: float | None = None,
     ) -> PrefillRequest:
+        first_token_changes = params.repeats_seen or params.min_p > 0 or bool(params.logit_bias)
         return cls(
+            wire_version=2 if first_token_changes else 1,
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=params.max_tokens,
@@ -100,6 +127,11 @@ class PrefillRequest(_Wire):
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            min_p=params.min_p,
+            logit_bias=dict(params.logit_bias),
             skip_tokens=skip_tokens,
             late_after_s=late_after_s,
         )
@@ -115,6 +147,11 @@ class PrefillRequest(_Wire):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=dict(self.logit_bias),
         )
 
 

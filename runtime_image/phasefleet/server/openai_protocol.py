@@ -16,8 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from phasefleet.engine.sampling_params import (
     API_SEED_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -60,27 +64,27 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's; 1 is neutral
-    min_p: float | None = None  # vLLM's; 0 is neutral
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's; completions' echo + logprobs gives them
-    logit_bias: dict[str, float] | None = None
+    # token id (as a string, as OpenAI's) -> bias
+    logit_bias: (
+        dict[
+            Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+            Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)],
+        ]
+        | None
+    ) = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     user: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
-        bad = []
-        for name in ("presence_penalty", "frequency_penalty", "min_p"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                bad.append(name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            bad.append("repetition_penalty")
-        if self.prompt_logprobs is not None:
-            bad.append("prompt_logprobs")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(SamplingFields):
