@@ -64,7 +64,8 @@ async def create_chat_completion(
 ) -> Response:
     arrival = time.monotonic()
     state.check_model(req.model)
-    check_supported(req, state.vocab_size)
+    check_supported(req)
+    state.check_logit_bias(req.logit_bias_ids())
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     state.check_accepting()

@@ -82,7 +82,8 @@ class Echo:
 async def create_completion(req: CompletionRequest, raw: Request, state: WorkerState) -> Response:
     arrival = time.monotonic()
     state.check_model(req.model)
-    check_supported(req, state.vocab_size)
+    check_supported(req)
+    state.check_logit_bias(req.logit_bias_ids())
     state.check_accepting()
     check_queue_room(num_prompts(req), req.n, state.engine.max_queue_len, "prompt")
     prompts = await state.off_loop(prompts_of, req, state)

@@ -94,15 +94,9 @@ def checked(params: SamplingParams) -> SamplingParams:
     return params
 
 
-def check_supported(req: SamplingFields, vocab_size: int) -> None:
+def check_supported(req: SamplingFields) -> None:
     for name in req.unsupported():
         raise bad_request(f"'{name}' is not supported by this worker", name)
-    outside = [t for t in req.logit_bias_ids() if t >= vocab_size]
-    if outside:
-        raise bad_request(
-            f"logit_bias holds token id {outside[0]}, outside the vocabulary [0, {vocab_size})",
-            "logit_bias",
-        )
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

@@ -88,8 +88,7 @@ def internal_routes() -> APIRouter:
         state.check_accepting()
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
         params = checked(body.sampling())
-        if params.logit_bias:
-            state.check_token_ids(sorted(params.logit_bias), "logit_bias")
+        state.check_logit_bias(params.logit_bias)
         gen = Generation(
             state.engine,
             state.metrics,

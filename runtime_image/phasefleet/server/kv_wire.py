@@ -65,6 +65,7 @@ PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
 WIRE_VERSION = 2
 MIN_WIRE_VERSION = 1  # the oldest version this release still answers
+BIAS_WIRE_VERSION = 2  # the version that added the fields changing the first token
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -89,7 +90,7 @@ class PrefillRequest(_Wire):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # version 2
+    # BIAS_WIRE_VERSION
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY)
@@ -115,7 +116,7 @@ class PrefillRequest(_Wire):
     ) -> PrefillRequest:
         first_token_changes = params.repeats_seen or params.min_p > 0 or bool(params.logit_bias)
         return cls(
-            wire_version=2 if first_token_changes else 1,
+            wire_version=BIAS_WIRE_VERSION if first_token_changes else MIN_WIRE_VERSION,
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=params.max_tokens,

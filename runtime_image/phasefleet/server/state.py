@@ -164,6 +164,10 @@ class WorkerState:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
+    def check_logit_bias(self, bias: Mapping[int, float]) -> None:
+        if bias:
+            self.check_token_ids(sorted(bias), "logit_bias")
+
     def check_token_ids(self, ids: list[int], field: str) -> list[int]:
         if not ids:
             raise bad_request(f"{field} must not be empty", field)
