@@ -248,6 +248,43 @@ def test_spec_change_rolls_the_pods(
     assert "Updated" in {e["reason"] for e in events["items"]}
 
 
+def test_an_slo_edit_rolls_the_router_and_no_pool(
+    cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
+) -> None:
+    """slo.ttftMs and slo.tpotMs reach the workers with each request, through the router: an
+    edit of both changes the router's Deployment (its flags) and neither pool's."""
+    spec = {"slo": {"ttftMs": 800, "tpotMs": 50}, "runtime": {"adaptivePhaseBoundary": True}}
+    apply(cluster, namespace, tiny("slo", **spec))
+    wait(lambda: is_ready(cluster, namespace, "slo"), 90, "slo Ready")
+
+    def deployments() -> dict[str, dict[str, Any]]:
+        return {
+            role: get(cluster, "deployment", f"slo-{role}", "-n", namespace)
+            for role in ("prefill", "decode", "router")
+        }
+
+    before = deployments()
+    cluster.kubectl(
+        "patch", "inferenceservice", "slo", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"slo": {"ttftMs": 900, "tpotMs": 60}}}),
+    )  # fmt: skip
+
+    def router_changed() -> bool:
+        isvc = get(cluster, "inferenceservice", "slo", "-n", namespace)
+        router = get(cluster, "deployment", "slo-router", "-n", namespace)
+        generation = router["metadata"]["generation"]
+        observed = isvc["status"].get("observedGeneration") == 2
+        return observed and generation > before["router"]["metadata"]["generation"]
+
+    wait(router_changed, 60, "the router's Deployment changed")
+    after = deployments()
+    for pool in ("prefill", "decode"):
+        assert after[pool]["metadata"]["generation"] == before[pool]["metadata"]["generation"]
+    args = after["router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--late-after-ms") + 1] == "900"
+    assert args[args.index("--tpot-target-ms") + 1] == "60"
+
+
 def test_mode_change_replaces_the_pools(
     cluster: ControlPlane, operator: Operator, namespace: str, wait: Callable[..., Any]
 ) -> None:
