@@ -387,6 +387,8 @@ def test_a_bad_prefill_request_is_a_400_naming_the_field(
     for change, field in (
         ({"temperature": -1.0}, "temperature"),
         ({"prompt_token_ids": [10**9]}, "prompt_token_ids"),
+        ({"wire_version": 2, "logit_bias": {"100000": 1.0}}, "logit_bias"),  # past the vocabulary
+        ({"wire_version": 2, "repetition_penalty": 0}, "repetition_penalty"),
     ):
         answer = httpx.post(
             prefill.base_url + "/internal/prefill",
