@@ -338,6 +338,16 @@ def test_prompt_backlog_is_counted_in_seconds_of_capacity_not_of_demand() -> Non
     assert decision.pools["prefill"].desired == 3  # 0.5 s > 0.25 s: 2 x (1 + 0.25 / 15) -> 3
 
 
+def test_a_backlog_before_any_prefill_asks_for_one_more_replica() -> None:
+    """Prompts wait and the pool has prefilled nothing yet (no throughput to count the backlog
+    in): one more replica, and the reason names the prompt backlog like the others."""
+    stuck = PoolSignals(reporting=2, busy_fraction=1.0, prefill_backlog_tokens=427)
+    sig = signals(0.0, stuck, calm_decode(2), ttft=0.2)
+    decision = decide(disaggregated(), sig, {"prefill": 2, "decode": 2}, PolicyState(), 0.0)
+    assert decision.pools["prefill"].desired == 3
+    assert "prompt backlog 427 tokens, none prefilled yet" in decision.pools["prefill"].reason
+
+
 def test_only_the_backlog_over_its_allowance_is_drained() -> None:
     """A 10 s TTFT target allows 5 s of backlog. 6 s of it on 12 replicas asks for 1 s over
     the allowance to be drained within the 15 s window: 12 x (1 + 1 / 15) -> 13. Draining it

@@ -103,7 +103,8 @@ def backlog_term(pool: PoolSignals, targets: Targets, window_s: float) -> Term |
         # alone is only the demand (a half-idle pool clears its backlog twice as fast)
         rate /= min(1.0, max(pool.busy_fraction, 0.05))
     if not rate:
-        return Term(pool.reporting + 1, 2.0, f"{tokens:.0f} prompt tokens waiting, none prefilled")
+        waiting = f"prompt backlog {tokens:.0f} tokens, none prefilled yet"
+        return Term(pool.reporting + 1, 2.0, waiting)
     backlog_s = tokens / rate
     if backlog_s <= allowed:
         return None  # a short backlog is normal; busy time sizes the pool then
