@@ -42,11 +42,11 @@ class SamplingRow:
     logprob: TokenLogprob | None = None  # set by sample() when params.logprobs is not None
     # Set by the model runner when params.prompt_logprobs is not None: prompt tokens 1.. so far
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # Set by the engine for a row that penalizes repeats: the prompt's tokens (each once, for
-    # repetition_penalty) and the request's output, the list the scheduler appends to.
     adjusts: bool = field(init=False)  # params.adjusts_logits, read at every step
     bias_ids: np.ndarray = field(init=False)  # params.logit_bias as arrays, made once
     bias_values: np.ndarray = field(init=False)
+    # Set by the engine for a row that penalizes repeats: the prompt's tokens (each once, for
+    # repetition_penalty) and the request's output, the list the scheduler appends to.
     prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     output_ids: list[int] = field(default_factory=list)
     # The output's distinct tokens and how often each occurs, kept as tokens arrive: [:n] of

@@ -173,9 +173,14 @@ class SamplingParams:
         return self.repetition_penalty != 1
 
     @property
+    def changes_first_token(self) -> bool:
+        """A setting that applies before any output: a bias, the repetition penalty, min-p."""
+        return bool(self.logit_bias) or self.repeats_seen or self.min_p > 0
+
+    @property
     def adjusts_logits(self) -> bool:
         """Its logits are more than the model's: a bias, a penalty on repeats, or min-p."""
-        return bool(self.logit_bias) or self.penalized or self.repeats_seen or self.min_p > 0
+        return self.changes_first_token or self.penalized
 
 
 def _is_int(value: object) -> bool:

@@ -114,9 +114,8 @@ class PrefillRequest(_Wire):
         skip_tokens: int = 0,
         late_after_s: float | None = None,
     ) -> PrefillRequest:
-        first_token_changes = params.repeats_seen or params.min_p > 0 or bool(params.logit_bias)
         return cls(
-            wire_version=BIAS_WIRE_VERSION if first_token_changes else MIN_WIRE_VERSION,
+            wire_version=BIAS_WIRE_VERSION if params.changes_first_token else MIN_WIRE_VERSION,
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=params.max_tokens,
