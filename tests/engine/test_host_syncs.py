@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phasefleet.engine.llm_engine import LLMEngine
-from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.sampling_params import Grammar, SamplingParams
 from tests.engine.device_tracer import DeviceTracer
 from tests.engine.factories import engine_config, random_prompts
 
@@ -70,6 +70,10 @@ def test_a_decode_step_waits_on_the_device_once(tiny_model: ModelPath, plain_lin
         frequency_penalty=0.5, logit_bias={3: 2.0}, ignore_eos=True,
     )  # fmt: skip
     eng.add_request("penalized", random_prompts([6], seed=4)[0], penalized)
+    ruled = SamplingParams(
+        max_tokens=12, temperature=0.9, seed=5, grammar=Grammar("regex", "[a-z]{30}")
+    )
+    eng.add_request("ruled", random_prompts([8], seed=5)[0], ruled)
     eng.step()  # prefills
     tracer = traced_steps(eng, 4)
     assert tracer.mixes == [] and tracer.uploads == []

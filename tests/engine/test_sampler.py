@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+from typing import Any, cast
+
+import numpy as np
 import torch
 
+from phasefleet.engine.grammar import GrammarMatcher
 from phasefleet.engine.sampler import (
     FAILED,
     DeviceSampling,
@@ -10,7 +14,7 @@ from phasefleet.engine.sampler import (
     seed_halves,
 )
 from phasefleet.engine.sampler import sample as sample_batch
-from phasefleet.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from phasefleet.engine.sampling_params import SEED_MAX, SEED_MIN, Grammar, SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -253,3 +257,47 @@ def test_min_p_drops_tokens_under_its_share_of_the_best() -> None:
     got = _probs(probs.log().repeat(2, 1), DeviceSampling.direct(batch, CPU))
     torch.testing.assert_close(got[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     torch.testing.assert_close(got[1], probs[0])  # min_p off: the distribution as it was
+
+
+class FixedMask:
+    """A grammar matcher (the GrammarMatcher boundary) that allows a fixed set of tokens, or
+    has failed."""
+
+    def __init__(self, allowed: list[int], error: str | None = None) -> None:
+        self.allowed, self.error = allowed, error
+
+    def fill(self, words: np.ndarray) -> None:
+        bits = words.view(np.uint32)
+        for token in self.allowed:
+            bits[token // 32] |= np.uint32(1 << (token % 32))
+
+
+def ruled(allowed: list[int], error: str | None = None, **kw: Any) -> SamplingRow:
+    r = row(grammar=Grammar("regex", "x"), **kw)
+    r.matcher = cast(GrammarMatcher, FixedMask(allowed, error))
+    return r
+
+
+def test_a_grammar_row_samples_only_what_its_mask_allows() -> None:
+    """Tokens in several mask words (bit 31 and a last, partial word included), greedy and
+    drawn; a row without a grammar beside them is unchanged; logprobs stay the raw ones."""
+    vocab = 70
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
+    allowed = [3, 31, 32, 69]
+    best_allowed = allowed[int(logits[0, allowed].argmax())]
+    rows = [ruled(allowed, temperature=0, logprobs=0), row(temperature=0), ruled([40], seed=1)]
+    assert sample(logits.clone(), rows) == [best_allowed, int(logits[1].argmax()), 40]
+    assert rows[0].logprob is not None
+    assert rows[0].logprob.logprob == float(logits[0].log_softmax(-1)[best_allowed])
+    drawn = {
+        sample(logits[:1].clone(), [ruled(allowed, seed=s, temperature=5.0)])[0] for s in range(60)
+    }
+    assert drawn == set(allowed)
+
+
+def test_a_failed_grammar_fails_its_row_alone() -> None:
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(6))
+    rows = [ruled([1, 2], error="lexer fuel exhausted", temperature=0), row(temperature=0)]
+    assert sample(logits.clone(), rows) == [FAILED, int(logits[1].argmax())]
+    assert rows[0].error == "the response's grammar failed: lexer fuel exhausted"
+    assert rows[1].error is None

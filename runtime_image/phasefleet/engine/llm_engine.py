@@ -23,6 +23,7 @@ from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
+from phasefleet.engine.grammar import GrammarCompiler, GrammarMatcher
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
 from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
@@ -33,7 +34,7 @@ from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
 from phasefleet.engine.startup import StartupTimes
-from phasefleet.engine.tokenizer import load_tokenizer
+from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
@@ -58,9 +59,11 @@ class LLMEngine:
         *,
         separate_device: bool | None = None,
         startup: StartupTimes | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`separate_device`: see ModelRunner (tests run the GPU path's host side on the CPU).
-        `startup` gets the time of each loading phase (engine/startup.py)."""
+        `startup` gets the time of each loading phase (engine/startup.py). `grammars`: the
+        compiler of requests' grammars, shared with the server (else the engine makes one)."""
         config.validate()
         self.config = config
         self.startup = startup = startup or StartupTimes()
@@ -112,7 +115,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self.max_model_len,
-            eos_token_ids=self._eos_token_ids(),
+            eos_token_ids=eos_token_ids(self.hf_config, self.tokenizer),
             late_after_s=config.late_after_s,
             late_limit_s=config.late_limit_s,
         )
@@ -126,15 +129,9 @@ class LLMEngine:
         self.imports = KVImports(self.runner, self.kv, self.kv_layout)
         self._live: dict[str, _Live] = {}
         self._aborted: list[RequestOutput] = []
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.hf_config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, list):
-                ids.update(source)
-        return ids
+        self.grammars = grammars or GrammarCompiler(
+            self.tokenizer, int(self.hf_config.vocab_size), self.scheduler.eos_token_ids
+        )
 
     def add_request(
         self,
@@ -211,11 +208,14 @@ class LLMEngine:
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
+        matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
+        if matcher is not None and first_token_id is not None:
+            matcher.accept(first_token_id)
         detok = IncrementalDetokenizer(self._decode, params.stop)
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)
-        row = SamplingRow(params, output_ids=request.output_token_ids)
+        row = SamplingRow(params, output_ids=request.output_token_ids, matcher=matcher)
         if params.repeats_seen:
             row.prompt_ids = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
         if len(request.output_token_ids) < params.min_tokens:
@@ -242,6 +242,8 @@ class LLMEngine:
         if first_token_id is not None:
             self._check_first_token(req, first_token_id)
             live = self._live[request_id]
+            if live.row.matcher is not None:
+                live.row.matcher.accept(first_token_id)
             live.detok.update([first_token_id])
             if len(req.output_token_ids) + 1 >= req.params.min_tokens:
                 live.row.banned = []
@@ -404,6 +406,8 @@ class LLMEngine:
         new = req.output_token_ids[-1:]
         live = self._live[req.request_id]
         detok, row = live.detok, live.row
+        if row.matcher is not None:
+            self._follow_grammar(req, row.matcher)
         detok.update(new)
         if req.is_finished:
             detok.flush()  # the held-back tail may still hold a stop string
@@ -423,6 +427,21 @@ class LLMEngine:
             output.kv_blocks = self._settle_held_kv(req)
             self._forget(req.request_id)
         return output
+
+    def _follow_grammar(self, req: Request, matcher: GrammarMatcher) -> None:
+        """The grammar takes the request's new token (ValueError when it refuses it: the mask
+        failed); a grammar now complete ends the request, 'stop' (also one that stopped on
+        length or was to be handed off: there is nothing left to generate)."""
+        token = req.output_token_ids[-1]
+        if req.is_finished and token in self.scheduler.eos_token_ids:
+            return  # the end of the sequence, which a complete grammar allows
+        matcher.accept(token)
+        if not matcher.done:
+            return
+        if not req.is_finished:
+            self.scheduler.finish_request(req.request_id, "stop")
+        elif req.finish_reason in ("length", "handoff"):
+            req.finish_reason = "stop"
 
     def _settle_held_kv(self, req: Request) -> list[int] | None:
         """A finished prefill-only request: lease its prompt's blocks for the hand-off (and

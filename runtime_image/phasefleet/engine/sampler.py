@@ -1,7 +1,7 @@
 """Sampler: picks one token per request from its logits (greedy, temperature, top-k, top-p,
 min-p), after its logit bias and its penalties on repeats (repetition, presence, frequency),
-with the tokens a row bans masked out, and the logprobs of the rows that ask for them (of the
-model's logits, before any of that).
+with the tokens a row bans and those its grammar does not allow masked out, and the logprobs
+of the rows that ask for them (of the model's logits, before any of that).
 
 Every row is sampled by the same few batched ops, with no loop over rows: the draw is an
 exponential race, token = argmax(p / E) with E ~ Exp(1) per token, which picks token i with
@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from phasefleet.engine.grammar import GrammarMatcher, fill_masks, mask_words
 from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.outputs import TokenLogprob
 from phasefleet.engine.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class SamplingRow:
     # repetition_penalty) and the request's output, the list the scheduler appends to.
     prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     output_ids: list[int] = field(default_factory=list)
+    matcher: GrammarMatcher | None = None  # set by the engine when params.grammar is set
     # The output's distinct tokens and how often each occurs, kept as tokens arrive: [:n] of
     # two arrays that double when full (n = len(_slot)), so a step reads views, not a count.
     _slot: dict[int, int] = field(default_factory=dict)  # output token -> its index
@@ -129,7 +131,7 @@ class SamplingBatch:
             position=np.array(positions, dtype=np.int64),
             banned_rows=np.array([i for i, _ in banned], dtype=np.int64),
             banned_ids=np.array([t for _, t in banned], dtype=np.int64),
-            adjustments=Adjustments.of(rows) if any(r.adjusts for r in rows) else None,
+            adjustments=Adjustments.of(rows, vocab) if any(r.adjusts for r in rows) else None,
             all_greedy=all(greedy),
             any_seeded=any(
                 p.seed is not None and not g for p, g in zip(params, greedy, strict=True)
@@ -166,9 +168,12 @@ class Adjustments(Generic[A]):
     count_rows: A  # [M] int64: (row, token, count) of the penalized rows' outputs
     count_ids: A  # [M] int64
     count_values: A  # [M] float32
+    grammar_rows: A  # [G] int64: the rows with a grammar
+    grammar_words: A  # [G * W] int32: their allowed tokens, W = mask_words(V) words per row
 
     @classmethod
-    def of(cls, rows: list[SamplingRow]) -> Adjustments[np.ndarray]:
+    def of(cls, rows: list[SamplingRow], vocab: int) -> Adjustments[np.ndarray]:
+        """A row whose grammar has failed gets its `error` set (and allows nothing)."""
         params = [r.params for r in rows]
         biased = [(i, r) for i, r in enumerate(rows) if r.bias_ids.size]
         bias_rows, bias_ids = _pairs([(i, r.bias_ids) for i, r in biased])
@@ -188,10 +193,25 @@ class Adjustments(Generic[A]):
             count_rows=count_rows,
             count_ids=count_ids,
             count_values=_concat([n for _, (_, n) in counted], np.float32),
+            **_grammar_masks(rows, vocab),
         )
 
     def arrays(self) -> list[A]:
         return [getattr(self, f.name) for f in fields(self)]
+
+
+def _grammar_masks(rows: list[SamplingRow], vocab: int) -> dict[str, np.ndarray]:
+    """The grammar rows' indices and their bitmasks of the tokens allowed next."""
+    ruled = [(i, r, r.matcher) for i, r in enumerate(rows) if r.matcher is not None]
+    words = np.zeros((len(ruled), mask_words(vocab)), dtype=np.int32)
+    fill_masks([matcher for _, _, matcher in ruled], words)
+    for _, row, matcher in ruled:
+        if matcher.error is not None:
+            row.error = f"the response's grammar failed: {matcher.error}"
+    return {
+        "grammar_rows": np.array([i for i, _, _ in ruled], dtype=np.int64),
+        "grammar_words": words.reshape(-1),
+    }
 
 
 def _pairs(rows: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -238,13 +258,14 @@ class DeviceSampling:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> list[int]:
     """logits: [B, V] (any float dtype); one row per request. Returns B token ids (FAILED for a
-    row whose `error` this call set). One device-to-host copy, plus one for logprobs when a
-    row asks for them."""
+    row that could not be sampled: its `error` says why). One device-to-host copy, plus one
+    for logprobs when a row asks for them."""
     logits = logits.float()
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[asking] if asking else None  # [a, V], a copy taken before any mask
     if s.adjustments is not None:
         logits = _biased_and_penalized(logits, s.adjustments)
+        logits = _grammar_masked(logits, s.adjustments)
     if len(s.batch.banned_rows):
         logits[s.banned_rows, s.banned_ids] = float("-inf")
     tokens = logits.argmax(dim=-1)  # [B]
@@ -258,8 +279,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
         tokens = torch.where(s.sampled, drawn, tokens)
     result = tokens.masked_fill(~ok, FAILED).tolist()  # the step's one wait on the device
     for i, token in enumerate(result):
-        if token == FAILED:
-            rows[i].error = "sampling failed: the logits or probabilities are not finite"
+        if rows[i].error is not None:  # its grammar failed before the draw
+            result[i] = FAILED
+        elif token == FAILED:
+            why = "the logits or probabilities are not finite"
+            if rows[i].matcher is not None:
+                why += " (or min_tokens holds back every token the grammar allows)"
+            rows[i].error = f"sampling failed: {why}"
     if raw is not None:
         chosen = [result[i] for i in asking]
         counts = [rows[i].params.logprobs or 0 for i in asking]
@@ -288,6 +314,19 @@ def _biased_and_penalized(logits: torch.Tensor, a: Adjustments[torch.Tensor]) ->
         logits = logits - counts * a.frequency.unsqueeze(1)
         logits = logits - (counts > 0).float() * a.presence.unsqueeze(1)
     return logits
+
+
+def _grammar_masked(logits: torch.Tensor, a: Adjustments[torch.Tensor]) -> torch.Tensor:
+    """logits [B, V] with -inf where a row's grammar does not allow the token."""
+    g = a.grammar_rows.numel()
+    if not g:
+        return logits
+    vocab = logits.shape[-1]
+    words = a.grammar_words.view(g, -1)  # [G, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
+    ruled = logits[a.grammar_rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((a.grammar_rows,), ruled)
 
 
 def _probs(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:

@@ -8,6 +8,7 @@ of range is a 400 naming the field before it reaches the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 MAX_TEMPERATURE = 100.0
 """Highest temperature; far past OpenAI's 2, and sampling is near uniform long before it."""
@@ -37,6 +38,22 @@ MAX_LOGIT_BIAS = 100.0
 """A logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's."""
 MAX_LOGIT_BIAS_TOKENS = 300
 """Tokens one request may bias: each is a (row, token) entry of every step's upload."""
+GrammarKind = Literal["json", "regex", "choice"]
+GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
+MAX_GRAMMAR_CHARS = 100_000
+"""The longest grammar text (a JSON schema, a regex, the choices as JSON) a request may send."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match (structured output; engine/grammar.py compiles it)."""
+
+    kind: GrammarKind
+    """One of GRAMMAR_KINDS: 'json' (a JSON value that a JSON schema accepts), 'regex', or
+    'choice' (exactly one of a list of strings)."""
+    spec: str
+    """json: the JSON schema as JSON text ('{"type": "object"}' for any object); regex: the
+    pattern; choice: the allowed strings as a JSON list. At most MAX_GRAMMAR_CHARS characters."""
 
 
 @dataclass
@@ -84,6 +101,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> a number added to its logit before sampling, in [-MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS]; at most MAX_LOGIT_BIAS_TOKENS tokens."""
+    grammar: Grammar | None = None
+    """The output must match it (tokens it does not allow are masked); the request stops when the
+    grammar is complete. None: any output."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
@@ -157,6 +177,17 @@ class SamplingParams:
                 f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} non-negative token ids to"
                 f" numbers in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {_short(bias)}"
             )
+        grammar = self.grammar
+        if grammar is not None and not (
+            isinstance(grammar, Grammar)
+            and grammar.kind in GRAMMAR_KINDS
+            and isinstance(grammar.spec, str)
+            and 0 < len(grammar.spec) <= MAX_GRAMMAR_CHARS
+        ):
+            raise ValueError(
+                f"grammar must be None or a Grammar of kind {' / '.join(GRAMMAR_KINDS)} with a "
+                f"spec of 1 to {MAX_GRAMMAR_CHARS} characters, got {_short(grammar)}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -174,12 +205,16 @@ class SamplingParams:
 
     @property
     def changes_first_token(self) -> bool:
-        """A setting that applies before any output: a bias, the repetition penalty, min-p."""
-        return bool(self.logit_bias) or self.repeats_seen or self.min_p > 0
+        """A setting that applies before any output: a bias, the repetition penalty, min-p, a
+        grammar."""
+        return (
+            bool(self.logit_bias) or self.repeats_seen or self.min_p > 0 or self.grammar is not None
+        )
 
     @property
     def adjusts_logits(self) -> bool:
-        """Its logits are more than the model's: a bias, a penalty on repeats, or min-p."""
+        """Its logits are more than the model's: a bias, a penalty on repeats, min-p, or a
+        grammar."""
         return self.changes_first_token or self.penalized
 
 

@@ -45,3 +45,15 @@ def load_tokenizer(folder: str | Path) -> Any:
 
         return AutoTokenizer.from_pretrained(folder)
     return cls.from_pretrained(folder)
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a sequence: the model config's eos_token_id (one or a list) and the
+    tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    return ids

@@ -1,0 +1,168 @@
+"""Structured output: a request's `Grammar` (a JSON schema, a regex, a choice of strings) as a
+matcher that says, before each token, which tokens may come next.
+
+llguidance does the work (imported on first use). `GrammarCompiler` holds the tokenizer in
+llguidance's form, built once on first use (about a second for a 50k vocabulary) and shared by
+every thread that compiles; it compiles each grammar once (a small cache of fresh matchers) and
+hands out copies. `GrammarMatcher` is one request's place in its grammar: it writes the tokens
+allowed next as a bitmask row and takes each token the request keeps. JSON is generated without
+whitespace between tokens of the grammar (`{"a":1}`), so a model cannot wander in whitespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+
+from phasefleet.engine.sampling_params import Grammar
+
+CACHED_GRAMMARS = 64  # compiled grammars kept (fresh matchers to copy), most recently used
+PARALLEL_MASKS = 4  # from this many grammar rows in a step, their masks are computed in parallel
+PARALLEL_MIN_CPUS = 4  # ... on a host with at least this many CPUs (2: no gain, bench/RESULTS.md)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one bitmask row: bit t % 32 of word t // 32 is token t."""
+    return (vocab_size + 31) // 32
+
+
+def grammar_text(grammar: Grammar) -> str:
+    """The grammar in llguidance's form; ValueError (naming what is wrong) when it is not
+    well-formed."""
+    from llguidance import LLMatcher
+
+    if grammar.kind == "json":
+        try:
+            schema = json.loads(grammar.spec)
+        except ValueError as exc:
+            raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict | bool):
+            raise ValueError("the JSON schema must be an object or a boolean")
+        # no whitespace between the JSON's tokens: a model cannot wander in whitespace
+        return LLMatcher.grammar_from_json_schema(
+            grammar.spec, defaults={"whitespace_flexible": False}
+        )
+    if grammar.kind == "regex":
+        return LLMatcher.grammar_from_regex(grammar.spec)
+    if grammar.kind == "choice":
+        choices = json.loads(grammar.spec)
+        if not (
+            isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)
+        ):
+            raise ValueError("the choices must be a non-empty list of non-empty strings")
+        # a Lark string literal takes JSON's escapes
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    raise ValueError(f"unknown grammar kind {grammar.kind!r}")
+
+
+def fill_masks(
+    matchers: list[GrammarMatcher], words: np.ndarray, parallel: bool | None = None
+) -> None:
+    """Writes matcher k's allowed tokens into words[k] (words: [G, mask_words(V)] int32,
+    C-contiguous), on llguidance's threads (the GIL released) when `parallel`; None: from
+    PARALLEL_MASKS matchers on a host of PARALLEL_MIN_CPUS. A failed grammar allows nothing: see
+    `GrammarMatcher.error`."""
+    if parallel is None:
+        parallel = len(matchers) >= PARALLEL_MASKS and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS
+    if not parallel:
+        for k, matcher in enumerate(matchers):
+            matcher.fill(words[k])
+        return
+    if not words.flags.c_contiguous or words.dtype != np.int32:
+        raise ValueError("the masks must be one C-contiguous int32 array")
+    targets = [(matcher._inner, k) for k, matcher in enumerate(matchers)]
+    _executor().unsafe_compute_mask_ptr(targets, words.ctypes.data, words.shape[1] * 4, len(words))
+
+
+@functools.cache
+def _executor() -> Any:
+    from llguidance import LLExecutor
+
+    return LLExecutor()  # threads: 80% of the CPUs, at most 32
+
+
+class GrammarMatcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner  # an llguidance LLMatcher
+
+    def fill(self, words: np.ndarray) -> None:
+        """Writes the tokens allowed next into `words` ([mask_words(V)] int32, contiguous)."""
+        self._inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed (it then allows nothing), or None."""
+        return str(self._inner.get_error()) if self._inner.is_error() else None
+
+    def accept(self, token: int) -> None:
+        """Moves past `token`; ValueError, the matcher unchanged, when the grammar does not allow
+        it there."""
+        if self._inner.validate_tokens([token]) != 1:
+            raise ValueError(f"token {token} does not follow the response's grammar")
+        self._inner.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (but the end of the sequence)."""
+        return bool(self._inner.is_stopped()) and not self._inner.is_error()
+
+    def copy(self) -> GrammarMatcher:
+        return GrammarMatcher(self._inner.deep_copy())
+
+
+class GrammarCompiler:
+    """Matchers for one tokenizer; thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        """`tokenizer`: a Hugging Face fast tokenizer; `vocab_size`: the model's (the logits'
+        width); `eos_token_ids`: the tokens that end a sequence, allowed once it is complete."""
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[Grammar, GrammarMatcher] = OrderedDict()
+
+    def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        """A matcher at the grammar's start; ValueError naming what is wrong with the grammar."""
+        with self._lock:
+            fresh = self._cache.get(grammar)
+            if fresh is not None:
+                self._cache.move_to_end(grammar)
+                return fresh.copy()
+        fresh = self._compile(grammar)  # outside the lock: a large grammar takes a while
+        with self._lock:
+            self._cache[grammar] = fresh
+            if len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return fresh.copy()
+
+    def _compile(self, grammar: Grammar) -> GrammarMatcher:
+        from llguidance import LLMatcher
+
+        inner = LLMatcher(self._llguidance_tokenizer(), grammar_text(grammar), log_level=0)
+        if inner.is_error():
+            raise ValueError(inner.get_error())
+        return GrammarMatcher(inner)
+
+    def _llguidance_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                if not getattr(self._tokenizer, "is_fast", False):
+                    raise ValueError("structured output needs a model with a fast tokenizer")
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._ll_tokenizer
