@@ -11,8 +11,10 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,6 +58,72 @@ def reference(smollm2: Path) -> dict[str, Answer]:
         text = tokenizer.decode(out, skip_special_tokens=True)
         answers[question] = Answer(text, len(out))
     return answers
+
+
+CAPITAL_JSON = "What is the capital of France? Answer in JSON with the city and its country."
+PLACE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def structured_reference(smollm2: Path) -> Answer:
+    """transformers' greedy answer to CAPITAL_JSON with every token PLACE_SCHEMA does not allow
+    at -inf (llguidance's matcher driven directly, as a logits processor), up to the schema's
+    end."""
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LogitsProcessor,
+        LogitsProcessorList,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        PLACE_SCHEMA, defaults={"whitespace_flexible": False}
+    )
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CAPITAL_JSON}], add_generation_prompt=True
+    )
+
+    class SchemaMask(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            words = np.zeros((vocab + 31) // 32, dtype=np.int32)
+            matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            bits = ((words[:, None] >> np.arange(32)) & 1).reshape(-1)[:vocab].astype(bool)
+            return scores.masked_fill(~torch.from_numpy(bits), float("-inf"))
+
+    class SchemaDone(StoppingCriteria):
+        """The matcher takes each token generated; the answer ends with the schema."""
+
+        def __call__(self, input_ids: Any, scores: Any, **_: Any) -> Any:
+            assert matcher.consume_token(int(input_ids[0, -1]))
+            return torch.tensor([matcher.is_stopped()])
+
+    prompt = torch.tensor([ids])
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=False,
+        logits_processor=LogitsProcessorList([SchemaMask()]),
+        stopping_criteria=StoppingCriteriaList([SchemaDone()]),
+    )[0, len(ids) :].tolist()  # fmt: skip
+    assert matcher.is_stopped()
+    return Answer(tokenizer.decode(out), len(out))
 
 
 def ask(client: openai.OpenAI, question: str, stream: bool) -> Answer:
@@ -116,6 +184,31 @@ def test_disaggregated_answers_equal_transformers_through_the_hand_off(
     assert counter(decode, "phasefleet_prefills_total", where="remote") == remote + len(QUESTIONS)
     assert counter(decode, "phasefleet_prefills_total", where="local") == 0
     assert counter(decode, "phasefleet_kv_transfer_failures_total") == 0
+
+
+def test_a_json_schema_answer_through_the_hand_off_equals_transformers_under_the_schema(
+    disaggregated: tuple[str, Path], structured_reference: Answer
+) -> None:
+    """Structured output on trained weights: the prefill worker samples the first token under
+    the schema, the decode worker the rest; the answer is transformers' under the same mask,
+    obeys the schema, and is right."""
+    url, run_dir = disaggregated
+    decode = json.loads((run_dir / "workers.json").read_text())["decode"][0]
+    remote = counter(decode, "phasefleet_prefills_total", where="remote")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": CAPITAL_JSON}], max_tokens=60,
+        temperature=0, response_format={
+            "type": "json_schema", "json_schema": {"name": "place", "schema": PLACE_SCHEMA},
+        },
+    )  # fmt: skip
+    text = reply.choices[0].message.content or ""
+    assert reply.usage is not None and reply.choices[0].finish_reason == "stop"
+    assert Answer(text, reply.usage.completion_tokens) == structured_reference
+    place = json.loads(text)
+    jsonschema.validate(place, PLACE_SCHEMA)
+    assert place["city"] == "Paris"
+    assert counter(decode, "phasefleet_prefills_total", where="remote") == remote + 1
 
 
 def test_aggregated_from_the_gguf_file_equals_transformers(

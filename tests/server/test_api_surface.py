@@ -6,11 +6,14 @@ min_tokens, /tokenize, /detokenize, /version, a stable /v1/models, and 400s for 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -262,7 +265,40 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+        "response_format",
+    ),  # no schema
+    (
+        "chat",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "bogus"}},
+            }
+        },
+        "response_format",
+    ),
+    ("completions", {"extra_body": {"guided_regex": "[0-9"}}, "guided_regex"),
+    ("completions", {"extra_body": {"guided_choice": []}}, "guided_choice"),
+    ("completions", {"extra_body": {"guided_json": "{not json"}}, "guided_json"),
+    (
+        "chat",
+        {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+        "guided_regex",
+    ),  # two ways at once
+    (
+        "completions",
+        {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}},
+        "structured_outputs",
+    ),
+    (
+        "completions",
+        {"extra_body": {"structured_outputs": {"grammar": 'root ::= "a"'}}},
+        "structured_outputs.grammar",
+    ),
     ("chat", {"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
 ]
 
@@ -301,3 +337,53 @@ def test_logit_bias_and_the_penalties_are_served(client: openai.OpenAI) -> None:
         model="tiny", messages=MESSAGES, max_tokens=4, logit_bias={"42": 100}, presence_penalty=1.0
     )
     assert chat.choices[0].finish_reason == "length"
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_is_served(client: openai.OpenAI) -> None:
+    """OpenAI's response_format (json_schema, json_object; chat and completions, streamed and
+    not) and vLLM's structured_outputs and guided_* fields constrain what a random model says
+    (tests/engine/test_grammar.py checks the masks against transformers)."""
+    schema_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": STRUCTURED_SCHEMA, "strict": True},
+    }
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=40, temperature=0, response_format=schema_format
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content or ""), STRUCTURED_SCHEMA)
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+        extra_body={"response_format": schema_format},
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), STRUCTURED_SCHEMA)
+    regex = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=3,
+        extra_body={"structured_outputs": {"regex": "[0-9]{2}-[xyz]{3}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{2}-[xyz]{3}", regex.choices[0].text)
+    colors = ["red", "green", "blue"]
+    picked = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=10, temperature=1.0, seed=5, n=4,
+        extra_body={"guided_choice": colors},
+    )  # fmt: skip
+    assert all(c.message.content in colors and c.finish_reason == "stop" for c in picked.choices)
+    anything = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=200, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+    plain = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+        response_format={"type": "text"}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert plain.choices[0].finish_reason == "length"

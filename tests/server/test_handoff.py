@@ -5,6 +5,8 @@ whatever fails on the way, it answers the request itself, token for token the sa
 from __future__ import annotations
 
 import http.server
+import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +140,43 @@ def test_bias_penalties_and_min_p_cross_the_hand_off(
     assert answers[0] == answers[1]
     assert answers[0][0] == [42] * 8
     assert answers[0][1] != answers[0][0]  # the penalty pushes 42 back
+    assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 3
+
+
+def test_structured_output_crosses_the_hand_off(workers: tuple[Worker, Worker, Worker]) -> None:
+    """The prefill worker samples the first token under the request's grammar (wire version 3),
+    the decode worker the rest from that token on: the same answers as one worker, each obeying
+    its grammar."""
+    prefill, decode, reference = workers
+    remote_before = decode.counter("phasefleet_prefills_total", where="remote")
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    settings: list[dict[str, Any]] = [
+        {"temperature": 0, "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "a", "schema": schema}}},
+        {"temperature": 0.9, "seed": 4, "guided_choice": ["sun", "moon", "tide"]},
+        {"temperature": 0.9, "seed": 5, "guided_regex": "[0-9]{4}"},
+    ]  # fmt: skip
+
+    def text(client: openai.OpenAI, setting: dict[str, Any]) -> str:
+        fields = {k: v for k, v in setting.items() if k in ("temperature", "seed")}
+        extra = {k: v for k, v in setting.items() if k not in fields}
+        out = client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=40, extra_body=extra, **fields
+        )
+        assert out.choices[0].finish_reason == "stop"
+        return out.choices[0].text
+
+    clients = (handoff_client(decode, prefill.base_url), reference.client())
+    answers = [[text(client, setting) for setting in settings] for client in clients]
+    assert answers[0] == answers[1]
+    document, choice, digits = answers[0]
+    assert set(json.loads(document)) == {"word", "n"}
+    assert choice in ("sun", "moon", "tide") and re.fullmatch("[0-9]{4}", digits)
     assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 3
 
 
@@ -389,6 +428,7 @@ def test_a_bad_prefill_request_is_a_400_naming_the_field(
         ({"prompt_token_ids": [10**9]}, "prompt_token_ids"),
         ({"wire_version": 2, "logit_bias": {"100000": 1.0}}, "logit_bias"),  # past the vocabulary
         ({"wire_version": 2, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"wire_version": 3, "grammar": {"kind": "regex", "spec": "[0-9"}}, "grammar"),
     ):
         answer = httpx.post(
             prefill.base_url + "/internal/prefill",

@@ -31,6 +31,7 @@ from phasefleet.server.openai_protocol import (
 )
 from phasefleet.server.responses import collect_or_abort, sse_response
 from phasefleet.server.state import WorkerState
+from phasefleet.server.structured import checked_grammar
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
@@ -70,12 +71,13 @@ async def create_chat_completion(
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     state.check_accepting()
     check_queue_room(1, req.n, state.engine.max_queue_len, "messages")
+    grammar = await checked_grammar(req, state)
     prompt = await state.off_loop(render, req, state)
     budget = output_budget(
         len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [sampling_params(req, budget, sample, logprobs) for sample in range(req.n)]
+    params = [sampling_params(req, budget, i, logprobs, grammar=grammar) for i in range(req.n)]
     gen = Generation(
         state.engine,
         state.metrics,

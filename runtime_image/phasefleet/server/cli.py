@@ -334,8 +334,9 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     import uvicorn
     from transformers import AutoConfig
 
+    from phasefleet.engine.grammar import GrammarCompiler
     from phasefleet.engine.llm_engine import LLMEngine
-    from phasefleet.engine.tokenizer import load_tokenizer
+    from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
     from phasefleet.server.app import build_app
     from phasefleet.server.async_engine import AsyncEngine
     from phasefleet.server.drain import DrainingServer
@@ -356,16 +357,21 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         logger.warning(
             "no $%s: /internal/* is refused and no prompt is prefilled remotely", INTERNAL_TOKEN_ENV
         )
+    tokenizer = load_tokenizer(args.model)
+    hf_config = AutoConfig.from_pretrained(args.model)
+    vocab_size = int(hf_config.vocab_size)
+    grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids(hf_config, tokenizer))
     engine = AsyncEngine(
-        lambda: LLMEngine(config, startup=startup),
+        lambda: LLMEngine(config, startup=startup, grammars=grammars),
         args.max_queue_len,
         on_fatal,
         stall_timeout=args.stall_timeout,
     )
     state = WorkerState(
         engine=engine,
-        tokenizer=load_tokenizer(args.model),
-        vocab_size=int(AutoConfig.from_pretrained(args.model).vocab_size),
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        grammars=grammars,
         served_model_name=served_name,
         role=args.role,
         metrics=WorkerMetrics(served_name, args.role, engine.stats, startup.seconds),

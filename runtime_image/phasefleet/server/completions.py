@@ -28,6 +28,7 @@ from phasefleet.server.openai_protocol import (
 )
 from phasefleet.server.responses import collect_or_abort, sse_response
 from phasefleet.server.state import WorkerState
+from phasefleet.server.structured import checked_grammar
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
@@ -86,6 +87,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     state.check_logit_bias(req.logit_bias_ids())
     state.check_accepting()
     check_queue_room(num_prompts(req), req.n, state.engine.max_queue_len, "prompt")
+    grammar = await checked_grammar(req, state)
     prompts = await state.off_loop(prompts_of, req, state)
     texts = await state.off_loop(echo_texts, req, prompts, state) if req.echo else []
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
@@ -96,7 +98,9 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
         budget = output_budget(len(prompt), requested, DEFAULT_MAX_TOKENS, max_len, "prompt")
         for sample in range(req.n):
             choice_prompts.append(prompt)
-            params.append(sampling_params(req, budget, sample, req.logprobs, prompt_logprobs))
+            params.append(
+                sampling_params(req, budget, sample, req.logprobs, prompt_logprobs, grammar)
+            )
             echoes.append(Echo(texts[p], prompt) if req.echo else None)
     gen = Generation(
         state.engine,

@@ -46,7 +46,7 @@ from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
 
 if TYPE_CHECKING:
-    from phasefleet.engine.sampling_params import SamplingParams
+    from phasefleet.engine.sampling_params import Grammar, SamplingParams
 
 __all__ = ["EngineOptions", "Generation"]
 
@@ -57,9 +57,11 @@ def sampling_params(
     choice: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for choice `choice`; a choice's seed is `seed + choice`.
-    `logprobs`, `prompt_logprobs`: alternatives per token, None for no logprobs."""
+    `logprobs`, `prompt_logprobs`: alternatives per token, None for no logprobs. `grammar`: the
+    request's structured output (server/structured.py)."""
     from phasefleet.engine.sampling_params import SamplingParams
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -80,6 +82,7 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0,
         logit_bias=req.logit_bias_ids(),
+        grammar=grammar,
     )
     return checked(params)
 

@@ -89,6 +89,8 @@ def internal_routes() -> APIRouter:
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
         params = checked(body.sampling())
         state.check_logit_bias(params.logit_bias)
+        if params.grammar is not None:
+            await state.check_grammar(params.grammar, "grammar")
         gen = Generation(
             state.engine,
             state.metrics,

@@ -35,9 +35,10 @@ and a prefill worker of different releases talk. Two rules keep that working:
 
 Versions: 1, the first; 2 adds the sampling fields that change the first token
 (`repetition_penalty`, `min_p`, `logit_bias`), which a prefill worker of version 1 would
-ignore. A request that sets none of them goes as version 1; the penalties on the output
-(`presence_penalty`, `frequency_penalty`) travel as hints in either, as they change nothing
-before the second token.
+ignore; 3 adds `grammar` (structured output), which a prefill worker of version 2 would ignore.
+A request goes as the lowest version that carries what it sets (`lowest_version`); the
+penalties on the output (`presence_penalty`, `frequency_penalty`) travel as hints in any, as
+they change nothing before the second token.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.sampling_params import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -58,14 +60,17 @@ from phasefleet.engine.sampling_params import (
     MAX_REPETITION_PENALTY,
     SEED_MAX,
     SEED_MIN,
+    Grammar,
+    GrammarKind,
     SamplingParams,
 )
 
 PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MIN_WIRE_VERSION = 1  # the oldest version this release still answers
-BIAS_WIRE_VERSION = 2  # the version that added the fields changing the first token
+BIAS_WIRE_VERSION = 2  # the version that added the bias, repetition penalty and min-p
+GRAMMAR_WIRE_VERSION = 3  # the version that added the grammar
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -73,6 +78,21 @@ MAX_HEADER_BYTES = 1 << 20
 class _Wire(BaseModel):
     # a peer of a later release may send fields this one does not know (the module's rules)
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+def lowest_version(params: SamplingParams) -> int:
+    """The lowest wire version that carries every setting of `params` that changes the first
+    token."""
+    if params.grammar is not None:
+        return GRAMMAR_WIRE_VERSION
+    if params.changes_first_token:
+        return BIAS_WIRE_VERSION
+    return MIN_WIRE_VERSION
+
+
+class GrammarWire(_Wire):
+    kind: GrammarKind
+    spec: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
 
 class PrefillRequest(_Wire):
@@ -98,6 +118,8 @@ class PrefillRequest(_Wire):
     logit_bias: dict[
         Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
     ] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
+    # GRAMMAR_WIRE_VERSION
+    grammar: GrammarWire | None = None
     # prompt tokens the decode worker's prefix cache holds: the sender skips its whole blocks
     # below this (in its own block size)
     skip_tokens: int = Field(default=0, ge=0)
@@ -115,7 +137,7 @@ class PrefillRequest(_Wire):
         late_after_s: float | None = None,
     ) -> PrefillRequest:
         return cls(
-            wire_version=BIAS_WIRE_VERSION if params.changes_first_token else MIN_WIRE_VERSION,
+            wire_version=lowest_version(params),
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=params.max_tokens,
@@ -132,6 +154,7 @@ class PrefillRequest(_Wire):
             repetition_penalty=params.repetition_penalty,
             min_p=params.min_p,
             logit_bias=dict(params.logit_bias),
+            grammar=None if params.grammar is None else GrammarWire(**asdict(params.grammar)),
             skip_tokens=skip_tokens,
             late_after_s=late_after_s,
         )
@@ -152,6 +175,7 @@ class PrefillRequest(_Wire):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             logit_bias=dict(self.logit_bias),
+            grammar=None if self.grammar is None else Grammar(self.grammar.kind, self.grammar.spec),
         )
 
 

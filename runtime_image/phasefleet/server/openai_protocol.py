@@ -46,6 +46,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: free text, any JSON object, or JSON that a schema accepts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regex or a choice."""
+
+    model_config = ConfigDict(extra="allow")
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # a context-free grammar: not supported
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -78,10 +108,19 @@ class SamplingFields(BaseModel):
         | None
     ) = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     user: str | None = None
+    # structured output (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
-        return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+        bad = ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+        if self.structured_outputs is not None and self.structured_outputs.grammar is not None:
+            bad.append("structured_outputs.grammar")
+        return bad
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
@@ -122,12 +161,6 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -135,15 +168,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
         if self.tools:
             bad.append("tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append("response_format")
         return bad
 
     def requested_max_tokens(self) -> int | None:

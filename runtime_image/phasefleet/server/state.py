@@ -20,6 +20,8 @@ from phasefleet.api.contract import (
     PREFILL_URL_HEADER,
     TPOT_TARGET_HEADER,
 )
+from phasefleet.engine.grammar import GrammarCompiler
+from phasefleet.engine.sampling_params import Grammar
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
 from phasefleet.server.handoff import HandoffClient, RemotePrefill
@@ -64,6 +66,8 @@ class WorkerState:
     # Tokenizing and chat templating run here, one at a time (a Hugging Face tokenizer is not
     # safe to share between threads), so a long prompt never blocks the event loop and /health.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=_tokenizer_thread)
+    # Structured output's grammars, shared with the engine; None: made on first use
+    grammars: GrammarCompiler | None = None
 
     @functools.cached_property
     def decode(self) -> Callable[[list[int]], str]:
@@ -163,6 +167,21 @@ class WorkerState:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    async def check_grammar(self, grammar: Grammar, field: str) -> None:
+        """A 400 naming `field` when the grammar cannot be compiled; compiled on the tokenizer
+        thread, once (the engine copies it from the shared compiler)."""
+
+        def compile_grammar() -> None:
+            if self.grammars is None:
+                eos = {self.tokenizer.eos_token_id} - {None}
+                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+            try:
+                self.grammars.matcher(grammar)
+            except ValueError as exc:
+                raise bad_request(f"{field} cannot be used: {exc}", field) from None
+
+        await self.off_loop(compile_grammar)
 
     def check_logit_bias(self, bias: Mapping[int, float]) -> None:
         if bias:
