@@ -1,0 +1,147 @@
+"""Host time of structured output: what a grammar costs a step on the host (each grammar row's
+mask of allowed tokens, written by llguidance, and its share of the step's one upload), for B
+decode rows on a real tokenizer (SmolLM2's, 49,152 tokens), beside a plain batch in the same
+process; the masks alone computed one by one beside in parallel (llguidance's threads, what the
+sampler does from PARALLEL_MASKS rows on a host of PARALLEL_MIN_CPUS); and what compiling costs
+once (the tokenizer's
+index, a grammar, a copy of a compiled one).
+
+Every row follows a JSON schema of the kind extraction asks for (strings, an enum, numbers, an
+array); between steps each row takes a random token its mask allows, so the rows walk through
+the grammar as an answer would (a row whose grammar completes starts again). Wall time (the
+parallel masks run on other threads), median and worst of --repeats steps.
+
+    .venv/bin/python bench/grammar_host.py                 # B = 1, 16, 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from phasefleet.engine.grammar import GrammarCompiler, fill_masks, mask_words
+from phasefleet.engine.sampler import SamplingBatch, SamplingRow
+from phasefleet.engine.sampling_params import Grammar, SamplingParams
+from phasefleet.engine.staging import HostStaging
+from phasefleet.engine.tokenizer import load_tokenizer
+from phasefleet.server.named_models import named_model_folder
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "kind": {"enum": ["person", "place", "thing"]},
+        "year": {"type": "integer", "minimum": 0, "maximum": 3000},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["name", "kind", "year", "score", "tags"],
+    "additionalProperties": False,
+}
+
+
+def allowed_tokens(words: np.ndarray, vocab: int) -> np.ndarray:
+    bits = (words[:, None] >> np.arange(32)) & 1
+    return np.flatnonzero(bits.reshape(-1)[:vocab])
+
+
+def take(made: list[SamplingRow], tokens: list[int], compiler: GrammarCompiler) -> None:
+    """Row k takes tokens[k] (a completed grammar starts again)."""
+    for row, token in zip(made, tokens, strict=True):
+        assert row.matcher is not None and row.params.grammar is not None
+        row.matcher.accept(token)
+        if row.matcher.done:
+            row.matcher = compiler.matcher(row.params.grammar)
+
+
+def timings(
+    made: list[SamplingRow],
+    twins: list[list[SamplingRow]],
+    compilers: list[GrammarCompiler],
+    staging: HostStaging,
+    repeats: int,
+) -> dict[str, list[float]]:
+    """Seconds per step of the sampling settings on the host ('step': from_rows and the upload,
+    as the sampler runs them); for grammar rows also two twin sets' masks alone, computed one by
+    one and on llguidance's threads. Each set follows the same grammars with a compiler of its
+    own (no cache shared) and takes the same tokens, so every mask is computed afresh."""
+    vocab, rng = compilers[0].vocab_size, random.Random(0)
+    out: dict[str, list[float]] = {"step": [], "one_by_one": [], "parallel": []}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        batch = SamplingBatch.from_rows(made, [100] * len(made), vocab)
+        for array in batch.arrays():
+            staging.add(array)
+        staging.upload()
+        out["step"].append(time.perf_counter() - start)
+        if batch.adjustments is None:
+            continue
+        allowed = batch.adjustments.grammar_words.reshape(len(made), -1)
+        for mode, twin in zip(("one_by_one", "parallel"), twins, strict=True):
+            matchers = [row.matcher for row in twin if row.matcher is not None]
+            words = np.zeros((len(matchers), mask_words(vocab)), dtype=np.int32)
+            start = time.perf_counter()
+            fill_masks(matchers, words, parallel=mode == "parallel")
+            out[mode].append(time.perf_counter() - start)
+            assert np.array_equal(allowed, words)
+        tokens = [rng.choice(allowed_tokens(row, vocab).tolist()) for row in allowed]
+        for rows, compiler in zip([made, *twins], compilers, strict=True):
+            take(rows, tokens, compiler)
+    return out
+
+
+def ms(times: list[float]) -> str:
+    return f"{np.median(times) * 1e3:.3f} (worst {max(times) * 1e3:.2f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--repeats", type=int, default=100)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    folder = named_model_folder("smollm2")
+    assert folder is not None
+    tokenizer = load_tokenizer(folder)
+    vocab = len(tokenizer)
+    eos = {tokenizer.eos_token_id}
+    compilers = [GrammarCompiler(tokenizer, vocab, eos) for _ in range(3)]
+    compiler = compilers[0]
+    grammar = Grammar("json", json.dumps(SCHEMA))
+    start = time.perf_counter()
+    compiler.matcher(Grammar("regex", "a"))  # builds the tokenizer's index
+    index_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiler.matcher(grammar)
+    compile_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    compiler.matcher(grammar)
+    copy_ms = (time.perf_counter() - start) * 1e3
+    print(f"torch {torch.__version__}, vocabulary {vocab}, {os.cpu_count()} CPUs, wall ms per step")
+    print(f"tokenizer index {index_s:.2f} s, compile {compile_ms:.2f} ms, copy {copy_ms:.3f} ms")
+    staging = HostStaging(torch.device("cpu"), copy=True)
+    for b in [int(x) for x in args.batches.split(",")]:
+        plain_rows = [SamplingRow(SamplingParams(temperature=0.7, top_p=0.9)) for _ in range(b)]
+        params = SamplingParams(temperature=0.7, top_p=0.9, grammar=grammar)
+        rows, *twins = [
+            [SamplingRow(params, matcher=c.matcher(grammar)) for _ in range(b)] for c in compilers
+        ]
+        plain = timings(plain_rows, [], compilers[:1], staging, args.repeats)["step"]
+        ruled = timings(rows, twins, compilers, staging, args.repeats)
+        masks = {mode: float(np.median(ruled[mode])) for mode in ("one_by_one", "parallel")}
+        print(
+            f"B={b} plain_step={ms(plain)} schema_step={ms(ruled['step'])} "
+            f"schema/plain={np.median(ruled['step']) / np.median(plain):.1f}x | masks alone: "
+            f"one_by_one={ms(ruled['one_by_one'])} parallel={ms(ruled['parallel'])} "
+            f"one_by_one/parallel={masks['one_by_one'] / masks['parallel']:.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
