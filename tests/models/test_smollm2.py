@@ -17,6 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.conftest import WORKER_ARGS, serve
@@ -209,6 +210,49 @@ def test_a_json_schema_answer_through_the_hand_off_equals_transformers_under_the
     jsonschema.validate(place, PLACE_SCHEMA)
     assert place["city"] == "Paris"
     assert counter(decode, "phasefleet_prefills_total", where="remote") == remote + 1
+
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Today's weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_forced_tool_call_through_the_hand_off_fills_in_the_arguments(
+    disaggregated: tuple[str, Path],
+) -> None:
+    """tool_choice naming the function: the trained model's call carries the city and unit the
+    question asks about (greedy), as message.tool_calls."""
+    url, _ = disaggregated
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+    asked = {
+        "What is the weather like in Paris today?": {"city": "Paris", "unit": "celsius"},
+        "How warm is it in Tokyo, in fahrenheit?": {"city": "Tokyo", "unit": "fahrenheit"},
+    }
+    for question, arguments in asked.items():
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=60,
+            temperature=0, tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls or []
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == arguments, question
 
 
 def test_aggregated_from_the_gguf_file_equals_transformers(

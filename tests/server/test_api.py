@@ -294,7 +294,7 @@ BAD_CHATS: list[tuple[dict[str, Any], int, str | None]] = [
     ({"model": "tiny", "messages": HI, "seed": 2**63}, 400, "seed"),
     ({"model": "tiny", "messages": HI, "n": MAX_N + 1}, 400, "n"),
     ({"model": "tiny", "messages": HI, "top_logprobs": 1}, 400, "top_logprobs"),
-    ({"model": "tiny", "messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "tiny", "messages": HI, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
 ]  # fmt: skip
 
 

@@ -264,7 +264,30 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"logprobs": 21}, "logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # no tools
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "tool_choice",
+    ),  # two ways at once
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
+        "tools.0.function.name",
+    ),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     (
         "chat",
@@ -387,3 +410,101 @@ def test_structured_output_is_served(client: openai.OpenAI) -> None:
         response_format={"type": "text"}, extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert plain.choices[0].finish_reason == "length"
+
+
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city for the next days",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+
+def test_a_forced_tool_call_comes_back_as_tool_calls(client: openai.OpenAI) -> None:
+    """tool_choice naming a function, or 'required': the answer is a call (or calls) whose
+    arguments the tool's schema accepts, as message.tool_calls, streamed or not; 'none' is a
+    text answer."""
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    kw: Any = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER, CLOCK], "max_tokens": 60}
+    whole = client.chat.completions.create(**kw, tool_choice=named, temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS["get_weather"])
+
+    chunks = list(
+        client.chat.completions.create(**kw, tool_choice=named, temperature=0, stream=True)
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function and deltas[0].function.name == "get_weather"
+    assert (
+        "".join(d.function.arguments or "" for d in deltas if d.function) == call.function.arguments
+    )
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    required = client.chat.completions.create(
+        **kw | {"max_tokens": 300}, tool_choice="required", temperature=1.0, seed=7, n=3
+    )
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name])
+    streamed = list(
+        client.chat.completions.create(
+            **kw | {"max_tokens": 300}, tool_choice="required", temperature=1.0, seed=7, stream=True
+        )
+    )
+    calls = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in calls if d.function] == [
+        (c.function.name, c.function.arguments)
+        for c in required.choices[0].message.tool_calls or []
+    ]
+
+    cut = client.chat.completions.create(**kw | {"max_tokens": 8}, tool_choice="required")
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert (cut.choices[0].message.content or "").startswith("[")  # the calls so far, as text
+
+    text = client.chat.completions.create(**kw, tool_choice="none", temperature=0)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+
+
+def test_a_conversation_with_tool_calls_and_results_is_rendered(client: openai.OpenAI) -> None:
+    """An earlier answer's tool_calls and the tool's result (role 'tool') go to the chat
+    template; the model answers on."""
+    messages: Any = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"zone":"utc"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[CLOCK], tool_choice="none", max_tokens=4
+    )
+    assert answer.choices[0].message.content is not None
+    assert answer.usage is not None and answer.usage.prompt_tokens > 20

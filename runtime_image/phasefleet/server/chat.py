@@ -4,12 +4,14 @@ and `top_logprobs` give choices[].logprobs.content."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from phasefleet.server import tools
 from phasefleet.server.errors import bad_request
 from phasefleet.server.generation import (
     Generation,
@@ -26,7 +28,11 @@ from phasefleet.server.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     Delta,
+    FunctionCallDelta,
+    NamedToolChoice,
+    ToolCallDelta,
     Usage,
 )
 from phasefleet.server.responses import collect_or_abort, sse_response
@@ -39,16 +45,29 @@ if TYPE_CHECKING:
 
 def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
     """The prompt's token ids; templates and tokenizes, so it runs on the tokenizer thread."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [_template_message(m) for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         ids = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True
+            messages, tools=tools, add_generation_prompt=req.add_generation_prompt, tokenize=True
         )
     except Exception as exc:  # jinja raises whatever the template author chose
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return state.check_token_ids(list(ids), "messages")
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an earlier answer's tool calls and a tool's result
+    (`tool_call_id`) go through as sent."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    for key in ("tool_calls", "tool_call_id"):
+        if key in (m.model_extra or {}):
+            message[key] = (m.model_extra or {})[key]
+    return message
 
 
 def _usage(prompt: list[int], finals: list[RequestOutput]) -> Usage:
@@ -97,11 +116,11 @@ async def create_chat_completion(
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content=out.text),
+            message=_message(req, out.text),
             logprobs=await state.off_loop(chat_logprobs, state.tokenizer, gen.logprobs[i])
             if req.logprobs
             else None,
-            finish_reason=out.finish_reason,
+            finish_reason=tools.finish_reason(req, out.finish_reason),
             prompt_token_ids=prompt if ids else None,
             token_ids=list(out.output_token_ids) if ids else None,
         )
@@ -111,6 +130,13 @@ async def create_chat_completion(
         id=response_id, model=req.model, choices=choices, usage=_usage(prompt, finals)
     )
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _message(req: ChatCompletionRequest, text: str) -> AssistantMessage:
+    calls = tools.tool_calls(req, text)
+    if calls is None:
+        return AssistantMessage(content=text)
+    return AssistantMessage(content=None, tool_calls=calls)
 
 
 async def _chunks(
@@ -142,11 +168,13 @@ async def _chunks(
     )
     sent = [""] * req.n
     finals: list[RequestOutput] = []
+    call_id = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(req.n)]
     async for event in gen.events():
         out, i = event.output, event.index
         delta = out.text[len(sent[i]) :]
         if not (delta or out.finished or ((ids or req.logprobs) and out.new_token_ids)):
             continue
+        first = not sent[i]
         sent[i] = out.text
         if out.finished:
             finals.append(out)
@@ -155,9 +183,9 @@ async def _chunks(
             logprobs = await state.off_loop(chat_logprobs, state.tokenizer, out.logprobs or [])
         choice = ChatChunkChoice(
             index=i,
-            delta=Delta(content=delta) if delta else Delta(),
+            delta=_delta(req, delta, first and bool(delta), call_id[i], out),
             logprobs=logprobs,
-            finish_reason=out.finish_reason if out.finished else None,
+            finish_reason=tools.finish_reason(req, out.finish_reason) if out.finished else None,
             token_ids=list(out.new_token_ids) if ids else None,
         )
         yield chunk([choice])
@@ -169,3 +197,44 @@ async def _chunks(
             choices=[],
             usage=_usage(prompt, finals),
         ).model_dump_json()
+
+
+def _delta(
+    req: ChatCompletionRequest, text: str, first: bool, call_id: str, out: RequestOutput
+) -> Delta:
+    """A stream's delta: text as it comes; a named function's arguments as they come, the first
+    piece with the call's id and name; a list of calls ('required') whole, with the last chunk
+    (its text alone when it is not one: cut short)."""
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice) and req.tools:
+        if not text:
+            return Delta()
+        call = ToolCallDelta(
+            index=0,
+            id=call_id if first else None,
+            type="function" if first else None,
+            function=FunctionCallDelta(
+                name=choice.function.name if first else None, arguments=text
+            ),
+        )
+        return Delta(tool_calls=[call])
+    if not tools.forces_call(req):
+        return Delta(content=text) if text else Delta()
+    if not out.finished:
+        return Delta()
+    calls = tools.tool_calls(req, out.text)
+    if calls is None:
+        return Delta(content=out.text)
+    return Delta(
+        tool_calls=[
+            ToolCallDelta(
+                index=k,
+                id=call.id,
+                type="function",
+                function=FunctionCallDelta(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for k, call in enumerate(calls)
+        ]
+    )

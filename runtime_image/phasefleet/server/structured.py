@@ -1,7 +1,8 @@
 """Structured output from the API: the request fields that constrain the output, as the engine's
 `Grammar`. OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
-`structured_outputs` (`json`, `json_object`, `regex`, `choice`) and vLLM's older `guided_json`,
-`guided_regex`, `guided_choice`; a request sets at most one. The grammar is compiled here, on the
+`structured_outputs` (`json`, `json_object`, `regex`, `choice`), vLLM's older `guided_json`,
+`guided_regex`, `guided_choice`, and a chat's forced tool call (server/tools.py); a request sets
+at most one. The grammar is compiled here, on the
 tokenizer thread, so one that cannot work is a 400 naming its field before anything is queued
 (the engine then copies the compiled grammar).
 """
@@ -13,8 +14,13 @@ from typing import Any
 
 from phasefleet.engine.sampling_params import MAX_GRAMMAR_CHARS, Grammar
 from phasefleet.server.errors import bad_request
-from phasefleet.server.openai_protocol import SamplingFields, StructuredOutputs
+from phasefleet.server.openai_protocol import (
+    ChatCompletionRequest,
+    SamplingFields,
+    StructuredOutputs,
+)
 from phasefleet.server.state import WorkerState
+from phasefleet.server.tools import tool_grammar
 
 ANY_OBJECT = '{"type": "object"}'
 
@@ -40,6 +46,8 @@ def requested_grammar(req: SamplingFields) -> tuple[Grammar, str] | None:
         asked.append((Grammar("regex", req.guided_regex), "guided_regex"))
     if req.guided_choice is not None:
         asked.append((_choice(req.guided_choice, "guided_choice"), "guided_choice"))
+    if isinstance(req, ChatCompletionRequest) and (forced := tool_grammar(req)) is not None:
+        asked.append((forced, "tool_choice"))
     if len(asked) > 1:
         raise bad_request(
             f"set one way of structuring the output; this request sets {asked[0][1]} and "
