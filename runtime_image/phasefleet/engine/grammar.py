@@ -150,12 +150,19 @@ class GrammarCompiler:
     def _compile(self, grammar: Grammar) -> GrammarMatcher:
         from llguidance import LLMatcher
 
-        inner = LLMatcher(self._llguidance_tokenizer(), grammar_text(grammar), log_level=0)
+        inner = LLMatcher(self.prepare(), grammar_text(grammar), log_level=0)
         if inner.is_error():
             raise ValueError(inner.get_error())
         return GrammarMatcher(inner)
 
-    def _llguidance_tokenizer(self) -> Any:
+    @property
+    def prepared(self) -> bool:
+        return self._ll_tokenizer is not None
+
+    def prepare(self) -> Any:
+        """The tokenizer in llguidance's form, built on first use: the one step that reads the
+        Hugging Face tokenizer (run it where that tokenizer is used); ValueError if it is not a
+        fast one."""
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf

@@ -169,19 +169,19 @@ class WorkerState:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     async def check_grammar(self, grammar: Grammar, field: str) -> None:
-        """A 400 naming `field` when the grammar cannot be compiled; compiled on the tokenizer
-        thread, once (the engine copies it from the shared compiler)."""
-
-        def compile_grammar() -> None:
-            if self.grammars is None:
-                eos = {self.tokenizer.eos_token_id} - {None}
-                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
-            try:
-                self.grammars.matcher(grammar)
-            except ValueError as exc:
-                raise bad_request(f"{field} cannot be used: {exc}", field) from None
-
-        await self.off_loop(compile_grammar)
+        """A 400 naming `field` when the grammar cannot be compiled. Compiled once (the engine
+        copies it from the shared compiler), on a thread of its own: llguidance releases the
+        GIL, and a large grammar holds up no other request's prompt. The compiler's first use
+        reads the tokenizer, so that part runs on the tokenizer thread."""
+        if self.grammars is None:
+            eos = {self.tokenizer.eos_token_id} - {None}
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+        try:
+            if not self.grammars.prepared:
+                await self.off_loop(self.grammars.prepare)
+            await asyncio.to_thread(self.grammars.matcher, grammar)
+        except ValueError as exc:
+            raise bad_request(f"{field} cannot be used: {exc}", field) from None
 
     def check_logit_bias(self, bias: Mapping[int, float]) -> None:
         if bias:

@@ -2,9 +2,9 @@
 `Grammar`. OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
 `structured_outputs` (`json`, `json_object`, `regex`, `choice`), vLLM's older `guided_json`,
 `guided_regex`, `guided_choice`, and a chat's forced tool call (server/tools.py); a request sets
-at most one. The grammar is compiled here, on the
-tokenizer thread, so one that cannot work is a 400 naming its field before anything is queued
-(the engine then copies the compiled grammar).
+at most one. The grammar is compiled here, off the event loop
+(`WorkerState.check_grammar`), so one that cannot work is a 400 naming its field before
+anything is queued (the engine then copies the compiled grammar).
 """
 
 from __future__ import annotations
