@@ -295,6 +295,8 @@ BAD_CHATS: list[tuple[dict[str, Any], int, str | None]] = [
     ({"model": "tiny", "messages": HI, "n": MAX_N + 1}, 400, "n"),
     ({"model": "tiny", "messages": HI, "top_logprobs": 1}, 400, "top_logprobs"),
     ({"model": "tiny", "messages": HI, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ({"model": "tiny", "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice"),  # 'auto' without --tool-call-parser
 ]  # fmt: skip
 
 

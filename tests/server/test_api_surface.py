@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.worker_proc import Worker
+from tests.server.worker_proc import Worker, run_worker
 
 PROMPT = "Evaluation harnesses read the logprobs of every token"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something about tides."}]
@@ -27,6 +27,13 @@ SAMPLINGS: list[dict[str, Any]] = [
     {"temperature": 0},
     {"temperature": 1.2, "top_p": 0.9, "seed": 11},
 ]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model: Path) -> Iterator[Worker]:
+    """The shared tiny worker, finding Hermes-style tool calls in free text (tool_choice auto)."""
+    with run_worker(tiny_model, "--tool-call-parser", "hermes") as w:
+        yield w
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +271,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"logprobs": 21}, "logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
     (
         "chat",
         {
@@ -508,3 +514,33 @@ def test_a_conversation_with_tool_calls_and_results_is_rendered(client: openai.O
     )
     assert answer.choices[0].message.content is not None
     assert answer.usage is not None and answer.usage.prompt_tokens > 20
+
+
+def test_tool_choice_auto_finds_the_calls_in_the_text(client: openai.OpenAI) -> None:
+    """With --tool-call-parser hermes, 'auto' answers in free text and the calls written in it
+    come back as tool_calls, the rest as content, whole or streamed. The random model is made to
+    write a call by a one-string guided_choice."""
+    written = 'Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
+    kw: Any = {
+        "model": "tiny", "messages": MESSAGES, "tools": [WEATHER, CLOCK], "max_tokens": 80,
+        "extra_body": {"guided_choice": [written]},
+    }  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    [call] = whole.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_time",
+        {"zone": "cet"},
+    )
+
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert content == "Checking." and len(calls) == 1 and calls[0].id
+    assert calls[0].function and calls[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    plain = client.chat.completions.create(**kw | {"extra_body": {"guided_choice": ["no call"]}})
+    assert plain.choices[0].message.content == "no call"
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop"

@@ -4,7 +4,6 @@ and `top_logprobs` give choices[].logprobs.content."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,6 @@ from phasefleet.server.generation import (
 )
 from phasefleet.server.logprobs import chat_logprobs
 from phasefleet.server.openai_protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -30,9 +28,6 @@ from phasefleet.server.openai_protocol import (
     ChatCompletionResponse,
     ChatMessage,
     Delta,
-    FunctionCallDelta,
-    NamedToolChoice,
-    ToolCallDelta,
     Usage,
 )
 from phasefleet.server.responses import collect_or_abort, sse_response
@@ -113,30 +108,26 @@ async def create_chat_completion(
         return sse_response(gen, _chunks(gen, req, state, prompt, response_id, int(time.time())))
     finals = await collect_or_abort(gen, raw)
     ids = req.return_token_ids
-    choices = [
-        ChatChoice(
-            index=i,
-            message=_message(req, out.text),
-            logprobs=await state.off_loop(chat_logprobs, state.tokenizer, gen.logprobs[i])
-            if req.logprobs
-            else None,
-            finish_reason=tools.finish_reason(req, out.finish_reason),
-            prompt_token_ids=prompt if ids else None,
-            token_ids=list(out.output_token_ids) if ids else None,
+    choices = []
+    for i, out in enumerate(finals):
+        message, reason = tools.answer(req, state.tool_call_parser, out.text, out.finish_reason)
+        content_logprobs = None
+        if req.logprobs:
+            content_logprobs = await state.off_loop(chat_logprobs, state.tokenizer, gen.logprobs[i])
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                logprobs=content_logprobs,
+                finish_reason=reason,
+                prompt_token_ids=prompt if ids else None,
+                token_ids=list(out.output_token_ids) if ids else None,
+            )
         )
-        for i, out in enumerate(finals)
-    ]
     body = ChatCompletionResponse(
         id=response_id, model=req.model, choices=choices, usage=_usage(prompt, finals)
     )
     return Response(body.model_dump_json(), media_type="application/json")
-
-
-def _message(req: ChatCompletionRequest, text: str) -> AssistantMessage:
-    calls = tools.tool_calls(req, text)
-    if calls is None:
-        return AssistantMessage(content=text)
-    return AssistantMessage(content=None, tool_calls=calls)
 
 
 async def _chunks(
@@ -168,13 +159,12 @@ async def _chunks(
     )
     sent = [""] * req.n
     finals: list[RequestOutput] = []
-    call_id = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(req.n)]
+    streams = [tools.ChoiceStream(req, state.tool_call_parser) for _ in range(req.n)]
     async for event in gen.events():
         out, i = event.output, event.index
         delta = out.text[len(sent[i]) :]
         if not (delta or out.finished or ((ids or req.logprobs) and out.new_token_ids)):
             continue
-        first = not sent[i]
         sent[i] = out.text
         if out.finished:
             finals.append(out)
@@ -183,9 +173,9 @@ async def _chunks(
             logprobs = await state.off_loop(chat_logprobs, state.tokenizer, out.logprobs or [])
         choice = ChatChunkChoice(
             index=i,
-            delta=_delta(req, delta, first and bool(delta), call_id[i], out),
+            delta=streams[i].delta(delta, out.finished, out.text),
             logprobs=logprobs,
-            finish_reason=tools.finish_reason(req, out.finish_reason) if out.finished else None,
+            finish_reason=streams[i].finish_reason(out.finish_reason) if out.finished else None,
             token_ids=list(out.new_token_ids) if ids else None,
         )
         yield chunk([choice])
@@ -197,44 +187,3 @@ async def _chunks(
             choices=[],
             usage=_usage(prompt, finals),
         ).model_dump_json()
-
-
-def _delta(
-    req: ChatCompletionRequest, text: str, first: bool, call_id: str, out: RequestOutput
-) -> Delta:
-    """A stream's delta: text as it comes; a named function's arguments as they come, the first
-    piece with the call's id and name; a list of calls ('required') whole, with the last chunk
-    (its text alone when it is not one: cut short)."""
-    choice = req.tool_choice
-    if isinstance(choice, NamedToolChoice) and req.tools:
-        if not text:
-            return Delta()
-        call = ToolCallDelta(
-            index=0,
-            id=call_id if first else None,
-            type="function" if first else None,
-            function=FunctionCallDelta(
-                name=choice.function.name if first else None, arguments=text
-            ),
-        )
-        return Delta(tool_calls=[call])
-    if not tools.forces_call(req):
-        return Delta(content=text) if text else Delta()
-    if not out.finished:
-        return Delta()
-    calls = tools.tool_calls(req, out.text)
-    if calls is None:
-        return Delta(content=out.text)
-    return Delta(
-        tool_calls=[
-            ToolCallDelta(
-                index=k,
-                id=call.id,
-                type="function",
-                function=FunctionCallDelta(
-                    name=call.function.name, arguments=call.function.arguments
-                ),
-            )
-            for k, call in enumerate(calls)
-        ]
-    )

@@ -28,6 +28,7 @@ from phasefleet.api.contract import (
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
+from phasefleet.server.hermes import TOOL_CALL_PARSERS  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
@@ -135,6 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds one engine step may run before /health/live reports the engine stalled",
     )
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    server.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model's format of tool calls in free text, for chat's tool_choice 'auto' "
+        "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen2.5); without it 'auto' is a 400",
+    )
 
     handoff = parser.add_argument_group(
         "KV hand-off",
@@ -380,6 +388,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         handoff=None if token is None else HandoffClient(token),
         boundary=args.phase_boundary,
         tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
+        tool_call_parser=args.tool_call_parser,
     )
     uv_config = uvicorn.Config(
         build_app(state),

@@ -68,6 +68,8 @@ class WorkerState:
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=_tokenizer_thread)
     # Structured output's grammars, shared with the engine; None: made on first use
     grammars: GrammarCompiler | None = None
+    # finds tool calls in a chat's free text (tool_choice 'auto': server/tools.py); None: none
+    tool_call_parser: str | None = None
 
     @functools.cached_property
     def decode(self) -> Callable[[list[int]], str]:

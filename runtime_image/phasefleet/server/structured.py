@@ -25,9 +25,11 @@ from phasefleet.server.tools import tool_grammar
 ANY_OBJECT = '{"type": "object"}'
 
 
-def requested_grammar(req: SamplingFields) -> tuple[Grammar, str] | None:
+def requested_grammar(
+    req: SamplingFields, tool_call_parser: str | None = None
+) -> tuple[Grammar, str] | None:
     """The grammar the request asks for and the field that asks; a 400 when several fields ask
-    or one is incomplete."""
+    or one is incomplete. `tool_call_parser`: the worker's, for a chat's tool_choice 'auto'."""
     asked: list[tuple[Grammar, str]] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -46,7 +48,8 @@ def requested_grammar(req: SamplingFields) -> tuple[Grammar, str] | None:
         asked.append((Grammar("regex", req.guided_regex), "guided_regex"))
     if req.guided_choice is not None:
         asked.append((_choice(req.guided_choice, "guided_choice"), "guided_choice"))
-    if isinstance(req, ChatCompletionRequest) and (forced := tool_grammar(req)) is not None:
+    forced = tool_grammar(req, tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
+    if forced is not None:
         asked.append((forced, "tool_choice"))
     if len(asked) > 1:
         raise bad_request(
@@ -94,7 +97,7 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
 
 async def checked_grammar(req: SamplingFields, state: WorkerState) -> Grammar | None:
     """The request's grammar, compiled once (a 400 naming the field when it cannot be)."""
-    asked = requested_grammar(req)
+    asked = requested_grammar(req, state.tool_call_parser)
     if asked is None:
         return None
     grammar, field = asked
