@@ -484,6 +484,7 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(client: openai.OpenAI) -> N
             **kw | {"max_tokens": 300}, tool_choice="required", temperature=1.0, seed=7, stream=True
         )
     )
+    assert len([c for c in streamed if c.choices]) == 2  # the role, then the calls whole
     calls = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert [(d.function.name, d.function.arguments) for d in calls if d.function] == [
         (c.function.name, c.function.arguments)

@@ -168,12 +168,15 @@ async def _chunks(
         sent[i] = out.text
         if out.finished:
             finals.append(out)
+        piece = streams[i].delta(delta, out.finished, out.text)
+        if piece == Delta() and not out.finished and not ids and not req.logprobs:
+            continue  # text held back (a call being written): nothing to send yet
         logprobs = None
         if req.logprobs:
             logprobs = await state.off_loop(chat_logprobs, state.tokenizer, out.logprobs or [])
         choice = ChatChunkChoice(
             index=i,
-            delta=streams[i].delta(delta, out.finished, out.text),
+            delta=piece,
             logprobs=logprobs,
             finish_reason=streams[i].finish_reason(out.finish_reason) if out.finished else None,
             token_ids=list(out.new_token_ids) if ids else None,
