@@ -44,10 +44,13 @@ SCHEMA = {
 }
 REGEX = r"[0-9]{3}-[a-c]{2,4}"
 CHOICES = ["red", "green", "blue and more"]
+GBNF = 'root ::= "sum(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'  # GBNF, as vLLM takes
+SUM = r"sum\([1-9][0-9]?(,[1-9][0-9]?)*\)"  # the same language, to check answers by
 GRAMMARS = {
     "schema": Grammar("json", json.dumps(SCHEMA)),
     "regex": Grammar("regex", REGEX),
     "choice": Grammar("choice", json.dumps(CHOICES)),
+    "grammar": Grammar("grammar", GBNF),
 }
 
 
@@ -57,6 +60,8 @@ def obeys(name: str, text: str) -> bool:
         return True
     if name == "regex":
         return re.fullmatch(REGEX, text) is not None
+    if name == "grammar":
+        return re.fullmatch(SUM, text) is not None
     return text in CHOICES
 
 
@@ -111,7 +116,7 @@ def test_greedy_answers_under_each_grammar_equal_transformers(
     transformers' under the same mask, obeys its grammar and ends with 'stop' when the grammar
     is complete; the plain row is plain greedy."""
     eng = _engine(tiny_model(MODEL), max_num_batched_tokens=24)
-    prompts = random_prompts([19, 11, 23, 9], seed=7)
+    prompts = random_prompts([19, 11, 23, 17, 9], seed=7)
     grammars = list(GRAMMARS.items())
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, grammar=g) for _, g in grammars]
     params.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -202,6 +207,8 @@ def test_a_prefill_whose_grammar_ends_at_the_first_token_stops_and_leases_nothin
         (Grammar("regex", "[0-9"), "unclosed character class"),
         (Grammar("choice", "[]"), "non-empty list of non-empty strings"),
         (Grammar("choice", '["a", ""]'), "non-empty list of non-empty strings"),
+        (Grammar("grammar", "root ::= ("), "the grammar does not parse"),
+        (Grammar("grammar", "start: undefined_rule"), "undefined_rule"),
     ],
 )
 def test_a_grammar_that_cannot_work_is_refused_before_it_is_queued(

@@ -325,8 +325,8 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "completions",
-        {"extra_body": {"structured_outputs": {"grammar": 'root ::= "a"'}}},
-        "structured_outputs.grammar",
+        {"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}},
+        "structured_outputs",
     ),
     ("chat", {"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
 ]
@@ -411,6 +411,17 @@ def test_structured_output_is_served(client: openai.OpenAI) -> None:
         response_format={"type": "json_object"},
     )  # fmt: skip
     assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+    for grammar in ('root ::= "go " ("left" | "right")', 'start: "go " ("left" | "right")'):
+        moved = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=2,
+            extra_body={"structured_outputs": {"grammar": grammar}},
+        )  # fmt: skip
+        assert moved.choices[0].text in ("go left", "go right"), grammar
+    turned = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10,
+        extra_body={"guided_grammar": 'root ::= "turn " [0-9]'},
+    )  # fmt: skip
+    assert re.fullmatch("turn [0-9]", turned.choices[0].text)
     plain = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
         response_format={"type": "text"}, extra_body={"ignore_eos": True},

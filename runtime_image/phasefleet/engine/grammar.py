@@ -1,4 +1,5 @@
-"""Structured output: a request's `Grammar` (a JSON schema, a regex, a choice of strings) as a
+"""Structured output: a request's `Grammar` (a JSON schema, a regex, a choice of strings, a
+context-free grammar) as a
 matcher that says, before each token, which tokens may come next.
 
 llguidance does the work (imported on first use). `GrammarCompiler` holds the tokenizer in
@@ -60,6 +61,13 @@ def grammar_text(grammar: Grammar) -> str:
         # a Lark string literal takes JSON's escapes
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    if grammar.kind == "grammar":
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(grammar.spec))
+        except GbnfToLarkError as exc:
+            raise ValueError(f"the grammar does not parse: {exc}") from None
     raise ValueError(f"unknown grammar kind {grammar.kind!r}")
 
 

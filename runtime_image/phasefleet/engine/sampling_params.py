@@ -38,7 +38,7 @@ MAX_LOGIT_BIAS = 100.0
 """A logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's."""
 MAX_LOGIT_BIAS_TOKENS = 300
 """Tokens one request may bias: each is a (row, token) entry of every step's upload."""
-GrammarKind = Literal["json", "regex", "choice"]
+GrammarKind = Literal["json", "regex", "choice", "grammar"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 MAX_GRAMMAR_CHARS = 100_000
 """The longest grammar text (a JSON schema, a regex, the choices as JSON) a request may send."""
@@ -49,11 +49,13 @@ class Grammar:
     """What a request's output must match (structured output; engine/grammar.py compiles it)."""
 
     kind: GrammarKind
-    """One of GRAMMAR_KINDS: 'json' (a JSON value that a JSON schema accepts), 'regex', or
-    'choice' (exactly one of a list of strings)."""
+    """One of GRAMMAR_KINDS: 'json' (a JSON value that a JSON schema accepts), 'regex',
+    'choice' (exactly one of a list of strings), or 'grammar' (a context-free grammar, in Lark's
+    syntax or GBNF's, as vLLM takes)."""
     spec: str
     """json: the JSON schema as JSON text ('{"type": "object"}' for any object); regex: the
-    pattern; choice: the allowed strings as a JSON list. At most MAX_GRAMMAR_CHARS characters."""
+    pattern; choice: the allowed strings as a JSON list; grammar: its text. At most
+    MAX_GRAMMAR_CHARS characters."""
 
 
 @dataclass

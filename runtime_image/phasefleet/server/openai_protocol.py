@@ -65,7 +65,8 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regex or a choice."""
+    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regex, a choice or
+    a grammar."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -73,7 +74,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
-    grammar: str | None = None  # a context-free grammar: not supported
+    grammar: str | None = None  # a context-free grammar, in Lark's or GBNF's syntax
 
 
 class SamplingFields(BaseModel):
@@ -114,13 +115,11 @@ class SamplingFields(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
-        bad = ["prompt_logprobs"] if self.prompt_logprobs is not None else []
-        if self.structured_outputs is not None and self.structured_outputs.grammar is not None:
-            bad.append("structured_outputs.grammar")
-        return bad
+        return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(token): bias for token, bias in (self.logit_bias or {}).items()}

@@ -1,9 +1,9 @@
 """Structured output from the API: the request fields that constrain the output, as the engine's
 `Grammar`. OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
-`structured_outputs` (`json`, `json_object`, `regex`, `choice`), vLLM's older `guided_json`,
-`guided_regex`, `guided_choice`, and a chat's forced tool call (server/tools.py); a request sets
-at most one. The grammar is compiled here, off the event loop
-(`WorkerState.check_grammar`), so one that cannot work is a 400 naming its field before
+`structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`), vLLM's older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and a chat's forced tool
+call (server/tools.py); a request sets at most one. The grammar is compiled here, off the event
+loop (`WorkerState.check_grammar`), so one that cannot work is a 400 naming its field before
 anything is queued (the engine then copies the compiled grammar).
 """
 
@@ -48,6 +48,8 @@ def requested_grammar(
         asked.append((Grammar("regex", req.guided_regex), "guided_regex"))
     if req.guided_choice is not None:
         asked.append((_choice(req.guided_choice, "guided_choice"), "guided_choice"))
+    if req.guided_grammar is not None:
+        asked.append((Grammar("grammar", req.guided_grammar), "guided_grammar"))
     forced = tool_grammar(req, tool_call_parser) if isinstance(req, ChatCompletionRequest) else None
     if forced is not None:
         asked.append((forced, "tool_choice"))
@@ -75,11 +77,12 @@ def _structured_outputs(so: StructuredOutputs) -> Grammar:
         Grammar("json", ANY_OBJECT) if so.json_object else None,
         Grammar("regex", so.regex) if so.regex is not None else None,
         _choice(so.choice, "structured_outputs") if so.choice is not None else None,
+        Grammar("grammar", so.grammar) if so.grammar is not None else None,
     ]
     grammars = [g for g in found if g is not None]
     if len(grammars) != 1:
         raise bad_request(
-            "structured_outputs must set exactly one of json, json_object, regex, choice",
+            "structured_outputs must set exactly one of json, json_object, regex, choice, grammar",
             "structured_outputs",
         )
     return grammars[0]
