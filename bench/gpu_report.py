@@ -73,6 +73,12 @@ CHECKS = [
         150,
         "SmolLM2-135M, bf16: greedy tokens against transformers in bf16",
     ),
+    Check(
+        "grammar_masks",
+        "gpu_grammar:grammar_masks",
+        90,
+        "structured output's masks on the host's CPUs: one by one vs llguidance's threads",
+    ),
     Check("engine_tests", "pytest", 360, "pytest tests/engine with the engine on the device"),
     Check("model_tests", "pytest", 360, "pytest tests/models: SmolLM2 served on the device"),
 ]

@@ -21,6 +21,7 @@ import json
 import os
 import random
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,6 +101,37 @@ def ms(times: list[float]) -> str:
     return f"{np.median(times) * 1e3:.3f} (worst {max(times) * 1e3:.2f})"
 
 
+def measure(tokenizer: Any, batches: list[int], repeats: int) -> dict[str, Any]:
+    """Compile costs, then per batch size the plain and schema steps and the masks alone (one
+    by one, in parallel): each a list of seconds per step."""
+    vocab = len(tokenizer)
+    eos = {tokenizer.eos_token_id}
+    compilers = [GrammarCompiler(tokenizer, vocab, eos) for _ in range(3)]
+    compiler = compilers[0]
+    grammar = Grammar("json", json.dumps(SCHEMA))
+    result: dict[str, Any] = {"vocab": vocab, "cpus": os.cpu_count()}
+    start = time.perf_counter()
+    compiler.matcher(Grammar("regex", "a"))  # builds the tokenizer's index
+    result["index_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    compiler.matcher(grammar)
+    result["compile_ms"] = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    compiler.matcher(grammar)
+    result["copy_ms"] = (time.perf_counter() - start) * 1e3
+    staging = HostStaging(torch.device("cpu"), copy=True)
+    for b in batches:
+        plain_rows = [SamplingRow(SamplingParams(temperature=0.7, top_p=0.9)) for _ in range(b)]
+        params = SamplingParams(temperature=0.7, top_p=0.9, grammar=grammar)
+        rows, *twins = [
+            [SamplingRow(params, matcher=c.matcher(grammar)) for _ in range(b)] for c in compilers
+        ]
+        ruled = timings(rows, twins, compilers, staging, repeats)
+        ruled["plain"] = timings(plain_rows, [], compilers[:1], staging, repeats)["step"]
+        result[f"B={b}"] = ruled
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batches", default="1,16,64")
@@ -108,37 +140,23 @@ def main() -> None:
     torch.set_num_threads(1)
     folder = named_model_folder("smollm2")
     assert folder is not None
-    tokenizer = load_tokenizer(folder)
-    vocab = len(tokenizer)
-    eos = {tokenizer.eos_token_id}
-    compilers = [GrammarCompiler(tokenizer, vocab, eos) for _ in range(3)]
-    compiler = compilers[0]
-    grammar = Grammar("json", json.dumps(SCHEMA))
-    start = time.perf_counter()
-    compiler.matcher(Grammar("regex", "a"))  # builds the tokenizer's index
-    index_s = time.perf_counter() - start
-    start = time.perf_counter()
-    compiler.matcher(grammar)
-    compile_ms = (time.perf_counter() - start) * 1e3
-    start = time.perf_counter()
-    compiler.matcher(grammar)
-    copy_ms = (time.perf_counter() - start) * 1e3
-    print(f"torch {torch.__version__}, vocabulary {vocab}, {os.cpu_count()} CPUs, wall ms per step")
-    print(f"tokenizer index {index_s:.2f} s, compile {compile_ms:.2f} ms, copy {copy_ms:.3f} ms")
-    staging = HostStaging(torch.device("cpu"), copy=True)
-    for b in [int(x) for x in args.batches.split(",")]:
-        plain_rows = [SamplingRow(SamplingParams(temperature=0.7, top_p=0.9)) for _ in range(b)]
-        params = SamplingParams(temperature=0.7, top_p=0.9, grammar=grammar)
-        rows, *twins = [
-            [SamplingRow(params, matcher=c.matcher(grammar)) for _ in range(b)] for c in compilers
-        ]
-        plain = timings(plain_rows, [], compilers[:1], staging, args.repeats)["step"]
-        ruled = timings(rows, twins, compilers, staging, args.repeats)
-        masks = {mode: float(np.median(ruled[mode])) for mode in ("one_by_one", "parallel")}
+    batches = [int(x) for x in args.batches.split(",")]
+    result = measure(load_tokenizer(folder), batches, args.repeats)
+    print(
+        f"torch {torch.__version__}, vocabulary {result['vocab']}, {result['cpus']} CPUs, "
+        "wall ms per step"
+    )
+    print(
+        f"tokenizer index {result['index_s']:.2f} s, compile {result['compile_ms']:.2f} ms, "
+        f"copy {result['copy_ms']:.3f} ms"
+    )
+    for b in batches:
+        r = result[f"B={b}"]
+        masks = {mode: float(np.median(r[mode])) for mode in ("one_by_one", "parallel")}
         print(
-            f"B={b} plain_step={ms(plain)} schema_step={ms(ruled['step'])} "
-            f"schema/plain={np.median(ruled['step']) / np.median(plain):.1f}x | masks alone: "
-            f"one_by_one={ms(ruled['one_by_one'])} parallel={ms(ruled['parallel'])} "
+            f"B={b} plain_step={ms(r['plain'])} schema_step={ms(r['step'])} "
+            f"schema/plain={np.median(r['step']) / np.median(r['plain']):.1f}x | masks alone: "
+            f"one_by_one={ms(r['one_by_one'])} parallel={ms(r['parallel'])} "
             f"one_by_one/parallel={masks['one_by_one'] / masks['parallel']:.1f}x"
         )
 
