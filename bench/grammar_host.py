@@ -1,10 +1,11 @@
-"""Host time of structured output: what a grammar costs a step on the host (each grammar row's
-mask of allowed tokens, written by llguidance, and its share of the step's one upload), for B
-decode rows on a real tokenizer (SmolLM2's, 49,152 tokens), beside a plain batch in the same
-process; the masks alone computed one by one beside in parallel (llguidance's threads, what the
-sampler does from PARALLEL_MASKS rows on a host of PARALLEL_MIN_CPUS); and what compiling costs
-once (the tokenizer's
-index, a grammar, a copy of a compiled one).
+"""Host time of structured output, for B decode rows on a real tokenizer (SmolLM2's, 49,152
+tokens), as the runner spends it: before the forward, the step's sampling settings and their
+share of its one upload (beside a plain batch in the same process); during the forward (on a
+GPU the host computes them while the device runs it), each grammar row's mask of allowed tokens,
+written by llguidance, and their own upload. Then the masks alone, computed one by one beside
+in parallel (llguidance's threads, what the sampler does from PARALLEL_MASKS rows on a host of
+PARALLEL_MIN_CPUS); and what compiling costs once (the tokenizer's index, a grammar, a copy of
+a compiled one).
 
 Every row follows a JSON schema of the kind extraction asks for (strings, an enum, numbers, an
 array); between steps each row takes a random token its mask allows, so the rows walk through
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from phasefleet.engine.grammar import GrammarCompiler, fill_masks, mask_words
-from phasefleet.engine.sampler import SamplingBatch, SamplingRow
+from phasefleet.engine.sampler import SamplingBatch, SamplingRow, grammar_masks
 from phasefleet.engine.sampling_params import Grammar, SamplingParams
 from phasefleet.engine.staging import HostStaging
 from phasefleet.engine.tokenizer import load_tokenizer
@@ -65,25 +66,31 @@ def timings(
     made: list[SamplingRow],
     twins: list[list[SamplingRow]],
     compilers: list[GrammarCompiler],
-    staging: HostStaging,
+    staging: tuple[HostStaging, HostStaging],
     repeats: int,
 ) -> dict[str, list[float]]:
-    """Seconds per step of the sampling settings on the host ('step': from_rows and the upload,
-    as the sampler runs them); for grammar rows also two twin sets' masks alone, computed one by
-    one and on llguidance's threads. Each set follows the same grammars with a compiler of its
-    own (no cache shared) and takes the same tokens, so every mask is computed afresh."""
+    """Seconds per step of the sampling settings on the host, as the runner spends them:
+    'inputs' (from_rows and the step's upload, before the forward) and, for grammar rows,
+    'masks' (`grammar_masks` and their own upload, made while a GPU runs the forward); and two
+    twin sets' masks alone, computed one by one and on llguidance's threads. Each set follows
+    the same grammars with a compiler of its own (no cache shared) and takes the same tokens,
+    so every mask is computed afresh."""
     vocab, rng = compilers[0].vocab_size, random.Random(0)
-    out: dict[str, list[float]] = {"step": [], "one_by_one": [], "parallel": []}
+    out: dict[str, list[float]] = {"inputs": [], "masks": [], "one_by_one": [], "parallel": []}
     for _ in range(repeats):
         start = time.perf_counter()
         batch = SamplingBatch.from_rows(made, [100] * len(made), vocab)
         for array in batch.arrays():
-            staging.add(array)
-        staging.upload()
-        out["step"].append(time.perf_counter() - start)
-        if batch.adjustments is None:
+            staging[0].add(array)
+        staging[0].upload()
+        out["inputs"].append(time.perf_counter() - start)
+        if not batch.grammar:
             continue
-        allowed = batch.adjustments.grammar_words.reshape(len(made), -1)
+        start = time.perf_counter()
+        allowed = grammar_masks(made, vocab)
+        staging[1].add(allowed)
+        staging[1].upload()
+        out["masks"].append(time.perf_counter() - start)
         for mode, twin in zip(("one_by_one", "parallel"), twins, strict=True):
             matchers = [row.matcher for row in twin if row.matcher is not None]
             words = np.zeros((len(matchers), mask_words(vocab)), dtype=np.int32)
@@ -110,6 +117,7 @@ def measure(tokenizer: Any, batches: list[int], repeats: int) -> dict[str, Any]:
     compiler = compilers[0]
     grammar = Grammar("json", json.dumps(SCHEMA))
     result: dict[str, Any] = {"vocab": vocab, "cpus": os.cpu_count()}
+    cpu = torch.device("cpu")
     start = time.perf_counter()
     compiler.matcher(Grammar("regex", "a"))  # builds the tokenizer's index
     result["index_s"] = time.perf_counter() - start
@@ -119,7 +127,7 @@ def measure(tokenizer: Any, batches: list[int], repeats: int) -> dict[str, Any]:
     start = time.perf_counter()
     compiler.matcher(grammar)
     result["copy_ms"] = (time.perf_counter() - start) * 1e3
-    staging = HostStaging(torch.device("cpu"), copy=True)
+    staging = (HostStaging(cpu, copy=True), HostStaging(cpu, copy=True))
     for b in batches:
         plain_rows = [SamplingRow(SamplingParams(temperature=0.7, top_p=0.9)) for _ in range(b)]
         params = SamplingParams(temperature=0.7, top_p=0.9, grammar=grammar)
@@ -127,7 +135,7 @@ def measure(tokenizer: Any, batches: list[int], repeats: int) -> dict[str, Any]:
             [SamplingRow(params, matcher=c.matcher(grammar)) for _ in range(b)] for c in compilers
         ]
         ruled = timings(rows, twins, compilers, staging, repeats)
-        ruled["plain"] = timings(plain_rows, [], compilers[:1], staging, repeats)["step"]
+        ruled["plain"] = timings(plain_rows, [], compilers[:1], staging, repeats)["inputs"]
         result[f"B={b}"] = ruled
     return result
 
@@ -154,8 +162,8 @@ def main() -> None:
         r = result[f"B={b}"]
         masks = {mode: float(np.median(r[mode])) for mode in ("one_by_one", "parallel")}
         print(
-            f"B={b} plain_step={ms(r['plain'])} schema_step={ms(r['step'])} "
-            f"schema/plain={np.median(r['step']) / np.median(r['plain']):.1f}x | masks alone: "
+            f"B={b} before the forward: plain={ms(r['plain'])} schema={ms(r['inputs'])} | "
+            f"during it: masks={ms(r['masks'])} | masks alone: "
             f"one_by_one={ms(r['one_by_one'])} parallel={ms(r['parallel'])} "
             f"one_by_one/parallel={masks['one_by_one'] / masks['parallel']:.1f}x"
         )

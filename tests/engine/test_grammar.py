@@ -260,3 +260,30 @@ def test_masks_filled_in_parallel_equal_those_filled_one_by_one(
     fill_masks(matchers, parallel, parallel=True)
     fill_masks(matchers, one_by_one, parallel=False)
     assert np.array_equal(parallel, one_by_one) and parallel.any(axis=1).all()
+
+
+def test_the_masks_are_computed_once_the_forward_is_launched(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the host computes a step's grammar masks while the device runs its forward: the
+    runner launches the forward first, then computes them, then samples."""
+    import phasefleet.engine.model_runner as model_runner
+
+    eng = _engine(tiny_model(MODEL))
+    calls: list[str] = []
+    run_step, masks = eng.runner.run_step, model_runner.grammar_masks
+
+    def traced_run_step(*args: Any, **kw: Any) -> Any:
+        calls.append("forward")
+        return run_step(*args, **kw)
+
+    def traced_masks(*args: Any, **kw: Any) -> Any:
+        calls.append("masks")
+        return masks(*args, **kw)
+
+    monkeypatch.setattr(eng.runner, "run_step", traced_run_step)
+    monkeypatch.setattr(model_runner, "grammar_masks", traced_masks)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, grammar=GRAMMARS["regex"])
+    out = eng.generate(random_prompts([9], seed=12), params)[0]
+    assert obeys("regex", out.text)
+    assert calls == ["forward", "masks"] * len(out.output_token_ids)

@@ -41,8 +41,9 @@ def device_tensors(eng: LLMEngine) -> list[torch.Tensor]:
     found = [*runner.model.parameters(), *runner.model.buffers()]
     found += [runner.model.rope_cos, runner.model.rope_sin]  # type: ignore[list-item]
     found += [t for pair in runner.kv_caches for t in pair] + [runner.tables.device_table]
-    if runner.staging._dev is not None:
-        found.append(runner.staging._dev)
+    for staging in (runner.staging, runner.mask_staging):
+        if staging._dev is not None:
+            found.append(staging._dev)
     if runner.graphs is not None:
         g = runner.graphs
         found += [g.input_ids, g.positions, g.slots, g.rows, g.context_lens]
@@ -51,7 +52,8 @@ def device_tensors(eng: LLMEngine) -> list[torch.Tensor]:
 
 def traced_steps(eng: LLMEngine, steps: int) -> DeviceTracer:
     eng.step()  # the staging buffer's device side exists from the first upload on
-    tracer = DeviceTracer(device_tensors(eng), pinned=[eng.runner.staging._host])
+    pinned = [eng.runner.staging._host, eng.runner.mask_staging._host]
+    tracer = DeviceTracer(device_tensors(eng), pinned=pinned)
     with tracer:
         for _ in range(steps):
             eng.step()

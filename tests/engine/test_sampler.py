@@ -26,7 +26,7 @@ def row(seed: int | None = None, **kw: object) -> SamplingRow:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], position: int = 0) -> list[int]:
     """Every row samples the token at `position` (what the seeded draw hashes)."""
     batch = SamplingBatch.from_rows(rows, [position] * len(rows), logits.shape[-1])
-    return sample_batch(logits, rows, DeviceSampling.direct(batch, CPU))
+    return sample_batch(logits, rows, DeviceSampling.direct(batch, CPU, rows, logits.shape[-1]))
 
 
 def test_greedy_is_argmax() -> None:
@@ -188,7 +188,7 @@ def adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     from phasefleet.engine.sampler import _biased_and_penalized
 
     batch = SamplingBatch.from_rows(rows, [0] * len(rows), logits.shape[-1])
-    adjustments = DeviceSampling.direct(batch, CPU).adjustments
+    adjustments = DeviceSampling.direct(batch, CPU, rows, logits.shape[-1]).adjustments
     assert adjustments is not None
     return _biased_and_penalized(logits.clone(), adjustments)
 
@@ -254,7 +254,7 @@ def test_min_p_drops_tokens_under_its_share_of_the_best() -> None:
 
     rows = [row(seed=1, min_p=0.35), row(seed=1)]
     batch = SamplingBatch.from_rows(rows, [0, 0], 4)
-    got = _probs(probs.log().repeat(2, 1), DeviceSampling.direct(batch, CPU))
+    got = _probs(probs.log().repeat(2, 1), DeviceSampling.direct(batch, CPU, rows, 4))
     torch.testing.assert_close(got[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     torch.testing.assert_close(got[1], probs[0])  # min_p off: the distribution as it was
 

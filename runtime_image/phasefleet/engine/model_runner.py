@@ -37,7 +37,13 @@ from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, RankSet, RankSpec, free_address
 from phasefleet.engine.parallel.shard import Shard, unsupported
-from phasefleet.engine.sampler import DeviceSampling, SamplingBatch, SamplingRow, sample
+from phasefleet.engine.sampler import (
+    DeviceSampling,
+    SamplingBatch,
+    SamplingRow,
+    grammar_masks,
+    sample,
+)
 from phasefleet.engine.scheduler import SchedulerOutput
 from phasefleet.engine.staging import HostStaging
 from phasefleet.engine.startup import StartupTimes
@@ -175,6 +181,9 @@ class ModelRunner:
             max_num_seqs, -(-max_model_len // block_size), device, separate=separate
         )
         self.staging = HostStaging(device, copy=separate)
+        # the grammar masks' own copy, made while the forward runs (the step's inputs' buffer
+        # may still be in flight then)
+        self.mask_staging = HostStaging(device, copy=separate)
         self.graphs: DecodeGraphs | None = None
 
     def block_bytes(self) -> int:
@@ -344,6 +353,10 @@ class ModelRunner:
             row.prompt_logprobs.extend(token_logprobs(span, targets, counts))
         if logits is None or settings is None:
             return {}
+        if sampling.grammar:  # on the host while the device runs the forward
+            words = grammar_masks(sampled_rows, self.vocab_size)
+            self.mask_staging.add(words)
+            settings.grammar_words = self.mask_staging.upload()[0].view(words.shape)
         tokens = sample(logits, sampled_rows, settings)
         return {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
 

@@ -108,6 +108,7 @@ class SamplingBatch:
     banned_rows: np.ndarray  # [N] int64: (row, token) pairs masked to -inf
     banned_ids: np.ndarray  # [N] int64
     adjustments: Adjustments[np.ndarray] | None  # None: no row sets any
+    grammar: bool  # some row has a grammar (its masks come after the forward: grammar_masks)
     all_greedy: bool
     any_seeded: bool
     any_top: bool  # some row has top-k or top-p on
@@ -131,7 +132,8 @@ class SamplingBatch:
             position=np.array(positions, dtype=np.int64),
             banned_rows=np.array([i for i, _ in banned], dtype=np.int64),
             banned_ids=np.array([t for _, t in banned], dtype=np.int64),
-            adjustments=Adjustments.of(rows, vocab) if any(r.adjusts for r in rows) else None,
+            adjustments=Adjustments.of(rows) if any(r.adjusts for r in rows) else None,
+            grammar=any(r.matcher is not None for r in rows),
             all_greedy=all(greedy),
             any_seeded=any(
                 p.seed is not None and not g for p, g in zip(params, greedy, strict=True)
@@ -168,12 +170,10 @@ class Adjustments(Generic[A]):
     count_rows: A  # [M] int64: (row, token, count) of the penalized rows' outputs
     count_ids: A  # [M] int64
     count_values: A  # [M] float32
-    grammar_rows: A  # [G] int64: the rows with a grammar
-    grammar_words: A  # [G * W] int32: their allowed tokens, W = mask_words(V) words per row
+    grammar_rows: A  # [G] int64: the rows with a grammar (their masks: `grammar_masks`)
 
     @classmethod
-    def of(cls, rows: list[SamplingRow], vocab: int) -> Adjustments[np.ndarray]:
-        """A row whose grammar has failed gets its `error` set (and allows nothing)."""
+    def of(cls, rows: list[SamplingRow]) -> Adjustments[np.ndarray]:
         params = [r.params for r in rows]
         biased = [(i, r) for i, r in enumerate(rows) if r.bias_ids.size]
         bias_rows, bias_ids = _pairs([(i, r.bias_ids) for i, r in biased])
@@ -193,25 +193,26 @@ class Adjustments(Generic[A]):
             count_rows=count_rows,
             count_ids=count_ids,
             count_values=_concat([n for _, (_, n) in counted], np.float32),
-            **_grammar_masks(rows, vocab),
+            grammar_rows=np.array(
+                [i for i, r in enumerate(rows) if r.matcher is not None], dtype=np.int64
+            ),
         )
 
     def arrays(self) -> list[A]:
         return [getattr(self, f.name) for f in fields(self)]
 
 
-def _grammar_masks(rows: list[SamplingRow], vocab: int) -> dict[str, np.ndarray]:
-    """The grammar rows' indices and their bitmasks of the tokens allowed next."""
-    ruled = [(i, r, r.matcher) for i, r in enumerate(rows) if r.matcher is not None]
-    words = np.zeros((len(ruled), mask_words(vocab)), dtype=np.int32)
-    fill_masks([matcher for _, _, matcher in ruled], words)
-    for _, row, matcher in ruled:
-        if matcher.error is not None:
-            row.error = f"the response's grammar failed: {matcher.error}"
-    return {
-        "grammar_rows": np.array([i for i, _, _ in ruled], dtype=np.int64),
-        "grammar_words": words.reshape(-1),
-    }
+def grammar_masks(rows: list[SamplingRow], vocab: int) -> np.ndarray:
+    """[G, mask_words(V)] int32: the tokens each grammar row (in `Adjustments.grammar_rows`'
+    order) allows next. A row whose grammar has failed gets its `error` set (and allows
+    nothing). The runner computes them while the device runs the step's forward."""
+    matchers = [r.matcher for r in rows if r.matcher is not None]
+    words = np.zeros((len(matchers), mask_words(vocab)), dtype=np.int32)
+    fill_masks(matchers, words)
+    for row in rows:
+        if row.matcher is not None and row.matcher.error is not None:
+            row.error = f"the response's grammar failed: {row.matcher.error}"
+    return words
 
 
 def _pairs(rows: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -242,6 +243,8 @@ class DeviceSampling:
     banned_rows: torch.Tensor
     banned_ids: torch.Tensor
     adjustments: Adjustments[torch.Tensor] | None = field(default=None, kw_only=True)
+    # [G, W] int32: the grammar rows' masks (`grammar_masks`), set once computed
+    grammar_words: torch.Tensor | None = field(default=None, kw_only=True)
 
     @classmethod
     def take(cls, batch: SamplingBatch, tensors: list[torch.Tensor]) -> DeviceSampling:
@@ -251,9 +254,14 @@ class DeviceSampling:
         return cls(batch, *tensors[:base], adjustments=Adjustments(*tensors[base:]))
 
     @classmethod
-    def direct(cls, batch: SamplingBatch, device: torch.device) -> DeviceSampling:
-        """Without a shared upload (tests, the rare step that samples nothing else)."""
-        return cls.take(batch, [torch.from_numpy(a).to(device) for a in batch.arrays()])
+    def direct(
+        cls, batch: SamplingBatch, device: torch.device, rows: list[SamplingRow], vocab: int
+    ) -> DeviceSampling:
+        """Without a shared upload, the grammar masks included (tests)."""
+        s = cls.take(batch, [torch.from_numpy(a).to(device) for a in batch.arrays()])
+        if batch.grammar:
+            s.grammar_words = torch.from_numpy(grammar_masks(rows, vocab)).to(device)
+        return s
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> list[int]:
@@ -265,7 +273,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
     raw = logits[asking] if asking else None  # [a, V], a copy taken before any mask
     if s.adjustments is not None:
         logits = _biased_and_penalized(logits, s.adjustments)
-        logits = _grammar_masked(logits, s.adjustments)
+    if s.batch.grammar:
+        if s.adjustments is None or s.grammar_words is None:
+            raise ValueError("a batch with grammar rows needs their masks (grammar_words)")
+        logits = _grammar_masked(logits, s.adjustments.grammar_rows, s.grammar_words)
     if len(s.batch.banned_rows):
         logits[s.banned_rows, s.banned_ids] = float("-inf")
     tokens = logits.argmax(dim=-1)  # [B]
@@ -316,17 +327,14 @@ def _biased_and_penalized(logits: torch.Tensor, a: Adjustments[torch.Tensor]) ->
     return logits
 
 
-def _grammar_masked(logits: torch.Tensor, a: Adjustments[torch.Tensor]) -> torch.Tensor:
-    """logits [B, V] with -inf where a row's grammar does not allow the token."""
-    g = a.grammar_rows.numel()
-    if not g:
-        return logits
+def _grammar_masked(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with -inf where a row's grammar does not allow the token; rows: [G] int64,
+    words: [G, W] int32, bit t % 32 of word t // 32 set for an allowed token t."""
     vocab = logits.shape[-1]
-    words = a.grammar_words.view(g, -1)  # [G, W] int32
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
-    ruled = logits[a.grammar_rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((a.grammar_rows,), ruled)
+    ruled = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((rows,), ruled)
 
 
 def _probs(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
