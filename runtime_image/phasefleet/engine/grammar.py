@@ -1,9 +1,8 @@
 """Structured output: a request's `Grammar` (a JSON schema, a regex, a choice of strings, a
-context-free grammar) as a
-matcher that says, before each token, which tokens may come next.
+context-free grammar) as a matcher that says, before each token, which tokens may come next.
 
 llguidance does the work (imported on first use). `GrammarCompiler` holds the tokenizer in
-llguidance's form, built once on first use (about a second for a 50k vocabulary) and shared by
+llguidance's form, built once on first use (0.3 s for SmolLM2's 49k vocabulary) and shared by
 every thread that compiles; it compiles each grammar once (a small cache of fresh matchers) and
 hands out copies. `GrammarMatcher` is one request's place in its grammar: it writes the tokens
 allowed next as a bitmask row and takes each token the request keeps. JSON is generated without
@@ -53,7 +52,10 @@ def grammar_text(grammar: Grammar) -> str:
     if grammar.kind == "regex":
         return LLMatcher.grammar_from_regex(grammar.spec)
     if grammar.kind == "choice":
-        choices = json.loads(grammar.spec)
+        try:
+            choices = json.loads(grammar.spec)
+        except ValueError as exc:
+            raise ValueError(f"the choices are not JSON: {exc}") from None
         if not (
             isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)
         ):
