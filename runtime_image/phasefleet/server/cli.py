@@ -28,7 +28,7 @@ from phasefleet.api.contract import (
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
-from phasefleet.server.hermes import TOOL_CALL_PARSERS  # no heavy imports
+from phasefleet.server.tool_parsers import TOOL_CALL_PARSERS  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 
 DEFAULT_MAX_QUEUE_LEN = 256  # requests waiting to be scheduled before new ones get 429
@@ -140,8 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default=None,
-        help="the model's format of tool calls in free text, for chat's tool_choice 'auto' "
-        "(hermes: <tool_call>{...}</tool_call>, as Hermes and Qwen2.5); without it 'auto' is a 400",
+        help="the model's format of tool calls in free text, for chat's tool_choice 'auto': "
+        "hermes (<tool_call>{...}</tool_call>, as Hermes and Qwen2.5) or llama3_json (an answer "
+        "of JSON calls, as Llama 3.1-3.3); without it 'auto' is a 400",
     )
 
     handoff = parser.add_argument_group(

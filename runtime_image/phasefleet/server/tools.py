@@ -6,7 +6,7 @@
   `{"name": ..., "parameters": {...}}`;
 - `"none"`: a text answer;
 - `"auto"`, the default when tools are sent: free text, whose calls a parser of the model's own
-  format finds (`--tool-call-parser hermes`: server/hermes.py); without one, a 400 that says what
+  format finds (`--tool-call-parser`: server/tool_parsers.py); without one, a 400 that says what
   to send instead (vLLM answers the same without its --enable-auto-tool-choice).
 
 The tools are shown to the chat template either way. A forced call is a grammar (the engine's
@@ -22,7 +22,6 @@ from typing import Any
 
 from phasefleet.engine.sampling_params import Grammar
 from phasefleet.server.errors import bad_request
-from phasefleet.server.hermes import HermesSplitter, split_calls
 from phasefleet.server.openai_protocol import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -34,6 +33,7 @@ from phasefleet.server.openai_protocol import (
     ToolCall,
     ToolCallDelta,
 )
+from phasefleet.server.tool_parsers import split_calls, splitter
 
 ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}
 AUTO_REFUSED = (
@@ -101,7 +101,8 @@ def answer(
 ) -> tuple[AssistantMessage, str | None]:
     """A whole answer as the message and finish_reason a client gets."""
     if parses_calls(req, parser):
-        content, found = split_calls(text)
+        assert parser is not None
+        content, found = split_calls(parser, text)
         if not found:
             return AssistantMessage(content=text), reason
         calls = [_call(c.name, c.arguments) for c in found]
@@ -152,7 +153,7 @@ class ChoiceStream:
 
     def __init__(self, req: ChatCompletionRequest, parser: str | None) -> None:
         self.req = req
-        self.splitter = HermesSplitter() if parses_calls(req, parser) else None
+        self.splitter = splitter(parser) if parser and parses_calls(req, parser) else None
         self.call_id = f"call_{uuid.uuid4().hex[:24]}"
         self.started = False  # a named function's call has had its first piece
 
