@@ -218,6 +218,17 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_seen
     assert sample(logits, [penalized, row(temperature=0)]) == [3, 2]
 
 
+def test_a_repetition_penalty_below_float32s_range_still_samples() -> None:
+    """1e-300 is a valid penalty (> 0) that float32 holds as 0: the seen tokens' logits become
+    the largest finite ones instead of inf (a 'sampling failed' the API fuzzing found)."""
+    logits = torch.tensor([[2.0, -2.0, 4.0, 3.0, -1.0]])
+    for seed in (None, 3):
+        favoured = row(seed=seed, temperature=0 if seed is None else 1.0, repetition_penalty=1e-300)
+        favoured.prompt_ids = torch.tensor([0, 1]).numpy()
+        assert sample(logits.clone(), [favoured]) == [0]  # the positive seen token wins outright
+        assert favoured.error is None
+
+
 def test_output_counts_grow_past_their_first_arrays() -> None:
     r = row(frequency_penalty=1.0)
     r.output_ids = [t % 40 for t in range(100)]  # 40 distinct tokens: the arrays double twice

@@ -316,9 +316,10 @@ def _biased_and_penalized(logits: torch.Tensor, a: Adjustments[torch.Tensor]) ->
         seen = torch.zeros_like(logits, dtype=torch.bool)
         seen[a.seen_rows, a.seen_ids] = True
         penalty = a.repetition.unsqueeze(1)
-        logits = torch.where(
-            seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits
-        )
+        # a penalty below float32's range (a valid 1e-300 becomes 0) divides to inf: kept finite
+        big = torch.finfo(torch.float32).max
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-big, big)
+        logits = torch.where(seen, penalized, logits)
     if a.count_rows.numel():
         counts = torch.zeros_like(logits)
         counts[a.count_rows, a.count_ids] = a.count_values
