@@ -57,9 +57,8 @@ def tool_grammar(req: ChatCompletionRequest, parser: str | None) -> Grammar | No
         if parser is None:
             raise bad_request(AUTO_REFUSED, "tool_choice")
         return None
-    if choice == "required":
+    if not isinstance(choice, NamedToolChoice):  # "required"
         return Grammar("json", json.dumps(_calls_schema(tools)))
-    assert isinstance(choice, NamedToolChoice)
     named = [t for t in tools if t.function.name == choice.function.name]
     if not named:
         raise bad_request(
@@ -100,8 +99,7 @@ def answer(
     req: ChatCompletionRequest, parser: str | None, text: str, reason: str | None
 ) -> tuple[AssistantMessage, str | None]:
     """A whole answer as the message and finish_reason a client gets."""
-    if parses_calls(req, parser):
-        assert parser is not None
+    if parser is not None and parses_calls(req, parser):
         content, found = split_calls(parser, text)
         if not found:
             return AssistantMessage(content=text), reason
@@ -153,7 +151,9 @@ class ChoiceStream:
 
     def __init__(self, req: ChatCompletionRequest, parser: str | None) -> None:
         self.req = req
-        self.splitter = splitter(parser) if parser and parses_calls(req, parser) else None
+        self.splitter = (
+            splitter(parser) if parser is not None and parses_calls(req, parser) else None
+        )
         self.call_id = f"call_{uuid.uuid4().hex[:24]}"
         self.started = False  # a named function's call has had its first piece
 
