@@ -208,6 +208,8 @@ def test_a_prefill_whose_grammar_ends_at_the_first_token_stops_and_leases_nothin
         (Grammar("choice", "[]"), "non-empty list of non-empty strings"),
         (Grammar("choice", '["a", ""]'), "non-empty list of non-empty strings"),
         (Grammar("grammar", "root ::= ("), "the grammar does not parse"),
+        (Grammar("grammar", 'other ::= "a"'), "No 'root' rule found"),
+        (Grammar("json", "[" * 5000 + "]" * 5000), "the JSON schema is not JSON"),
         (Grammar("grammar", "start: undefined_rule"), "undefined_rule"),
     ],
 )

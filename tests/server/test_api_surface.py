@@ -328,6 +328,12 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         {"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}},
         "structured_outputs",
     ),
+    ("completions", {"extra_body": {"guided_grammar": ""}}, "guided_grammar"),
+    (
+        "completions",
+        {"extra_body": {"guided_grammar": 'other ::= "a"'}},  # no root rule
+        "guided_grammar",
+    ),
     ("chat", {"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
 ]
 

@@ -41,7 +41,7 @@ def grammar_text(grammar: Grammar) -> str:
     if grammar.kind == "json":
         try:
             schema = json.loads(grammar.spec)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"the JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("the JSON schema must be an object or a boolean")
@@ -54,7 +54,7 @@ def grammar_text(grammar: Grammar) -> str:
     if grammar.kind == "choice":
         try:
             choices = json.loads(grammar.spec)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ValueError(f"the choices are not JSON: {exc}") from None
         if not (
             isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)
@@ -64,11 +64,11 @@ def grammar_text(grammar: Grammar) -> str:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         return LLMatcher.grammar_from_lark(f"start: {alternatives}")
     if grammar.kind == "grammar":
-        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        from llguidance.gbnf_to_lark import any_to_lark
 
         try:
             return LLMatcher.grammar_from_lark(any_to_lark(grammar.spec))
-        except GbnfToLarkError as exc:
+        except Exception as exc:  # the GBNF converter raises bare Exceptions ("No 'root' rule")
             raise ValueError(f"the grammar does not parse: {exc}") from None
     raise ValueError(f"unknown grammar kind {grammar.kind!r}")
 

@@ -62,6 +62,8 @@ def requested_grammar(
     if not asked:
         return None
     grammar, field = asked[0]
+    if not grammar.spec:
+        raise bad_request(f"{field} must not be empty", field)
     if len(grammar.spec) > MAX_GRAMMAR_CHARS:
         raise bad_request(
             f"{field} is {len(grammar.spec)} characters as a grammar, more than "
