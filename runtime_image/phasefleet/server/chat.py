@@ -41,10 +41,13 @@ if TYPE_CHECKING:
 def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
     """The prompt's token ids; templates and tokenizes, so it runs on the tokenizer thread."""
     messages = [_template_message(m) for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    definitions = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         ids = state.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=req.add_generation_prompt, tokenize=True
+            messages,
+            tools=definitions,
+            add_generation_prompt=req.add_generation_prompt,
+            tokenize=True,
         )
     except Exception as exc:  # jinja raises whatever the template author chose
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
@@ -59,9 +62,10 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name is not None:
         message["name"] = m.name
+    extra = m.model_extra or {}
     for key in ("tool_calls", "tool_call_id"):
-        if key in (m.model_extra or {}):
-            message[key] = (m.model_extra or {})[key]
+        if key in extra:
+            message[key] = extra[key]
     return message
 
 

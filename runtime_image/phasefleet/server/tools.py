@@ -138,9 +138,11 @@ def _compact(value: Any) -> str:
 
 
 def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments)
-    )
+    return ToolCall(id=_call_id(), function=FunctionCall(name=name, arguments=arguments))
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChoiceStream:
@@ -154,7 +156,7 @@ class ChoiceStream:
         self.splitter = (
             splitter(parser) if parser is not None and parses_calls(req, parser) else None
         )
-        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self.call_id = _call_id()
         self.started = False  # a named function's call has had its first piece
 
     def delta(self, text: str, finished: bool, whole: str) -> Delta:
