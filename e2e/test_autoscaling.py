@@ -347,7 +347,11 @@ def closed_loop(cluster: ControlPlane, ns: str, prometheus: Prometheus, operator
     assert operator_metric(Metric.AUTOSCALER_DESIRED_REPLICAS, ns, "prefill") is None
 
     reasons = scale_events(cluster, ns)
-    assert any(m.startswith("prefill 1->2: ") and "TTFT p90" in m for m in reasons["ScaledUp"])
+    # the same two signals as the status's lastScaleReason above
+    assert any(
+        m.startswith("prefill 1->2: ") and ("TTFT p90" in m or "prompt backlog" in m)
+        for m in reasons["ScaledUp"]
+    ), reasons
     assert any(m.startswith("prefill 2->1:") for m in reasons["ScaledDown"]), reasons
     assert any("PrometheusUnreachable" in m for m in reasons["MetricsUnavailable"]), reasons
     describe = cluster.kubectl("describe", "inferenceservice", NAME, "-n", ns).stdout
