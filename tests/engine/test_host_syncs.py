@@ -14,8 +14,9 @@ import torch
 
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import Grammar, SamplingParams
+from phasefleet.engine.tiny_lora import make_tiny_lora
 from tests.engine.device_tracer import DeviceTracer
-from tests.engine.factories import engine_config, random_prompts
+from tests.engine.factories import engine_config, finish_all, random_prompts
 
 ModelPath = Callable[[str], Path]
 HFGreedy = Callable[[str, list[int], int], list[int]]
@@ -44,6 +45,8 @@ def device_tensors(eng: LLMEngine) -> list[torch.Tensor]:
     for staging in (runner.staging, runner.mask_staging):
         if staging._dev is not None:
             found.append(staging._dev)
+    if runner.lora is not None:
+        found.append(runner.lora.step.token_slots)
     if runner.graphs is not None:
         g = runner.graphs
         found += [g.input_ids, g.positions, g.slots, g.rows, g.context_lens]
@@ -111,6 +114,38 @@ def test_the_graph_path_copies_on_the_device_and_its_forward_can_be_captured(
     with capture, torch.inference_mode():
         graphs._forward(4)  # what capture() records, run eagerly
     assert capture.capture_faults == [] and capture.mixes == []
+
+
+def test_lora_rows_add_no_wait_and_the_graph_forward_with_deltas_can_be_captured(
+    tiny_model: ModelPath, plain_linears: None, tmp_path: Path
+) -> None:
+    """Adapters mixed with base rows, through the decode graphs' path: still one wait per
+    step, no host tensors mixed in, nothing uploaded from pageable memory; the answers are the
+    eager path's."""
+    adapter = make_tiny_lora(tmp_path / "a", tiny_model("llama"), rank=4, seed=1)
+    loras: list[str | None] = ["a", None, "a"]
+    prompts = random_prompts([5, 9, 3], seed=6)
+    answers = []
+    for graphs in (False, True):
+        eng = engine(tiny_model, num_kv_blocks=64, lora_adapters={"a": str(adapter)})
+        if graphs:
+            eng.runner.enable_decode_graphs(max_batch=4, capture=False)
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+            eng.add_request(f"r{i}", prompt, GREEDY, lora=lora)
+        eng.step()
+        tracer = traced_steps(eng, 3)
+        assert tracer.mixes == [] and tracer.uploads == []
+        assert tracer.syncs == ["tolist"] * 3
+        answers.append(finish_all(eng))
+        if graphs:
+            assert eng.runner.graphs is not None
+            capture = DeviceTracer(device_tensors(eng))
+            capture.capturing = True
+            with capture, torch.inference_mode():
+                eng.runner.graphs._forward(4)
+            assert capture.capture_faults == [] and capture.mixes == []
+    eager, graphed = ({k: o.output_token_ids for k, o in a.items()} for a in answers)
+    assert eager == graphed and len({tuple(v) for v in eager.values()}) == 3
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])

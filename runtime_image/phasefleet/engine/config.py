@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 
@@ -28,6 +28,14 @@ class EngineConfig:
     """Ranks the model is split over, one process and one device each (Megatron-style: heads,
     MLP width and vocabulary split; see engine/parallel). Must divide the attention heads and
     the MLP width, and divide or be a multiple of the KV heads. On CUDA: one GPU per rank."""
+
+    # -- LoRA adapters (engine/lora.py) --
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    """name -> PEFT adapter folder, loaded at start; a request names one to use it."""
+    max_loras: int | None = None
+    """Adapter slots (every slot's weights stay on the device); None: one per adapter given."""
+    max_lora_rank: int = 16
+    """The largest adapter rank a slot holds."""
 
     # -- KV cache --
     block_size: int = 16
@@ -55,6 +63,11 @@ class EngineConfig:
     late_limit_s: float = DEFAULT_LATE_LIMIT_S
     """After this long waiting, a late prompt is served in its turn again, seconds."""
 
+    @property
+    def num_lora_slots(self) -> int:
+        """0: LoRA off."""
+        return len(self.lora_adapters) if self.max_loras is None else self.max_loras
+
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot work."""
         if not self.model:
@@ -64,6 +77,14 @@ class EngineConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.max_loras is not None and self.max_loras < len(self.lora_adapters):
+            raise ValueError(
+                f"max_loras ({self.max_loras}) must be at least the number of LoRA adapters "
+                f"given ({len(self.lora_adapters)})"
+            )
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.num_lora_slots and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")
         _positive("block_size", self.block_size)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(

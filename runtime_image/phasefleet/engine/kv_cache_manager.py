@@ -38,7 +38,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.prefix_salt
             hashes.append(hash_block(parent, request.token_ids(i * bs, (i + 1) * bs)))
         return hashes
 
@@ -52,7 +52,7 @@ class KVCacheManager:
         hashes = self._block_hashes(request, num_tokens // bs)
         hits: list[int] = []
         for i, block_hash in enumerate(hashes):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else request.prefix_salt
             block_id = self.pool.lookup(block_hash, parent, request.token_ids(i * bs, (i + 1) * bs))
             if block_id is None:
                 break
@@ -97,7 +97,7 @@ class KVCacheManager:
         table = self.block_tables[request.request_id]
         self._num_registered[request.request_id] = num_full
         for i in range(start, num_full):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else request.prefix_salt
             self.pool.cache(table[i], hashes[i], parent, request.token_ids(i * bs, (i + 1) * bs))
 
     def free(self, request: Request) -> None:

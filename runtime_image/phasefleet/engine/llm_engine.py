@@ -27,6 +27,7 @@ from phasefleet.engine.grammar import GrammarCompiler, GrammarMatcher
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
 from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
+from phasefleet.engine.lora import LoraError, prefix_salt, read_adapter
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
@@ -97,6 +98,10 @@ class LLMEngine:
             startup,
             tensor_parallel_size=config.tensor_parallel_size,
         )
+        self.lora_salts: dict[str, int] = {}  # adapter name -> its prefix salt
+        if config.num_lora_slots:
+            with startup.phase("lora"):
+                self._load_adapters(config)
         with startup.phase("kv_cache"):
             num_blocks = config.num_kv_blocks or self.runner.auto_num_blocks(
                 config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens
@@ -145,9 +150,11 @@ class LLMEngine:
         imported_kv: list[KVChunk] | None = None,
         importing_from: int | None = None,
         late_after_s: float | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queues a request. `late_after_s`: its TTFT target for late prompts last (else the
-        engine's `late_after_s`). Hand-off forms: `prefill_only` (prefill role) finishes with
+        """Queues a request; `lora`: the name of a loaded adapter to run it with (None: the base
+        model). `late_after_s`: its TTFT target for late prompts last (else the engine's
+        `late_after_s`). Hand-off forms: `prefill_only` (prefill role) finishes with
         'handoff' after the first token and keeps the prompt's KV under a lease;
         `first_token_id` (decode role) continues a request another worker prefilled, from
         `imported_kv` (consecutive chunks of its prompt's blocks, in this engine's layout: the
@@ -194,6 +201,7 @@ class LLMEngine:
         if importing_from is not None and first_block != importing_from:
             raise ValueError(f"imported_kv must start at block {importing_from}")
         imported_tokens = self.imports.check(imported_kv, first_block, n)
+        lora_slot, salt = self.lora_slot(lora)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -205,6 +213,8 @@ class LLMEngine:
             import_first_block=first_block,
             importing=importing_from is not None,
             late_after_s=late_after_s,
+            lora_slot=lora_slot,
+            prefix_salt=salt,
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
@@ -223,6 +233,23 @@ class LLMEngine:
         self._live[request_id] = _Live(row, detok)
         if imported_kv or importing_from is not None:
             self.imports.add(request_id, imported_kv)
+
+    def _load_adapters(self, config: EngineConfig) -> None:
+        tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        lora = self.runner.enable_lora(config.num_lora_slots, config.max_lora_rank, tokens)
+        for name, folder in config.lora_adapters.items():
+            lora.load(read_adapter(name, folder))
+            self.lora_salts[name] = prefix_salt(name)
+
+    def lora_slot(self, name: str | None) -> tuple[int, int | None]:
+        """(slot, prefix salt) of an adapter by name; (-1, None) for the base model. ValueError
+        for an adapter this engine has not loaded."""
+        if name is None:
+            return -1, None
+        lora = self.runner.lora
+        if lora is None or name not in self.lora_salts:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded")
+        return lora.slot(name), self.lora_salts[name]
 
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         """The next chunk of an importing request's KV (written into its blocks now if it is
@@ -288,12 +315,13 @@ class LLMEngine:
         self.num_kv_lease_expiries_total += len(expired)
         return len(expired)
 
-    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Leading prompt tokens the prefix cache holds now. An estimate when called off the
-        engine thread (the cache may change meanwhile); takes no references."""
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], lora: str | None = None) -> int:
+        """Leading prompt tokens the prefix cache holds now (for adapter `lora`). An estimate
+        when called off the engine thread (the cache may change meanwhile); takes no
+        references."""
         if not self.config.enable_prefix_caching:
             return 0
-        bs, parent, hits = self.config.block_size, None, 0
+        bs, parent, hits = self.config.block_size, self.lora_salts.get(lora or ""), 0
         for i in range(len(prompt_token_ids) // bs):
             tokens = prompt_token_ids[i * bs : (i + 1) * bs]
             block_hash = hash_block(parent, tokens)
@@ -518,9 +546,13 @@ class LLMEngine:
         self.runner.stop()
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        loras: list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Offline: run every prompt to completion; final outputs in input order."""
+        """Offline: run every prompt to completion (with its LoRA adapter from `loras`, if
+        given); final outputs in input order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(
@@ -529,8 +561,9 @@ class LLMEngine:
             )
         base = f"generate-{time.monotonic_ns()}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, prompt, p)
+        adapters = loras if loras is not None else [None] * len(prompts)
+        for rid, prompt, p, lora in zip(ids, prompts, plist, adapters, strict=True):
+            self.add_request(rid, prompt, p, lora=lora)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for o in self.step():

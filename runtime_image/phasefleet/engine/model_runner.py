@@ -31,6 +31,7 @@ from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
+from phasefleet.engine.lora import LoraSet
 from phasefleet.engine.models.cpu_linear import choose_cpu_linear
 from phasefleet.engine.models.llama import KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
@@ -185,6 +186,15 @@ class ModelRunner:
         # may still be in flight then)
         self.mask_staging = HostStaging(device, copy=separate)
         self.graphs: DecodeGraphs | None = None
+        self.lora: LoraSet | None = None
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_tokens: int) -> LoraSet:
+        """Adapter slots on every adapted linear (before the KV pool is sized and the decode
+        graphs are captured: both must see them)."""
+        if self.ranks is not None or self.tp is not None:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism")
+        self.lora = LoraSet(self.model, max_loras, max_rank, max_tokens)
+        return self.lora
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers, keys and values."""
@@ -324,6 +334,8 @@ class ModelRunner:
             self.device,
         )
         if capture:
+            if self.lora is not None:  # the graphs hold the deltas; base tokens have no slot
+                self.lora.step.active = True
             self.graphs.capture()
 
     def release(self, request_id: str) -> None:
@@ -369,6 +381,8 @@ class ModelRunner:
         device, rank 0 only). The other ranks run it for the collectives and drop the result."""
         a = step.arrays
         t = self._upload(a, step.table_updates, sampling)
+        if self.lora is not None:  # a graph always runs the deltas
+            self.lora.step.set(t.lora_slots, step.graph or bool((a.lora_slots >= 0).any()))
         if step.graph and self.graphs is not None:
             logits = self.graphs.run(t.input_ids, t.positions, t.slots, t.decode_rows, t.decode_ctx)
             return logits, [], t.sampling
@@ -390,7 +404,7 @@ class ModelRunner:
         in one copy; the updates applied to the device tables."""
         inputs = [
             arrays.input_ids, arrays.positions, arrays.slots, arrays.decode_rows,
-            arrays.decode_ctx, arrays.sample_index,
+            arrays.decode_ctx, arrays.sample_index, arrays.lora_slots,
         ]  # fmt: skip
         settings = sampling.arrays() if sampling is not None else []
         for array in [*inputs, *settings, *(updates or ())]:
@@ -399,7 +413,9 @@ class ModelRunner:
         k = len(inputs) + len(settings)
         if updates is not None:
             self.tables.apply(t[k], t[k + 1])
-        input_ids, positions, slots, decode_rows, decode_ctx, sample_index = t[: len(inputs)]
+        input_ids, positions, slots, decode_rows, decode_ctx, sample_index, lora_slots = t[
+            : len(inputs)
+        ]
         return StepTensors(
             input_ids=input_ids,
             positions=positions,
@@ -407,6 +423,7 @@ class ModelRunner:
             decode_rows=decode_rows,
             decode_ctx=decode_ctx,
             sample_index=sample_index,
+            lora_slots=lora_slots,
             sampling=(
                 DeviceSampling.take(sampling, t[len(inputs) : k]) if sampling is not None else None
             ),
@@ -493,4 +510,5 @@ class StepTensors:
     decode_rows: torch.Tensor
     decode_ctx: torch.Tensor
     sample_index: torch.Tensor
+    lora_slots: torch.Tensor
     sampling: DeviceSampling | None  # rank 0's

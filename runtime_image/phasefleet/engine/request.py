@@ -41,6 +41,10 @@ class Request:
     importing: bool = False
     """More of that KV is on its way: admitted (blocks reserved) but computed only once the
     import ends (engine/kv_import.py)."""
+    lora_slot: int = -1
+    """Its LoRA adapter's slot (engine/lora.py); -1: the base model."""
+    prefix_salt: int | None = None
+    """The root of its prefix-cache block hashes (its adapter's); None: the base model's."""
     late_after_s: float | None = None
     """This prompt's TTFT target for late prompts last (the router's); None: the scheduler's."""
 

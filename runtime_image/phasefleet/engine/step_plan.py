@@ -47,6 +47,7 @@ class StepArrays:
     groups: list[DecodeGroupPlan]  # torch decode path only (else empty)
     prefills: list[PrefillPlan]
     sample_index: np.ndarray  # [S] int64: flat index of each sampling request's last token
+    lora_slots: np.ndarray  # [T] int64: each token's LoRA slot, -1 for none (engine/lora.py)
 
     @property
     def num_decodes(self) -> int:
@@ -84,6 +85,7 @@ def plan_step(
     prefills = [s for s in scheduled if s.num_tokens > 1]
     n_dec = len(decodes)
     ids, pos, slots, rows = [], [], [], []
+    adapters = [np.array([s.request.lora_slot for s in decodes], np.int64)]
     for s in decodes:
         p = s.start
         ids.append(s.request.token_ids(p, p + 1)[0])
@@ -104,6 +106,7 @@ def plan_step(
         parts_ids.append(np.array(s.request.token_ids(s.start, end), np.int64))
         parts_pos.append(chunk)
         parts_slots.append(tables.host[row, chunk // bs].astype(np.int64) * bs + chunk % bs)
+        adapters.append(np.full(s.num_tokens, s.request.lora_slot, np.int64))
         plans.append(PrefillPlan(offset, s.num_tokens, end, row, nb))
         offset += s.num_tokens
     batch = decodes + prefills
@@ -124,6 +127,7 @@ def plan_step(
         groups=_groups(ctx, rows, tables, bs) if group else [],
         prefills=plans,
         sample_index=np.array(sample_index, np.int64),
+        lora_slots=np.concatenate(adapters),
         sampled=sampled,
     )
 
