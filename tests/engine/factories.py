@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -94,6 +94,23 @@ def make_requests(
         )
         for i in range(n)
     ]
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from transformers with PEFT's LoRA adapter applied (None: the base
+    model alone), no KV cache: the reference for the engine's adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[list[int]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from phasefleet.engine.llm_engine import LLMEngine
@@ -18,7 +18,7 @@ from phasefleet.engine.lora import LoraError, read_adapter
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.tiny import make_tiny
 from phasefleet.engine.tiny_lora import make_tiny_lora
-from tests.engine.factories import engine_config, random_prompts
+from tests.engine.factories import engine_config, peft_greedy, random_prompts
 
 MODEL = "llama"
 N = 10
@@ -43,19 +43,6 @@ def adapters(
                              init_lora_weights=False)  # fmt: skip
     get_peft_model(model, peft_config).save_pretrained(str(root / "peft"))
     return {"every": every, "attention": attention, "peft": root / "peft"}
-
-
-def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens from transformers with PEFT's adapter applied (no KV cache)."""
-    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def _engine(folder: Path, adapters: dict[str, Path], **kw: Any) -> LLMEngine:

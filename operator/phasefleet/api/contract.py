@@ -85,6 +85,9 @@ class WorkerFlag:
     LATE_AFTER_MS = "--late-after-ms"  # the TTFT target: late prompts last
     LATE_LIMIT_S = "--late-limit-s"
     TENSOR_PARALLEL_SIZE = "--tensor-parallel-size"
+    LORA_MODULES = "--lora-modules"  # NAME=PATH ...
+    MAX_LORAS = "--max-loras"
+    MAX_LORA_RANK = "--max-lora-rank"
 
 
 class FetchModelFlag:

@@ -82,13 +82,15 @@ def build_app(state: WorkerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(
-            id=state.served_model_name,
-            created=state.started_at,
-            root=state.served_model_name,
-            max_model_len=state.engine.max_model_len or None,
-        )
-        return ModelList(data=[card])
+        base, max_len = state.served_model_name, state.engine.max_model_len or None
+        cards = [ModelCard(id=base, created=state.started_at, root=base, max_model_len=max_len)]
+        cards += [
+            ModelCard(
+                id=name, created=state.started_at, root=name, parent=base, max_model_len=max_len
+            )
+            for name in state.lora_names
+        ]
+        return ModelList(data=cards)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -91,6 +91,7 @@ class _Add:
     params: list[SamplingParams]  # one per choice
     options: list[EngineOptions] | None  # one per choice, or None: plain requests
     late_after_s: float | None = None  # their TTFT target (late prompts last); None: the engine's
+    lora: str | None = None  # their LoRA adapter; None: the base model
 
 
 @dataclass
@@ -238,11 +239,13 @@ class AsyncEngine:
 
     # -- the hand-off: narrow calls that are safe from any thread while the engine steps --
 
-    def cached_prefix_tokens(self, prompt: list[int]) -> int:
-        """Leading prompt tokens the prefix cache holds now: an estimate (it may change before
-        the request is admitted); 0 before the engine is ready."""
+    def cached_prefix_tokens(self, prompt: list[int], lora: str | None = None) -> int:
+        """Leading prompt tokens the prefix cache holds now (under adapter `lora`): an estimate
+        (it may change before the request is admitted); 0 before the engine is ready."""
         engine = self._engine
-        return engine.cached_prefix_tokens(prompt) if engine is not None and self.ready else 0
+        if engine is None or not self.ready:
+            return 0
+        return engine.cached_prefix_tokens(prompt, lora)
 
     def read_kv(self, block_ids: list[int], chunk_bytes: int) -> Iterator[memoryview]:
         """Blocks' KV in wire order, in chunks of about chunk_bytes whose memory the next
@@ -302,11 +305,12 @@ class AsyncEngine:
         options: list[EngineOptions] | None = None,
         reserved: bool = False,
         late_after_s: float | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError.
         `reserved`: the caller passed `check_room` earlier (a decode after its remote prefill),
         so a queue filled since does not refuse it. `late_after_s`: their TTFT target (late
-        prompts last), else the engine's."""
+        prompts last), else the engine's. `lora`: their adapter's name."""
         if not self.ready or self.fatal_error is not None:
             raise EngineNotReadyError("the engine is not ready")
         if len(request_ids) > self.max_queue_len:  # would never fit: not a QueueFullError
@@ -321,7 +325,7 @@ class AsyncEngine:
             if not reserved and waiting + len(request_ids) > self.max_queue_len:
                 raise QueueFullError(self.max_queue_len)
             self._shared.pending_adds += len(request_ids)
-            self._shared.commands.append(_Add(stream, prompts, params, options, late_after_s))
+            self._shared.commands.append(_Add(stream, prompts, params, options, late_after_s, lora))
             self._cond.notify()
         self.in_flight += 1
         return stream
@@ -457,6 +461,7 @@ class AsyncEngine:
                         imported_kv=options.imported_kv,
                         importing_from=options.importing_from,
                         late_after_s=command.late_after_s,
+                        lora=command.lora,
                     )
                 except ValueError as exc:
                     error = exc

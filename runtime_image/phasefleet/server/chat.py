@@ -82,7 +82,7 @@ async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, state: WorkerState
 ) -> Response:
     arrival = time.monotonic()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     check_supported(req)
     state.check_logit_bias(req.logit_bias_ids())
     if req.top_logprobs is not None and not req.logprobs:
@@ -103,8 +103,9 @@ async def create_chat_completion(
         params,
         arrival,
         "messages",
-        remote=state.remote_prefill(raw.headers, [prompt] * req.n),
+        remote=state.remote_prefill(raw.headers, [prompt] * req.n, lora),
         late_after_s=state.late_after_s(raw.headers),
+        lora=lora,
     )
     await gen.start()
     response_id = f"chatcmpl-{gen.request_id}"

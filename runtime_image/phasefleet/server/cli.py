@@ -76,6 +76,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         WorkerFlag.MAX_MODEL_LEN, type=int, default=None, help="tokens, prompt plus output"
     )
 
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        WorkerFlag.LORA_MODULES,
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapter folders of this model, served under NAME (a request's `model`)",
+    )
+    lora.add_argument(
+        WorkerFlag.MAX_LORAS,
+        type=int,
+        default=None,
+        help="adapter slots on the device (default: one per --lora-modules entry)",
+    )
+    lora.add_argument(
+        WorkerFlag.MAX_LORA_RANK, type=int, default=16, help="the largest adapter rank"
+    )
+
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         WorkerFlag.ROLE,
@@ -217,8 +235,15 @@ def run(args: argparse.Namespace) -> int:
     startup = StartupTimes()
     with startup.phase("imports"):
         import_serving()
+    try:
+        adapters = lora_modules(args.lora_modules, args.served_model_name)
+    except ValueError as exc:
+        return fail(PROGRAM, str(exc), code=2)
     config = EngineConfig(
         model=args.model,
+        lora_adapters=adapters,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -283,6 +308,25 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
+def lora_modules(values: list[str], served_name: str | None) -> dict[str, str]:
+    """--lora-modules NAME=PATH entries as name -> folder; ValueError naming the bad entry."""
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entries are NAME=PATH, got {value!r}")
+        if name in adapters or name == served_name:
+            raise ValueError(f"--lora-modules: the name {name!r} is used twice")
+        folder = Path(path)
+        if not (folder / "adapter_config.json").is_file():
+            raise ValueError(
+                f"--lora-modules {name}: {path} has no adapter_config.json (a PEFT LoRA adapter "
+                "folder, as save_pretrained writes it)"
+            )
+        adapters[name] = path
+    return adapters
+
+
 def engine_dtype(dtype: str, device: str) -> str:
     """The dtype the engine will run (and a GGUF model is converted to): `auto` is float32 on
     CPU, bfloat16 (or float16) on CUDA. Raises ValueError for cuda without a GPU."""
@@ -327,6 +371,8 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
         )
     if loaded:
         return f"the engine failed while serving model {model} ({cause}); see the pod's log"
+    if "LoRA adapter" in str(exc):
+        return f"model {model} cannot serve its LoRA adapters ({cause}): fix --lora-modules"
     if "tensor_parallel_size" in str(exc) or "tensor-parallel rank" in str(exc):
         return (
             f"model {model} cannot be split as asked ({cause}): set tensorParallelSize"
@@ -390,6 +436,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         boundary=args.phase_boundary,
         tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
         tool_call_parser=args.tool_call_parser,
+        lora_names=tuple(config.lora_adapters),
     )
     uv_config = uvicorn.Config(
         build_app(state),

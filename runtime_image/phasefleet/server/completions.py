@@ -82,7 +82,7 @@ class Echo:
 
 async def create_completion(req: CompletionRequest, raw: Request, state: WorkerState) -> Response:
     arrival = time.monotonic()
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     check_supported(req)
     state.check_logit_bias(req.logit_bias_ids())
     state.check_accepting()
@@ -109,8 +109,9 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
         params,
         arrival,
         "prompt",
-        remote=state.remote_prefill(raw.headers, choice_prompts),
+        remote=state.remote_prefill(raw.headers, choice_prompts, lora),
         late_after_s=state.late_after_s(raw.headers),
+        lora=lora,
     )
     await gen.start()
     response_id = f"cmpl-{gen.request_id}"

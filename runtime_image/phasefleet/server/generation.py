@@ -157,6 +157,7 @@ class Generation:
     options: list[EngineOptions] | None = None  # one per choice: the hand-off forms
     remote: RemotePrefill | None = None  # prefill on another worker (one prompt, n = 1)
     late_after_s: float | None = None  # the TTFT target the router sent; None: the engine's
+    lora: str | None = None  # the LoRA adapter the request named; None: the base model
     stream: RequestStream | None = None
     timings: list[ChoiceTiming] = field(default_factory=list)
     # Per choice, as events pass: the output tokens' logprobs, and the prompt's (if asked for)
@@ -189,7 +190,7 @@ class Generation:
         try:
             stream = self.engine.submit(
                 ids, self.prompts, self.params, self.arrival_time, options, reserved,
-                self.late_after_s,
+                self.late_after_s, self.lora,
             )  # fmt: skip
         except QueueFullError as exc:
             raise queue_full(exc.limit) from None
@@ -230,6 +231,7 @@ class Generation:
                 params,
                 remote.cached_tokens,
                 self.late_after_s,
+                self.lora,
             )
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()

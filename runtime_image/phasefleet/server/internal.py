@@ -91,6 +91,8 @@ def internal_routes() -> APIRouter:
         state.check_logit_bias(params.logit_bias)
         if params.grammar is not None:
             await state.check_grammar(params.grammar, "grammar")
+        if body.lora is not None:
+            state.check_lora(body.lora, "lora")
         gen = Generation(
             state.engine,
             state.metrics,
@@ -101,6 +103,7 @@ def internal_routes() -> APIRouter:
             request_id=f"prefill-{body.request_id}",
             options=[EngineOptions(prefill_only=True)],
             late_after_s=body.late_after_s,
+            lora=body.lora,
         )
         await gen.start()  # a refusal here is an HTTP error, before any frame
         layout = state.engine.kv_layout

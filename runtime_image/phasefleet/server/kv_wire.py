@@ -35,7 +35,8 @@ and a prefill worker of different releases talk. Two rules keep that working:
 
 Versions: 1, the first; 2 adds the sampling fields that change the first token
 (`repetition_penalty`, `min_p`, `logit_bias`), which a prefill worker of version 1 would
-ignore; 3 adds `grammar` (structured output), which a prefill worker of version 2 would ignore.
+ignore; 3 adds `grammar` (structured output), which a prefill worker of version 2 would ignore;
+4 adds `lora` (the request's LoRA adapter), which a prefill worker of version 3 would ignore.
 A request goes as the lowest version that carries what it sets (`lowest_version`); the
 penalties on the output (`presence_penalty`, `frequency_penalty`) travel as hints in any, as
 they change nothing before the second token.
@@ -67,10 +68,11 @@ from phasefleet.engine.sampling_params import (
 
 PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MIN_WIRE_VERSION = 1  # the oldest version this release still answers
 BIAS_WIRE_VERSION = 2  # the version that added the bias, repetition penalty and min-p
 GRAMMAR_WIRE_VERSION = 3  # the version that added the grammar
+LORA_WIRE_VERSION = 4  # the version that added the LoRA adapter
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -80,9 +82,11 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-def lowest_version(params: SamplingParams) -> int:
-    """The lowest wire version that carries every setting of `params` that changes the first
-    token."""
+def lowest_version(params: SamplingParams, lora: str | None = None) -> int:
+    """The lowest wire version that carries every setting of `params` (and the adapter) that
+    changes the first token."""
+    if lora is not None:
+        return LORA_WIRE_VERSION
     if params.grammar is not None:
         return GRAMMAR_WIRE_VERSION
     if params.changes_first_token:
@@ -120,6 +124,9 @@ class PrefillRequest(_Wire):
     ] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
     # GRAMMAR_WIRE_VERSION
     grammar: GrammarWire | None = None
+    # LORA_WIRE_VERSION: the adapter the prompt is computed with (the prefill worker must have
+    # it loaded under this name); None: the base model
+    lora: str | None = Field(default=None, min_length=1, max_length=200)
     # prompt tokens the decode worker's prefix cache holds: the sender skips its whole blocks
     # below this (in its own block size)
     skip_tokens: int = Field(default=0, ge=0)
@@ -135,9 +142,10 @@ class PrefillRequest(_Wire):
         params: SamplingParams,
         skip_tokens: int = 0,
         late_after_s: float | None = None,
+        lora: str | None = None,
     ) -> PrefillRequest:
         return cls(
-            wire_version=lowest_version(params),
+            wire_version=lowest_version(params, lora),
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=params.max_tokens,
@@ -157,6 +165,7 @@ class PrefillRequest(_Wire):
             grammar=None if params.grammar is None else GrammarWire(**asdict(params.grammar)),
             skip_tokens=skip_tokens,
             late_after_s=late_after_s,
+            lora=lora,
         )
 
     def sampling(self) -> SamplingParams:

@@ -302,6 +302,7 @@ class ModelCard(BaseModel):
     created: int  # the worker's start, in Unix seconds: the same in every answer
     owned_by: str = "phasefleet"
     root: str  # the served name too: a model's folder is the host's business
+    parent: str | None = None  # a LoRA adapter's base model (its served name)
     max_model_len: int | None = None
 
 

@@ -70,6 +70,8 @@ class WorkerState:
     grammars: GrammarCompiler | None = None
     # finds tool calls in a chat's free text (tool_choice 'auto': server/tools.py); None: none
     tool_call_parser: str | None = None
+    # the LoRA adapters the engine loaded: a request names one as its `model`
+    lora_names: tuple[str, ...] = ()
 
     @functools.cached_property
     def decode(self) -> Callable[[list[int]], str]:
@@ -84,7 +86,7 @@ class WorkerState:
         return await loop.run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
     def remote_prefill(
-        self, headers: Mapping[str, str], prompts: list[list[int]]
+        self, headers: Mapping[str, str], prompts: list[list[int]], lora: str | None = None
     ) -> RemotePrefill | None:
         """Where this request's prompt is prefilled: on the prefill worker the router named (in
         the prefill-URL header, honoured only with the internal token), or here (None) when
@@ -97,7 +99,7 @@ class WorkerState:
         given = headers.get(INTERNAL_TOKEN_HEADER, "")
         if not hmac.compare_digest(given.encode(), self.internal_token.encode()):
             return None
-        cached = self.engine.cached_prefix_tokens(prompts[0])
+        cached = self.engine.cached_prefix_tokens(prompts[0], lora)
         uncached = len(prompts[0]) - cached
         backlog_ms = _number(headers, PREFILL_BACKLOG_HEADER)
         speed = _number(headers, PREFILL_SPEED_HEADER)  # prompt tokens/s, the pools' hardware
@@ -144,14 +146,31 @@ class WorkerState:
 
         return await self.off_loop(detokenize)
 
-    def check_model(self, model: str) -> None:
-        if model != self.served_model_name:
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 for
+        anything else."""
+        if model == self.served_model_name:
+            return None
+        if model in self.lora_names:
+            return model
+        served = ", ".join(f"'{name}'" for name in (self.served_model_name, *self.lora_names))
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this worker serves {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_lora(self, name: str, param: str) -> None:
+        """A hand-off's adapter must be loaded here too (409: the decode worker prefills
+        locally)."""
+        if name not in self.lora_names:
             raise APIError(
-                404,
-                f"the model '{model}' does not exist; this worker serves "
-                f"'{self.served_model_name}'",
-                param="model",
-                code="model_not_found",
+                409,
+                f"LoRA adapter '{name}' is not loaded on this prefill worker: give both pools "
+                "the same --lora-modules",
+                param=param,
+                code="lora_not_loaded",
             )
 
     def check_accepting(self) -> None:

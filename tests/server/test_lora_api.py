@@ -1,0 +1,114 @@
+"""LoRA adapters through the OpenAI API of real worker processes: a request names an adapter as
+its `model`, /v1/models lists them with their base, the answers are PEFT's on transformers, and
+the KV hand-off carries the adapter (a prefill worker without it leaves the prompt to the decode
+worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV
+from phasefleet.engine.tiny_lora import make_tiny_lora
+from tests.engine.factories import peft_greedy
+from tests.server.test_handoff import TOKEN, handoff_client
+from tests.server.worker_proc import Worker, run_worker
+
+PROMPT = [17, 250, 31, 402, 88, 9, 140, 77, 301, 12, 65, 199, 23, 48, 310, 5, 91, 222, 33]
+N = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "sql": make_tiny_lora(root / "sql", tiny_model, rank=4, seed=1),
+        "poet": make_tiny_lora(root / "poet", tiny_model, rank=8, seed=2, targets=("q_proj",)),
+    }
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[tuple[Worker, Worker]]:
+    """(prefill worker with `sql` only, decode worker with both), sharing the internal token."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+    both = [f"{name}={path}" for name, path in adapters.items()]
+    args = ("--num-kv-blocks", "64", "--block-size", "4")
+    try:
+        with (
+            run_worker(
+                tiny_model, "--role", "prefill", "--lora-modules", f"sql={adapters['sql']}",
+                "--max-loras", "2", *args,
+            ) as prefill,
+            run_worker(
+                tiny_model, "--role", "decode", "--remote-prefill-min-tokens", "0",
+                "--lora-modules", *both, *args,
+            ) as decode,
+        ):  # fmt: skip
+            yield prefill, decode
+    finally:
+        mp.undo()
+
+
+def answer_ids(client: openai.OpenAI, model: str, stream: bool = False) -> list[int]:
+    """Greedy output token ids for PROMPT (the logprobs' tokens, as token ids)."""
+    kw = dict(model=model, prompt=PROMPT, max_tokens=N, temperature=0, logprobs=0)
+    extra = {"return_token_ids": True}
+    if not stream:
+        out = client.completions.create(**kw, extra_body=extra)  # type: ignore[call-overload]
+        return list(out.choices[0].model_extra["token_ids"])
+    ids: list[int] = []
+    for chunk in client.completions.create(**kw, stream=True, extra_body=extra):  # type: ignore[call-overload]
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+    return ids
+
+
+def test_models_lists_the_adapters_with_their_base(workers: tuple[Worker, Worker]) -> None:
+    _, decode = workers
+    cards = {m.id: m for m in decode.client().models.list()}
+    assert list(cards) == ["tiny", "sql", "poet"]
+    assert (cards["sql"].model_extra or {})["parent"] == "tiny"
+    assert (cards["tiny"].model_extra or {})["parent"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_adapter_answers_as_peft_does(
+    workers: tuple[Worker, Worker], tiny_model: Path, adapters: dict[str, Path], stream: bool
+) -> None:
+    _, decode = workers
+    client = decode.client()
+    for model, adapter in [("tiny", None), ("sql", adapters["sql"]), ("poet", adapters["poet"])]:
+        assert answer_ids(client, model, stream) == peft_greedy(tiny_model, adapter, PROMPT, N)
+
+
+def test_the_hand_off_carries_the_adapter(
+    workers: tuple[Worker, Worker], tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """`sql` is prefilled on the prefill worker, which has it; `poet` is refused there (409,
+    lora_not_loaded) and prefilled on the decode worker. Both answers are PEFT's."""
+    prefill, decode = workers
+    client = handoff_client(decode, prefill.base_url)
+    remote_before = decode.counter("phasefleet_prefills_total", where="remote")
+    local_before = decode.counter("phasefleet_prefills_total", where="local")
+    assert answer_ids(client, "sql") == peft_greedy(tiny_model, adapters["sql"], PROMPT, N)
+    assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 1
+    assert answer_ids(client, "poet") == peft_greedy(tiny_model, adapters["poet"], PROMPT, N)
+    assert decode.counter("phasefleet_prefills_total", where="local") == local_before + 1
+
+
+def test_an_unknown_model_is_a_404_naming_what_is_served(workers: tuple[Worker, Worker]) -> None:
+    _, decode = workers
+    with pytest.raises(openai.NotFoundError) as caught:
+        decode.client().completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert caught.value.code == "model_not_found"
+    assert "'tiny', 'sql', 'poet'" in caught.value.message
+
+
+def test_a_bad_lora_flag_exits_with_a_message(tiny_model: Path, tmp_path: Path) -> None:
+    with run_worker(tiny_model, "--lora-modules", f"x={tmp_path}", wait_healthy=False) as worker:
+        assert worker.proc.wait(timeout=120) == 2
+        assert "has no adapter_config.json" in worker.log()
