@@ -455,3 +455,14 @@ def test_a_request_goes_in_the_lowest_wire_version_that_carries_it(
     assert sent.wire_version == version <= WIRE_VERSION
     received = PrefillRequest.model_validate_json(sent.model_dump_json())
     assert received.sampling() == params  # every field across, the bias's ids as integers
+
+
+def test_a_request_with_a_lora_adapter_goes_in_version_4_and_names_it() -> None:
+    """A prefill worker of version 3 would compute the prompt on the base model."""
+    from phasefleet.engine.sampling_params import SamplingParams
+    from phasefleet.server.kv_wire import LORA_WIRE_VERSION, WIRE_VERSION, PrefillRequest
+
+    sent = PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=4), lora="sql")
+    assert sent.wire_version == LORA_WIRE_VERSION == 4 <= WIRE_VERSION
+    assert PrefillRequest.model_validate_json(sent.model_dump_json()).lora == "sql"
+    assert PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=4)).lora is None

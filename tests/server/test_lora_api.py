@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from phasefleet.api.contract import INTERNAL_TOKEN_ENV
+from phasefleet.api.contract import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER
 from phasefleet.engine.tiny_lora import make_tiny_lora
 from tests.engine.factories import peft_greedy
 from tests.server.test_handoff import TOKEN, handoff_client
@@ -98,6 +99,13 @@ def test_the_hand_off_carries_the_adapter(
     assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 1
     assert answer_ids(client, "poet") == peft_greedy(tiny_model, adapters["poet"], PROMPT, N)
     assert decode.counter("phasefleet_prefills_total", where="local") == local_before + 1
+    body = {"wire_version": 4, "request_id": "x", "prompt_token_ids": PROMPT, "max_tokens": 2,
+            "lora": "poet"}  # fmt: skip
+    refused = httpx.post(
+        f"{prefill.base_url}/internal/prefill", json=body, headers={INTERNAL_TOKEN_HEADER: TOKEN}
+    )
+    assert refused.status_code == 409
+    assert refused.json()["error"]["code"] == "lora_not_loaded"
 
 
 def test_an_unknown_model_is_a_404_naming_what_is_served(workers: tuple[Worker, Worker]) -> None:

@@ -38,7 +38,7 @@ class BusyEngine:
             generation_tokens_total=0,
         )  # fmt: skip
 
-    def cached_prefix_tokens(self, prompt: list[int]) -> int:
+    def cached_prefix_tokens(self, prompt: list[int], lora: str | None = None) -> int:
         return 0
 
 
