@@ -15,6 +15,7 @@ import pytest
 from phasefleet.api.contract import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER
 from phasefleet.engine.tiny_lora import make_tiny_lora
 from tests.engine.factories import peft_greedy
+from tests.server.hub_server import FakeHub, FakeRepo, read_folder
 from tests.server.test_handoff import TOKEN, handoff_client
 from tests.server.worker_proc import Worker, run_worker
 
@@ -120,3 +121,63 @@ def test_a_bad_lora_flag_exits_with_a_message(tiny_model: Path, tmp_path: Path) 
     with run_worker(tiny_model, "--lora-modules", f"x={tmp_path}", wait_healthy=False) as worker:
         assert worker.proc.wait(timeout=120) == 2
         assert "has no adapter_config.json" in worker.log()
+
+
+@pytest.fixture
+def hub_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A clean Hugging Face environment ($HF_HOME); a model cache elsewhere (HF_HUB_CACHE)."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_REVISION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "read-only-model-cache"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    return tmp_path / "hf"
+
+
+def test_an_adapter_from_the_hub_is_fetched_and_served(
+    tiny_model: Path, adapters: dict[str, Path], hub_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--lora-modules sql=org/sql-lora@v1`: only the adapter's two files are fetched, into
+    $HF_HOME/hub (not the model cache), and the answer is PEFT's with the same adapter."""
+    files = read_folder(adapters["sql"]) | {"README.md": b"# sql\n", "training_args.bin": b"\0"}
+    hub = FakeHub({"org/sql-lora": FakeRepo({"main": {"README.md": b"old"}, "v1": files})})
+    with hub as hub_server:
+        monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+        with run_worker(tiny_model, "--lora-modules", "sql=org/sql-lora@v1") as worker:
+            answer = answer_ids(worker.client(), "sql")
+        assert hub_server.fetched_files() == {"adapter_config.json", "adapter_model.safetensors"}
+    assert answer == peft_greedy(tiny_model, adapters["sql"], PROMPT, N)
+    assert (hub_home / "hub" / "models--org--sql-lora").is_dir()
+
+
+def test_a_repo_that_is_no_adapter_is_refused_in_one_line(
+    hub_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from phasefleet.server.adapters import resolve_adapters
+    from phasefleet.server.hub import ModelFetchError
+
+    with FakeHub({"org/model": FakeRepo({"main": {"config.json": b"{}"}})}) as hub_server:
+        monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+        with pytest.raises(ModelFetchError, match="is not a PEFT LoRA adapter repository"):
+            resolve_adapters({"x": "org/model"})
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("sql", "entries are NAME=PATH or NAME=org/repo"),
+        ("=x/y", "is not a usable name"),
+        ("tiny=x/y", "used twice"),
+        ("a/b=x/y", "is not a usable name"),
+        ("sql=./nowhere", "has no adapter_config.json"),
+    ],
+)
+def test_bad_lora_modules_entries_name_the_fix(value: str, message: str) -> None:
+    from phasefleet.server.adapters import parse_lora_modules
+
+    with pytest.raises(ValueError, match=message):
+        parse_lora_modules([value], "tiny")
+    assert parse_lora_modules(["a=org/repo@v2", "b=org/other"], "tiny") == {
+        "a": "org/repo@v2",
+        "b": "org/other",
+    }

@@ -3,9 +3,11 @@ engine is ready and exported as phasefleet_worker_startup_seconds{phase} (docs/e
 "Start-up").
 
 Phases: imports (torch, transformers, the server), model_fetch (a Hub download or a GGUF
-conversion; absent for a folder), config (config.json and the tokenizer), device_init (CUDA
+conversion; absent for a folder), lora_fetch (adapters fetched from the Hub; only with
+--lora-modules), config (config.json and the tokenizer), device_init (CUDA
 only: creating the context), weights (read from the safetensors files into place),
-cpu_linear_plan (the CPU's per-shape path choice, cached across processes), kv_cache (sizing
+cpu_linear_plan (the CPU's per-shape path choice, cached across processes), lora (adapters
+read into their slots; only with adapters), kv_cache (sizing
 and zeroing the KV pool), cuda_graphs (decode graph capture) and warm_up (the first steps,
 before the worker says it is ready).
 """

@@ -27,6 +27,7 @@ from phasefleet.api.contract import (
 )
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
+from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 from phasefleet.server.tool_parsers import TOOL_CALL_PARSERS  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
@@ -81,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         WorkerFlag.LORA_MODULES,
         nargs="+",
         default=[],
-        metavar="NAME=PATH",
-        help="PEFT LoRA adapter folders of this model, served under NAME (a request's `model`)",
+        metavar="NAME=SOURCE",
+        help="LoRA adapters of this model, served under NAME (a request's `model`): a PEFT\n"
+        "adapter folder, or a Hugging Face repo id org/name[@revision] (fetched at start)",
     )
     lora.add_argument(
         WorkerFlag.MAX_LORAS,
@@ -236,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     with startup.phase("imports"):
         import_serving()
     try:
-        adapters = lora_modules(args.lora_modules, args.served_model_name)
+        adapters = parse_lora_modules(args.lora_modules, args.served_model_name)
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
     config = EngineConfig(
@@ -288,11 +290,15 @@ def run(args: argparse.Namespace) -> int:
         dtype = engine_dtype(args.dtype, args.device)
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
+    from phasefleet.server.adapters import resolve_adapters
     from phasefleet.server.model_source import ModelFetchError, resolve_model, served_name
 
     try:  # settings first: a bad flag is not found out after a long download or conversion
         with startup.phase("model_fetch"):
             folder = resolve_model(args.model, args.revision, dtype)  # a folder: as is, or made
+        if config.lora_adapters:
+            with startup.phase("lora_fetch"):
+                config.lora_adapters = resolve_adapters(config.lora_adapters)
     except ModelFetchError as exc:
         return fail(PROGRAM, str(exc))
     args.served_model_name = args.served_model_name or served_name(args.model, folder)
@@ -306,25 +312,6 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # anything before serving: its one line goes where Kubernetes reads
         write_termination_message(engine_failure(args.model, exc, loaded=False))
         raise
-
-
-def lora_modules(values: list[str], served_name: str | None) -> dict[str, str]:
-    """--lora-modules NAME=PATH entries as name -> folder; ValueError naming the bad entry."""
-    adapters: dict[str, str] = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules entries are NAME=PATH, got {value!r}")
-        if name in adapters or name == served_name:
-            raise ValueError(f"--lora-modules: the name {name!r} is used twice")
-        folder = Path(path)
-        if not (folder / "adapter_config.json").is_file():
-            raise ValueError(
-                f"--lora-modules {name}: {path} has no adapter_config.json (a PEFT LoRA adapter "
-                "folder, as save_pretrained writes it)"
-            )
-        adapters[name] = path
-    return adapters
 
 
 def engine_dtype(dtype: str, device: str) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,17 @@ ENGINE_FILES = [
     WEIGHT_INDEX,
 ]
 TRUE = ("1", "ON", "YES", "TRUE")  # how huggingface_hub reads a boolean variable
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]  # a PEFT LoRA adapter
+
+
+@dataclass(frozen=True)
+class RepoKind:
+    """What a repository holds, and so which of its files are fetched."""
+
+    what: str  # in messages: "model", "LoRA adapter"
+    config: str  # the file without which the repository is not one of these
+    # (repo id, commit, the repository's files) -> the files to fetch; ModelFetchError
+    choose: Callable[[str, str, list[HubFile]], list[HubFile]]
 
 
 class ModelFetchError(Exception):
@@ -63,18 +76,30 @@ def fetch_model(
 
     Reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and the cache's place (HF_HUB_CACHE, else
     HF_HOME/hub) when called; raises ModelFetchError."""
+    return _fetch(MODEL, repo_id, revision, cache_dir or _cache_folder())
+
+
+def fetch_adapter(repo_id: str, revision: str | None = None) -> Path:
+    """A LoRA adapter repository's snapshot folder (adapter_config.json and
+    adapter_model.safetensors only), downloaded if needed into `$HF_HOME/hub`: a worker can
+    write there even where its model comes from a read-only cache (HF_HUB_CACHE)."""
+    home = os.environ.get("HF_HOME") or constants.HF_HOME
+    return _fetch(ADAPTER, repo_id, revision, os.path.join(home, "hub"))
+
+
+def _fetch(kind: RepoKind, repo_id: str, revision: str | None, cache_dir: str | Path) -> Path:
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-    cache = str(cache_dir or _cache_folder())
-    where = f"model {repo_id}" + (f" at revision {revision}" if revision else "")
+    cache = str(cache_dir)
+    where = f"{kind.what} {repo_id}" + (f" at revision {revision}" if revision else "")
     try:
         if offline():
-            folder = _from_cache(repo_id, revision, cache, endpoint)
+            folder = _from_cache(kind, repo_id, revision, cache, endpoint)
         else:
-            folder = _download(repo_id, revision, cache, endpoint)
+            folder = _download(kind, repo_id, revision, cache, endpoint)
     except ModelFetchError:
         raise
     except GatedRepoError as exc:
-        raise ModelFetchError(_gated_message(repo_id, endpoint)) from exc
+        raise ModelFetchError(_gated_message(kind, repo_id, endpoint)) from exc
     except RevisionNotFoundError as exc:
         raise ModelFetchError(
             f"{where}: the repository has no revision {revision!r}: set spec.model.hf.revision"
@@ -108,7 +133,7 @@ def fetch_model(
             f"{where}: the download from {endpoint} kept failing ({type(exc).__name__}); what"
             " arrived is kept in the cache and the next start resumes it: check the network"
         ) from exc
-    _check_folder(folder, where)
+    _check_folder(kind, folder, where)
     return folder
 
 
@@ -125,22 +150,27 @@ def offline() -> bool:
     return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE
 
 
-def _from_cache(repo_id: str, revision: str | None, cache: str, endpoint: str) -> Path:
+def _from_cache(
+    kind: RepoKind, repo_id: str, revision: str | None, cache: str, endpoint: str
+) -> Path:
     try:
         folder = snapshot_download(
             repo_id, revision=revision, cache_dir=cache, local_files_only=True
         )
     except LocalEntryNotFoundError as exc:
         raise ModelFetchError(
-            f"model {repo_id}{f' at revision {revision}' if revision else ''} is not in the cache"
+            f"{kind.what} {repo_id}{f' at revision {revision}' if revision else ''} is not in the"
+            " cache"
             f" ({cache}) and HF_HUB_OFFLINE=1 forbids downloading it from {endpoint}: unset"
             " HF_HUB_OFFLINE, or pre-fill the cache with one online start"
         ) from exc
-    logger.info("model %s found in the cache: %s (offline, no network call)", repo_id, folder)
+    logger.info("%s %s found in the cache: %s (offline)", kind.what, repo_id, folder)
     return Path(folder)
 
 
-def _download(repo_id: str, revision: str | None, cache: str, endpoint: str) -> Path:
+def _download(
+    kind: RepoKind, repo_id: str, revision: str | None, cache: str, endpoint: str
+) -> Path:
     disable_progress_bars()  # a tqdm bar is one endless line in a container log
     api = HfApi(endpoint=endpoint)
     try:
@@ -148,24 +178,25 @@ def _download(repo_id: str, revision: str | None, cache: str, endpoint: str) -> 
     except (requests.ConnectionError, requests.Timeout) as exc:
         if isinstance(exc, requests.exceptions.SSLError | requests.exceptions.ProxyError):
             raise ModelFetchError(
-                f"model {repo_id}: cannot reach {endpoint} ({type(exc).__name__}): check the"
+                f"{kind.what} {repo_id}: cannot reach {endpoint} ({type(exc).__name__}): check the"
                 " proxy and CA settings (HTTPS_PROXY, REQUESTS_CA_BUNDLE)"
             ) from exc
         logger.warning("%s is unreachable (%s); looking in the cache", endpoint, type(exc).__name__)
         try:
-            return _from_cache(repo_id, revision, cache, endpoint)
+            return _from_cache(kind, repo_id, revision, cache, endpoint)
         except ModelFetchError:
             raise ModelFetchError(
-                f"model {repo_id} is not in the cache ({cache}) and {endpoint} is unreachable"
+                f"{kind.what} {repo_id} is not in the cache ({cache}) and {endpoint} is"
+                " unreachable"
                 f" ({type(exc).__name__}): check the pod's network egress, or pre-fill the cache"
                 " and set HF_HUB_OFFLINE=1"
             ) from exc
     commit = str(info.sha)
     listed = [_hub_file(s) for s in info.siblings or []]
-    wanted = _engine_files(repo_id, commit, listed)
+    wanted = kind.choose(repo_id, commit, listed)
     logger.info(
-        "fetching model %s (revision %s, commit %s) from %s",
-        repo_id, revision or constants.DEFAULT_REVISION, commit[:12], endpoint,
+        "fetching %s %s (revision %s, commit %s) from %s",
+        kind.what, repo_id, revision or constants.DEFAULT_REVISION, commit[:12], endpoint,
     )  # fmt: skip
     fetch = Fetcher(repo_id, commit, cache, endpoint)
     try:
@@ -181,7 +212,7 @@ def _download(repo_id: str, revision: str | None, cache: str, endpoint: str) -> 
     finally:
         fetch.stop()
     _write_ref(cache, repo_id, revision or constants.DEFAULT_REVISION, commit)
-    logger.info("model %s ready in %s", repo_id, folder)
+    logger.info("%s %s ready in %s", kind.what, repo_id, folder)
     return folder
 
 
@@ -236,24 +267,39 @@ def _weights(repo_id: str, commit: str, folder: Path, wanted: list[HubFile]) -> 
     return [f for f in weights if f.name in named]
 
 
-def _check_folder(folder: Path, where: str) -> None:
+def _check_folder(kind: RepoKind, folder: Path, where: str) -> None:
     """A cached snapshot may hold fewer files than a download would (another process's
     subset): say so instead of failing later inside transformers."""
-    if not (folder / "config.json").is_file() or not any(folder.glob(WEIGHTS)):
+    if not (folder / kind.config).is_file() or not any(folder.glob(WEIGHTS)):
         raise ModelFetchError(
-            f"{where}: the cached snapshot {folder} lacks config.json or *.safetensors: unset"
+            f"{where}: the cached snapshot {folder} lacks {kind.config} or *.safetensors: unset"
             " HF_HUB_OFFLINE for one start to complete it"
         )
 
 
-def _gated_message(repo_id: str, endpoint: str) -> str:
+def _gated_message(kind: RepoKind, repo_id: str, endpoint: str) -> str:
     if get_token() is None:
         return (
-            f"model {repo_id} is gated and no token was given: set spec.model.hf.tokenSecret to a"
-            " Secret holding a token (HF_TOKEN) of an account that was granted access at"
-            f" {endpoint}/{repo_id}"
+            f"{kind.what} {repo_id} is gated and no token was given: set"
+            " spec.model.hf.tokenSecret to a Secret holding a token (HF_TOKEN) of an account"
+            f" that was granted access at {endpoint}/{repo_id}"
         )
     return (
-        f"model {repo_id} is gated and the token in HF_TOKEN has no access to it: request access"
-        f" at {endpoint}/{repo_id} with the token's account, or use a token that has it"
+        f"{kind.what} {repo_id} is gated and the token in HF_TOKEN has no access to it: request"
+        f" access at {endpoint}/{repo_id} with the token's account, or use a token that has it"
     )
+
+
+def _adapter_files(repo_id: str, commit: str, listed: list[HubFile]) -> list[HubFile]:
+    chosen = [f for f in listed if f.name in ADAPTER_FILES]
+    if len(chosen) < len(ADAPTER_FILES):
+        raise ModelFetchError(
+            f"LoRA adapter {repo_id} (commit {commit[:12]}) lacks "
+            f"{' or '.join(ADAPTER_FILES)} at its top level: it is not a PEFT LoRA adapter "
+            "repository (saved with save_pretrained, safetensors); check the repo id"
+        )
+    return chosen
+
+
+MODEL = RepoKind("model", "config.json", _engine_files)
+ADAPTER = RepoKind("LoRA adapter", ADAPTER_FILES[0], _adapter_files)
