@@ -217,3 +217,35 @@ def test_a_claim_of_that_name_the_service_does_not_own_is_a_conflict() -> None:
     conflict = claim_conflict(make_owner(), going)
     assert conflict is not None and "creates a new one once it is gone" in conflict.message
     assert claim_conflict(make_owner(), live_claim()) is None
+
+
+LORA = {
+    "maxRank": 32,
+    "adapters": [
+        {"name": "sql", "hf": {"repoId": "org/sql-lora", "revision": "v1"}},
+        {"name": "poet", "path": "/adapters/poet"},
+    ],
+}
+
+
+def test_lora_adapters_go_to_every_pool_and_hub_ones_to_the_init_container() -> None:
+    """Both pools get the same --lora-modules (a hand-off needs the adapter on both sides);
+    with a cache the init container fetches the Hub adapters too, and the workers read them
+    offline, still without the token."""
+    from phasefleet.cli import build_parser
+
+    model = {"hf": HF, "cache": PVC_CACHE}
+    spec = make_spec(model=model, lora=LORA)
+    for role in (Role.PREFILL, Role.DECODE):
+        template = worker_deployment(make_owner(), spec, role, 1)["spec"]["template"]["spec"]
+        (fetch,) = template["initContainers"]
+        (worker,) = template["containers"]
+        args = build_parser().parse_args(worker["args"])
+        assert args.lora_modules == ["sql=org/sql-lora@v1", "poet=/adapters/poet"]
+        assert args.max_lora_rank == 32 and args.max_loras is None
+        assert fetch["args"][-2:] == ["--adapters", "org/sql-lora@v1"]
+        assert "HF_TOKEN" not in env(worker) and env(worker)["HF_HUB_OFFLINE"] == "1"
+    plain = make_spec(model={"hf": HF, "cache": PVC_CACHE})
+    template = worker_deployment(make_owner(), plain, Role.DECODE, 1)["spec"]["template"]["spec"]
+    assert "--adapters" not in template["initContainers"][0]["args"]
+    assert "--lora-modules" not in template["containers"][0]["args"]

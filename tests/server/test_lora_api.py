@@ -125,11 +125,11 @@ def test_a_bad_lora_flag_exits_with_a_message(tiny_model: Path, tmp_path: Path) 
 
 @pytest.fixture
 def hub_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A clean Hugging Face environment ($HF_HOME); a model cache elsewhere (HF_HUB_CACHE)."""
+    """A clean Hugging Face environment ($HF_HOME)."""
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_REVISION"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "read-only-model-cache"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     return tmp_path / "hf"
 
@@ -138,7 +138,7 @@ def test_an_adapter_from_the_hub_is_fetched_and_served(
     tiny_model: Path, adapters: dict[str, Path], hub_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--lora-modules sql=org/sql-lora@v1`: only the adapter's two files are fetched, into
-    $HF_HOME/hub (not the model cache), and the answer is PEFT's with the same adapter."""
+    the Hub cache, and the answer is PEFT's with the same adapter."""
     files = read_folder(adapters["sql"]) | {"README.md": b"# sql\n", "training_args.bin": b"\0"}
     hub = FakeHub({"org/sql-lora": FakeRepo({"main": {"README.md": b"old"}, "v1": files})})
     with hub as hub_server:

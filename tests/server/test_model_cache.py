@@ -269,3 +269,39 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_the_fix(
     message = (tmp_path / "termination-log").read_text()
     assert message.startswith(f"model cache {not_a_folder} is not writable")
     assert "spec.model.cache.hostPath" in message and message.count("\n") == 1
+
+
+def test_lora_adapters_are_fetched_once_with_the_model_and_read_offline(
+    tiny_model: Path, hf_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fetch-model --adapters org/sql@v1 org/poet`: the adapters' two files each, once, under
+    their own markers; a second pod downloads nothing; a worker finds them offline."""
+    from phasefleet.engine.tiny_lora import make_tiny_lora
+    from phasefleet.server.adapters import resolve_adapters
+
+    adapter = read_folder(make_tiny_lora(tmp_path / "adapter", tiny_model, rank=2))
+    repos = {
+        REPO: FakeRepo({"main": read_folder(tiny_model)}),
+        "org/sql": FakeRepo({"main": {"README.md": b"no"}, "v1": adapter | {"README.md": b"x"}}),
+        "org/poet": FakeRepo({"main": adapter}),
+    }
+    cache = tmp_path / "cache"
+    with FakeHub(repos) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        for _ in range(2):
+            pod = fetch_process(cache, "--adapters", "org/sql@v1", "org/poet")
+            output, _ = pod.communicate(timeout=120)
+            assert pod.returncode == 0, output
+        adapter_files = {"adapter_config.json", "adapter_model.safetensors"}
+        fetched = server.downloads()
+        # one per repository (both hold the same two files), over both pods; no README
+        assert {name: fetched[name] for name in adapter_files} == dict.fromkeys(adapter_files, 2)
+        assert "README.md" not in fetched
+        assert read_marker(cache, "org/sql", "v1") is not None
+        asked = len(server.requests)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache / "hub"))
+        folders = resolve_adapters({"sql": "org/sql@v1", "poet": "org/poet"})
+        assert len(server.requests) == asked
+    for folder in folders.values():
+        assert {p.name for p in Path(folder).iterdir()} == adapter_files

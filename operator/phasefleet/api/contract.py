@@ -95,6 +95,7 @@ class FetchModelFlag:
 
     MODEL = "--model"
     CACHE = "--cache"
+    ADAPTERS = "--adapters"  # LoRA adapter repositories, org/name[@revision]
 
 
 # huggingface_hub's cache inside a model cache volume: where `phasefleet fetch-model` downloads

@@ -71,6 +71,8 @@ def readable(exc: ValidationError) -> str:
     """pydantic's errors as one line: `spec.<field>: <what is wrong>; ...`."""
     parts = []
     for error in exc.errors(include_url=False):
-        where = ".".join(["spec", *(str(part) for part in error["loc"])])
+        where = "spec" + "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]
+        )  # Kubernetes' spelling: spec.lora.adapters[0].path
         parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)

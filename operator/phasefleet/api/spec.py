@@ -6,7 +6,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, WithJsonSchema
+from pydantic import Field, WithJsonSchema, field_validator
 
 from phasefleet.api.base import ApiModel, FreeForm, Quantity, Rule, quantity
 from phasefleet.api.contract import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, INTERNAL_TOKEN_ENV
@@ -220,6 +220,91 @@ class ModelSpec(ApiModel):
         return "pvc" if self.pvc else "image" if self.image else "hf"
 
 
+class LoraHubSource(ApiModel):
+    """A LoRA adapter repository on the Hugging Face Hub (private ones: the token of
+    spec.model.hf.tokenSecret)."""
+
+    repo_id: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[\w.-]+/[\w.-]+$",
+        description="Repository id, org/name.",
+    )
+    revision: str | None = Field(
+        default=None, max_length=200, pattern=r"^[\w./-]+$", description="Branch, tag or commit."
+    )
+
+
+class LoraAdapter(ApiModel):
+    """One LoRA adapter, served under `name` (a request's `model`): exactly one of hf or path."""
+
+    name: str = Field(
+        max_length=100,
+        pattern=r"^[A-Za-z0-9][\w.:-]{0,99}$",
+        description="The name clients send as `model` to use this adapter.",
+    )
+    hf: LoraHubSource | None = Field(default=None, description="Fetched by each worker at start.")
+    path: str | None = Field(
+        default=None,
+        max_length=1000,
+        pattern=r"^/",
+        description="Absolute path of a PEFT adapter folder in the worker (in the image, or on a"
+        " volume the model's PVC provides).",
+    )
+
+    rules = (
+        Rule(
+            cel="has(self.hf) != has(self.path)",
+            message="each spec.lora.adapters entry needs exactly one source: hf or path",
+            check=lambda a: (a.hf is None) != (a.path is None),
+        ),
+    )
+
+    def source(self) -> str:
+        """What --lora-modules takes after `name=`."""
+        if self.hf is not None:
+            return self.hf.repo_id + (f"@{self.hf.revision}" if self.hf.revision else "")
+        return str(self.path)
+
+
+class LoraSpec(ApiModel):
+    """LoRA adapters served beside the model by every worker, mixed in one batch."""
+
+    adapters: list[LoraAdapter] = Field(
+        min_length=1,
+        max_length=32,
+        # a map keyed by name: the API server refuses a name given twice
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    max_rank: int = Field(
+        default=16, ge=1, le=256, description="The largest adapter rank (--max-lora-rank)."
+    )
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Adapter slots on the device (default: one per adapter).",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _names_differ(cls, adapters: list[LoraAdapter]) -> list[LoraAdapter]:
+        names = [a.name for a in adapters]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"Duplicate value: adapter name {', '.join(twice)} is given twice")
+        return adapters
+
+    rules = (
+        Rule(
+            cel="!has(self.maxLoras) || self.maxLoras >= size(self.adapters)",
+            message="spec.lora.maxLoras must be at least the number of adapters",
+            check=lambda s: s.max_loras is None or s.max_loras >= len(s.adapters),
+            field_path=".maxLoras",
+        ),
+    )
+
+
 # Variables the operator sets in the worker containers itself; spec.runtime.env may not set
 # them (a second entry with the same name would silently win or lose).
 OPERATOR_ENV = (
@@ -358,6 +443,13 @@ def _gpus_match_degree(pool: PoolSpec) -> bool:
     if value is None or not _whole(value):  # no GPUs, or the whole-number rule's to report
         return True
     return int(value) in (0, pool.tensor_parallel_size)
+
+
+def _cel_tensor_parallel(pool: str) -> str:
+    return (
+        f"(has(self.{pool}) && has(self.{pool}.tensorParallelSize)"
+        f" ? self.{pool}.tensorParallelSize : 1)"
+    )
 
 
 def _cel_pool_gpus(pool: str) -> str:
@@ -643,6 +735,9 @@ class InferenceServiceSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, json_schema_extra={"default": {}}
     )
+    lora: LoraSpec | None = Field(
+        default=None, description="LoRA adapters every worker serves beside the model."
+    )
 
     rules = (
         Rule(
@@ -665,6 +760,17 @@ class InferenceServiceSpec(ApiModel):
             cel="self.mode != 'aggregated' || (!has(self.prefill) && !has(self.decode))",
             message="spec.prefill and spec.decode are only allowed when mode is disaggregated",
             check=lambda s: s.mode != Mode.AGGREGATED or (s.prefill is None and s.decode is None),
+        ),
+        Rule(
+            cel="!has(self.lora) || ["
+            + ", ".join(_cel_tensor_parallel(p) for p in ("prefill", "decode", "worker"))
+            + "].all(tp, tp == 1)",
+            message="spec.lora cannot be used with tensorParallelSize > 1 (adapters run on"
+            " single-GPU workers only)",
+            check=lambda s: (
+                s.lora is None or all(p.tensor_parallel_size == 1 for p in s.pools().values())
+            ),
+            field_path=".lora",
         ),
         Rule(
             cel=(

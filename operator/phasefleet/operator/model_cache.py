@@ -71,13 +71,17 @@ def fetch_args(spec: InferenceServiceSpec) -> list[str]:
     """`phasefleet fetch-model` for the hf model (its revision comes in $HF_REVISION)."""
     if spec.model.hf is None:
         raise ValueError("spec.model.cache is only for spec.model.hf")
-    return [
+    args = [
         "fetch-model",
         FetchModelFlag.MODEL,
         spec.model.hf.repo_id,
         FetchModelFlag.CACHE,
         CACHE_MOUNT,
     ]
+    hub_adapters = [a.source() for a in spec.lora.adapters if a.hf] if spec.lora else []
+    if hub_adapters:  # the workers read them offline from the cache too
+        args += [FetchModelFlag.ADAPTERS, *hub_adapters]
+    return args
 
 
 def worker_cache_env() -> list[dict[str, Any]]:

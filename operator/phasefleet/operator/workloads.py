@@ -130,6 +130,11 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(pool.tensor_parallel_size)]
     if role is Role.DECODE and spec.runtime.adaptive_phase_boundary:
         args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)  # the decode worker's decision
+    if spec.lora is not None:  # every pool: a hand-off needs the adapter on both sides
+        args += [WorkerFlag.LORA_MODULES, *(f"{a.name}={a.source()}" for a in spec.lora.adapters)]
+        args += [WorkerFlag.MAX_LORA_RANK, str(spec.lora.max_rank)]
+        if spec.lora.max_loras is not None:
+            args += [WorkerFlag.MAX_LORAS, str(spec.lora.max_loras)]
     return args + list(spec.runtime.extra_args)
 
 
@@ -165,7 +170,7 @@ def _home_env() -> list[dict[str, Any]]:
 
 def _env(owner_name: str, spec: InferenceServiceSpec, pool: PoolSpec) -> list[dict[str, Any]]:
     """The worker's environment. With a model cache it reads the cache offline and gets no
-    token: the init container downloads."""
+    token: the init container downloads (the model and the LoRA adapters from the Hub)."""
     cached = spec.model.cache is not None
     env: list[dict[str, Any]] = [
         *_home_env(),

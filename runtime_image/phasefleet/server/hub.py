@@ -79,12 +79,13 @@ def fetch_model(
     return _fetch(MODEL, repo_id, revision, cache_dir or _cache_folder())
 
 
-def fetch_adapter(repo_id: str, revision: str | None = None) -> Path:
+def fetch_adapter(
+    repo_id: str, revision: str | None = None, *, cache_dir: str | Path | None = None
+) -> Path:
     """A LoRA adapter repository's snapshot folder (adapter_config.json and
-    adapter_model.safetensors only), downloaded if needed into `$HF_HOME/hub`: a worker can
-    write there even where its model comes from a read-only cache (HF_HUB_CACHE)."""
-    home = os.environ.get("HF_HOME") or constants.HF_HOME
-    return _fetch(ADAPTER, repo_id, revision, os.path.join(home, "hub"))
+    adapter_model.safetensors only), as `fetch_model` fetches a model (the same cache, the
+    same environment)."""
+    return _fetch(ADAPTER, repo_id, revision, cache_dir or _cache_folder())
 
 
 def _fetch(kind: RepoKind, repo_id: str, revision: str | None, cache_dir: str | Path) -> Path:

@@ -96,6 +96,12 @@ def write_marker(root: Path, marker: Marker) -> None:
 Fetch = Callable[[str, str, Path], Path]  # (repo id, revision, hub cache) -> snapshot folder
 
 
+def adapter_from_hub(repo_id: str, revision: str, hub_cache: Path) -> Path:
+    from phasefleet.server.hub import fetch_adapter
+
+    return fetch_adapter(repo_id, revision, cache_dir=hub_cache)
+
+
 def fetch_from_hub(repo_id: str, revision: str, hub_cache: Path) -> Path:
     from phasefleet.server.hub import fetch_model
 
@@ -166,6 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the shared cache folder (huggingface_hub's cache is its {MODEL_CACHE_HUB}/)",
     )
     parser.add_argument(
+        FetchModelFlag.ADAPTERS,
+        nargs="+",
+        default=[],
+        metavar="ORG/NAME[@REVISION]",
+        help="LoRA adapter repositories to fetch as well (--lora-modules' Hub sources)",
+    )
+    parser.add_argument(
         "--stale-seconds",
         type=float,
         default=LockTiming.stale_s,
@@ -199,6 +212,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         got = ensure_model(root, args.model, args.revision, lock=lock)
+        for source in args.adapters:
+            repo, _, revision = source.partition("@")
+            adapter = ensure_model(
+                root, repo, revision or DEFAULT_REVISION, fetch=adapter_from_hub,
+                lock=CacheLock(lock_path(root, repo), timing=timing),
+            )  # fmt: skip
+            logger.info("LoRA adapter %s is complete in %s", source, root / adapter.marker.snapshot)
     except ModelFetchError as exc:
         return fail(PROGRAM, str(exc))
     marker = got.marker
