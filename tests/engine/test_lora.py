@@ -58,7 +58,8 @@ def test_mixed_batch_answers_equal_peft_for_each_adapter(
 ) -> None:
     """The base model and three adapters in one batch, prompts prefilled in chunks across
     steps: each answer is PEFT's greedy answer with the same adapter, and the adapters do
-    change the answers."""
+    change the answers. Steps with most slots in use run every slot's columns; steps with few
+    only theirs (alone, or beside base rows): both paths are PEFT's."""
     base = tiny_model(MODEL)
     eng = _engine(base, adapters, max_num_batched_tokens=20)
     names: list[str | None] = [None, "every", "attention", "peft", "every"]
@@ -73,6 +74,12 @@ def test_mixed_batch_answers_equal_peft_for_each_adapter(
     same = [prompts[0]] * 4
     differ = eng.generate(same, greedy, [None, "every", "attention", "peft"])
     assert len({tuple(o.output_token_ids) for o in differ}) == 4
+    few: list[str | None] = [None, "peft", None]  # one slot of three, beside base rows
+    outs = eng.generate(prompts[:3], greedy, few)
+    for name, prompt, out in zip(few, prompts[:3], outs, strict=True):
+        assert out.output_token_ids == peft_greedy(
+            base, None if name is None else adapters[name], prompt, N
+        ), name
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
 
 

@@ -117,15 +117,27 @@ class LoraStep:
     """The adapter slot of each token of the current step, in a fixed device buffer (filled
     before every forward; CUDA graphs read the same memory)."""
 
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         self.token_slots = torch.full((max_tokens,), NO_SLOT, dtype=torch.long, device=device)
         self.active = False  # some token of the step has an adapter (known on the host)
+        # the slots the step's tokens use, known on the host; None: any (a graph's step)
+        self.used: list[int] | None = None
+        # per used slot, [T, 1]: its tokens 1, the others 0; None where every token has it
+        self.masks: dict[int, torch.Tensor | None] = {}
 
-    def set(self, slots: torch.Tensor, active: bool) -> None:
-        """slots: [T] long on the device. Copied even when not `active`: a captured graph
-        reads them whatever the flag says."""
-        self.active = active
+    def set(self, slots: torch.Tensor, used: list[int] | None, uniform: bool = False) -> None:
+        """slots: [T] long on the device; `used`: the distinct slots among them, or None for
+        a graph's step (it runs every slot); `uniform`: every token has the one used slot.
+        The slots are copied even when no token has an adapter: a captured graph reads them
+        whatever the flags say."""
+        self.active = used is None or bool(used)
+        self.used = used
         self.token_slots[: slots.shape[0]].copy_(slots, non_blocking=True)
+        self.masks = {
+            slot: None if uniform else (slots == slot).unsqueeze(1).to(self.dtype)
+            for slot in used or ()
+        }
 
 
 class LoraLinear(nn.Module):
@@ -148,7 +160,7 @@ class LoraLinear(nn.Module):
         self.part_sizes = part_sizes
         self.max_rank = max_rank
         width = max_loras * len(part_sizes) * max_rank
-        per_slot = len(part_sizes) * max_rank
+        per_slot = self.per_slot = len(part_sizes) * max_rank
         self.lora_a: torch.Tensor  # [width, in]
         self.lora_b: torch.Tensor  # [out, width]
         self.column_slot: torch.Tensor  # [width]: the slot each column belongs to
@@ -177,8 +189,18 @@ class LoraLinear(nn.Module):
         if not self.step.active:
             return out
         slots = self.step.token_slots[: x.shape[0]]
-        mask = (slots.unsqueeze(1) == self.column_slot).to(x.dtype)  # [T, width]
-        return out + ((x @ self.lora_a.t()) * mask) @ self.lora_b.t()
+        used = self.step.used
+        if used is None or 2 * len(used) > self.lora_a.shape[0] // self.per_slot:
+            mask = (slots.unsqueeze(1) == self.column_slot).to(x.dtype)  # [T, width]
+            return out + ((x @ self.lora_a.t()) * mask) @ self.lora_b.t()
+        for slot in used:  # few slots in use: only their columns
+            cols = slice(slot * self.per_slot, (slot + 1) * self.per_slot)
+            low = x @ self.lora_a[cols].t()  # [T, per_slot]
+            mine = self.step.masks[slot]
+            if mine is not None:
+                low = low * mine
+            out = out + low @ self.lora_b[:, cols].t()
+        return out
 
 
 class LoraSet:
@@ -192,7 +214,7 @@ class LoraSet:
             )
         self.max_loras, self.max_rank = max_loras, max_rank
         weight = next(model.parameters())
-        self.step = LoraStep(max_tokens, weight.device)
+        self.step = LoraStep(max_tokens, weight.device, weight.dtype)
         self.linears: dict[tuple[int, str], LoraLinear] = {}
         for index, layer in enumerate(model.model.layers):  # type: ignore[union-attr,arg-type]
             for holder in (layer.self_attn, layer.mlp):

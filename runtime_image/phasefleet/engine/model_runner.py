@@ -334,8 +334,8 @@ class ModelRunner:
             self.device,
         )
         if capture:
-            if self.lora is not None:  # the graphs hold the deltas; base tokens have no slot
-                self.lora.step.active = True
+            if self.lora is not None:  # the graphs hold every slot's deltas
+                self.lora.step.active, self.lora.step.used = True, None
             self.graphs.capture()
 
     def release(self, request_id: str) -> None:
@@ -381,8 +381,10 @@ class ModelRunner:
         device, rank 0 only). The other ranks run it for the collectives and drop the result."""
         a = step.arrays
         t = self._upload(a, step.table_updates, sampling)
-        if self.lora is not None:  # a graph always runs the deltas
-            self.lora.step.set(t.lora_slots, step.graph or bool((a.lora_slots >= 0).any()))
+        if self.lora is not None:  # a graph always runs every slot's deltas
+            adapted = a.lora_slots[a.lora_slots >= 0]
+            used = None if step.graph else np.unique(adapted).tolist()
+            self.lora.step.set(t.lora_slots, used, uniform=len(adapted) == len(a.lora_slots))
         if step.graph and self.graphs is not None:
             logits = self.graphs.run(t.input_ids, t.positions, t.slots, t.decode_rows, t.decode_ctx)
             return logits, [], t.sampling
