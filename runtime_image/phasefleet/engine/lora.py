@@ -158,9 +158,9 @@ class LoraLinear(nn.Module):
         self.base = base
         self.step = step
         self.part_sizes = part_sizes
-        self.max_rank = max_rank
-        width = max_loras * len(part_sizes) * max_rank
-        per_slot = self.per_slot = len(part_sizes) * max_rank
+        self.max_rank, self.max_loras = max_rank, max_loras
+        per_slot = self.per_slot = len(part_sizes) * max_rank  # columns of one slot
+        width = max_loras * per_slot
         self.lora_a: torch.Tensor  # [width, in]
         self.lora_b: torch.Tensor  # [out, width]
         self.column_slot: torch.Tensor  # [width]: the slot each column belongs to
@@ -179,9 +179,9 @@ class LoraLinear(nn.Module):
         self.lora_b[row : row + self.part_sizes[part], col : col + rank] = b.to(self.lora_b)
 
     def clear(self, slot: int) -> None:
-        per_slot = len(self.part_sizes) * self.max_rank
-        self.lora_a[slot * per_slot : (slot + 1) * per_slot] = 0
-        self.lora_b[:, slot * per_slot : (slot + 1) * per_slot] = 0
+        cols = slice(slot * self.per_slot, (slot + 1) * self.per_slot)
+        self.lora_a[cols] = 0
+        self.lora_b[:, cols] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]."""
@@ -190,7 +190,7 @@ class LoraLinear(nn.Module):
             return out
         slots = self.step.token_slots[: x.shape[0]]
         used = self.step.used
-        if used is None or 2 * len(used) > self.lora_a.shape[0] // self.per_slot:
+        if used is None or 2 * len(used) > self.max_loras:
             mask = (slots.unsqueeze(1) == self.column_slot).to(x.dtype)  # [T, width]
             return out + ((x @ self.lora_a.t()) * mask) @ self.lora_b.t()
         for slot in used:  # few slots in use: only their columns
