@@ -181,3 +181,70 @@ def test_bad_lora_modules_entries_name_the_fix(value: str, message: str) -> None
         "a": "org/repo@v2",
         "b": "org/other",
     }
+
+
+@pytest.fixture(scope="module")
+def runtime_worker(tiny_model: Path) -> Iterator[Worker]:
+    with run_worker(
+        tiny_model, "--max-loras", "2", "--enable-runtime-lora", "--block-size", "4"
+    ) as worker:
+        yield worker
+
+
+def post(worker: Worker, path: str, body: dict[str, str]) -> httpx.Response:
+    return httpx.post(f"{worker.base_url}/v1/{path}", json=body, timeout=60)
+
+
+def test_adapters_load_and_unload_at_runtime(
+    runtime_worker: Worker, tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: an adapter loaded while the
+    worker runs is listed and answers as PEFT does; a name loaded twice, a folder that is not
+    an adapter and a third adapter for two slots are 400s that change nothing; an adapter in
+    use is not unloaded (409); an unloaded one is a 404 for requests; a name loaded again with
+    other weights answers with those (its cached prefix is not reused)."""
+    client = runtime_worker.client()
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    sql, poet = str(adapters["sql"]), str(adapters["poet"])
+    loaded = post(runtime_worker, "load_lora_adapter", {"lora_name": "sql", "lora_path": sql})
+    assert loaded.status_code == 200 and "added successfully" in loaded.text
+    assert [m.id for m in client.models.list()] == ["tiny", "sql"]
+    assert answer_ids(client, "sql") == peft_greedy(tiny_model, adapters["sql"], PROMPT, N)
+
+    for body, message in [
+        ({"lora_name": "sql", "lora_path": poet}, "already loaded"),
+        ({"lora_name": "x", "lora_path": str(tmp_path)}, "has no adapter_config.json"),
+        ({"lora_name": "tiny", "lora_path": poet}, "used twice"),
+    ]:
+        refused = post(runtime_worker, "load_lora_adapter", body)
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"]
+    assert post(runtime_worker, "load_lora_adapter", {"lora_name": "poet", "lora_path": poet})
+    full = post(runtime_worker, "load_lora_adapter", {"lora_name": "x", "lora_path": poet})
+    assert full.status_code == 400 and "all 2 slots are taken" in full.text
+
+    long = client.completions.create(
+        model="poet", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    next(iter(long))  # running now
+    busy = post(runtime_worker, "unload_lora_adapter", {"lora_name": "poet"})
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "lora_in_use"
+    assert sum(1 for _ in long) > 0
+    assert post(runtime_worker, "unload_lora_adapter", {"lora_name": "poet"}).status_code == 200
+    assert [m.id for m in client.models.list()] == ["tiny", "sql"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="poet", prompt="hi", max_tokens=2)
+    gone = post(runtime_worker, "unload_lora_adapter", {"lora_name": "poet"})
+    assert gone.status_code == 404
+
+    # `sql` again, now with poet's weights: the same prompt's blocks cached under the old sql
+    # must not be hits
+    assert post(runtime_worker, "unload_lora_adapter", {"lora_name": "sql"}).status_code == 200
+    assert post(runtime_worker, "load_lora_adapter", {"lora_name": "sql", "lora_path": poet})
+    assert answer_ids(client, "sql") == peft_greedy(tiny_model, adapters["poet"], PROMPT, N)
+
+
+def test_the_runtime_endpoints_need_the_flag(workers: tuple[Worker, Worker]) -> None:
+    _, decode = workers
+    body = {"lora_name": "x", "lora_path": "/tmp"}
+    assert post(decode, "load_lora_adapter", body).status_code == 404

@@ -88,6 +88,7 @@ class WorkerFlag:
     LORA_MODULES = "--lora-modules"  # NAME=PATH ...
     MAX_LORAS = "--max-loras"
     MAX_LORA_RANK = "--max-lora-rank"
+    ENABLE_RUNTIME_LORA = "--enable-runtime-lora"
 
 
 class FetchModelFlag:

@@ -99,6 +99,7 @@ class LLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
         )
         self.lora_salts: dict[str, int] = {}  # adapter name -> its prefix salt
+        self.lora_loads = 0  # adapters loaded so far: each load salts its blocks apart
         if config.num_lora_slots:
             with startup.phase("lora"):
                 self._load_adapters(config)
@@ -236,10 +237,35 @@ class LLMEngine:
 
     def _load_adapters(self, config: EngineConfig) -> None:
         tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        lora = self.runner.enable_lora(config.num_lora_slots, config.max_lora_rank, tokens)
+        self.runner.enable_lora(config.num_lora_slots, config.max_lora_rank, tokens)
         for name, folder in config.lora_adapters.items():
-            lora.load(read_adapter(name, folder))
-            self.lora_salts[name] = prefix_salt(name)
+            self.load_lora(name, folder)
+
+    def load_lora(self, name: str, folder: str) -> None:
+        """Reads an adapter into a free slot; LoraError (nothing changed) when it cannot.
+        Engine thread only."""
+        lora = self.runner.lora
+        if lora is None:
+            raise LoraError(f"LoRA adapter {name!r}: this engine has no adapter slots (max_loras)")
+        lora.load(read_adapter(name, folder))
+        self.lora_loads += 1
+        self.lora_salts[name] = prefix_salt(name, self.lora_loads)
+
+    def unload_lora(self, name: str) -> None:
+        """Empties an adapter's slot; LoraError when it is not loaded or a running or waiting
+        request still uses it (a finished prefill's leased KV is computed already). Engine
+        thread only."""
+        slot, _ = self.lora_slot(name)
+        lora = self.runner.lora
+        users = [r for r in self.scheduler.requests.values() if r.lora_slot == slot]
+        if users:
+            raise LoraError(
+                f"LoRA adapter {name!r} is in use by {len(users)} request(s): unload it once "
+                "they finish"
+            )
+        if lora is not None:  # lora_slot found the adapter, so there are slots
+            lora.unload(name)
+        del self.lora_salts[name]
 
     def lora_slot(self, name: str | None) -> tuple[int, int | None]:
         """(slot, prefix salt) of an adapter by name; (-1, None) for the base model. ValueError

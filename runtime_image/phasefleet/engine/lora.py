@@ -47,9 +47,11 @@ class LoraError(ValueError):
     """An adapter this worker cannot serve; the message names the adapter and the fix."""
 
 
-def prefix_salt(name: str) -> int:
-    """The root of an adapter's block hashes: a 128-bit hash of its name."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=16).digest(), "little")
+def prefix_salt(name: str, generation: int = 0) -> int:
+    """The root of an adapter's block hashes: a 128-bit hash of its name and of how many times
+    an adapter of that name was loaded before (one loaded again may have other weights)."""
+    key = f"{name}\0{generation}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=16).digest(), "little")
 
 
 @dataclass
@@ -262,6 +264,13 @@ class LoraSet:
             self.linears[(layer, fused)].set_part(slot, index, a, b)
         self.slots[adapter.name] = slot
         return slot
+
+    def unload(self, name: str) -> None:
+        """Empties an adapter's slot (no running request may use it: the caller checks)."""
+        slot = self.slot(name)
+        for linear in self.linears.values():
+            linear.clear(slot)
+        del self.slots[name]
 
     def slot(self, name: str) -> int:
         if name not in self.slots:

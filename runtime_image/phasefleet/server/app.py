@@ -22,6 +22,7 @@ from phasefleet.server.chat import create_chat_completion
 from phasefleet.server.completions import create_completion
 from phasefleet.server.errors import install_error_handlers
 from phasefleet.server.internal import internal_routes
+from phasefleet.server.lora_admin import lora_admin_routes
 from phasefleet.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,6 +59,8 @@ def build_app(state: WorkerState) -> FastAPI:
     app.add_exception_handler(ClientDisconnected, on_client_gone)
     app.include_router(internal_routes())
     app.include_router(tokenizer_routes(state))
+    if state.runtime_lora:
+        app.include_router(lora_admin_routes())
 
     @app.get("/health")
     async def health() -> JSONResponse:

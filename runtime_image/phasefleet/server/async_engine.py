@@ -29,13 +29,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease
     from phasefleet.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
     from phasefleet.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -106,6 +107,12 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]  # run on the engine thread between steps
+    done: asyncio.Future[Any]  # its result, or what it raised
+
+
+@dataclass
 class _Import:
     request_id: str
     chunk: KVChunk | None  # None: the import ended
@@ -160,7 +167,7 @@ class _Tracked:
 class _Shared:
     stats: EngineStats | None = None
     pending_adds: int = 0  # engine requests submitted but not yet added by the engine thread
-    commands: list[_Add | _Abort | _Release | _Import] = field(default_factory=list)
+    commands: list[_Add | _Abort | _Release | _Import | _Call] = field(default_factory=list)
 
 
 class AsyncEngine:
@@ -262,6 +269,16 @@ class AsyncEngine:
     def unpin_kv(self, lease: Lease) -> None:
         if self._engine is not None:
             self._engine.unpin_kv(lease)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) on the engine thread, between steps; what it raises is raised here."""
+        if not self.ready or self.fatal_error is not None:
+            raise EngineNotReadyError("the engine is not ready")
+        done: asyncio.Future[T] = self.loop.create_future()
+        with self._cond:
+            self._shared.commands.append(_Call(fn, done))
+            self._cond.notify()
+        return await done
 
     async def release_kv(self, request_id: str) -> bool:
         """Ends a lease on the engine thread; False when there was none to end."""
@@ -427,7 +444,9 @@ class AsyncEngine:
                     if not (self._stop or self._shared.commands):
                         self._cond.wait(IDLE_WAIT_SECONDS)
 
-    def _apply(self, engine: LLMEngine, commands: list[_Add | _Abort | _Release | _Import]) -> None:
+    def _apply(
+        self, engine: LLMEngine, commands: list[_Add | _Abort | _Release | _Import | _Call]
+    ) -> None:
         added = 0
         for command in commands:
             if isinstance(command, _Import):
@@ -441,6 +460,14 @@ class AsyncEngine:
             if isinstance(command, _Release):
                 released = engine.release_kv(command.request_id)
                 self.loop.call_soon_threadsafe(_settle, command.done, released)
+                continue
+            if isinstance(command, _Call):
+                try:
+                    result = command.fn(engine)
+                except Exception as exc:  # the caller's to answer; the engine goes on
+                    self.loop.call_soon_threadsafe(_fail, command.done, exc)
+                else:
+                    self.loop.call_soon_threadsafe(_settle, command.done, result)
                 continue
             added += len(command.prompts)
             stream = command.stream
@@ -524,6 +551,7 @@ class AsyncEngine:
         with self._cond:
             pending = [c.stream for c in self._shared.commands if isinstance(c, _Add)]
             releases = [c.done for c in self._shared.commands if isinstance(c, _Release)]
+            calls = [c.done for c in self._shared.commands if isinstance(c, _Call)]
             self._shared.commands.clear()
             self._shared.pending_adds = 0
         for stream in pending:
@@ -532,12 +560,19 @@ class AsyncEngine:
             )
         for done in releases:
             self.loop.call_soon_threadsafe(_settle, done, False)
+        for call in calls:
+            self.loop.call_soon_threadsafe(_fail, call, EngineStepError("the engine is broken"))
         if events:
             self.loop.call_soon_threadsafe(self._deliver, events)
         if self.on_fatal is not None:
             self.loop.call_soon_threadsafe(self.on_fatal, exc)
 
 
-def _settle(future: asyncio.Future[bool], value: bool) -> None:
+def _settle(future: asyncio.Future[T], value: T) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

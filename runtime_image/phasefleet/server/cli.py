@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument(
         WorkerFlag.MAX_LORA_RANK, type=int, default=16, help="the largest adapter rank"
     )
+    lora.add_argument(
+        WorkerFlag.ENABLE_RUNTIME_LORA,
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (into the free\n"
+        "slots of --max-loras)",
+    )
 
     engine = parser.add_argument_group("engine")
     engine.add_argument(
@@ -261,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config.validate()
+        if args.enable_runtime_lora and not config.num_lora_slots:
+            raise ValueError("--enable-runtime-lora needs adapter slots: set --max-loras")
         if args.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
         if args.max_request_bytes < 1:
@@ -424,6 +432,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
         tool_call_parser=args.tool_call_parser,
         lora_names=tuple(config.lora_adapters),
+        runtime_lora=args.enable_runtime_lora,
     )
     uv_config = uvicorn.Config(
         build_app(state),

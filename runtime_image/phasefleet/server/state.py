@@ -72,6 +72,8 @@ class WorkerState:
     tool_call_parser: str | None = None
     # the LoRA adapters the engine loaded: a request names one as its `model`
     lora_names: tuple[str, ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (server/lora_admin.py)
+    runtime_lora: bool = False
 
     @functools.cached_property
     def decode(self) -> Callable[[list[int]], str]:
