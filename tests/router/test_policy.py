@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from phasefleet.router.policy import (
@@ -134,3 +136,20 @@ def test_prefill_backlog_in_seconds_needs_a_measured_throughput() -> None:
     assert prefill_backlog_s(Candidate(A, load, 0, prefill_rate=4000.0)) == pytest.approx(0.5)
     assert prefill_backlog_s(Candidate(A, load, 0)) is None  # no throughput measured yet
     assert prefill_backlog_s(Candidate(A, None, 0, prefill_rate=4000.0)) is None
+
+
+def test_the_prefix_key_is_the_prompt_after_the_model_so_adapters_keep_their_own() -> None:
+    from phasefleet.router.dispatch import prompt_text
+
+    prompt = "p" * PREFIX_CHUNK_CHARS * 2
+
+    def key(model: str, field: str = "prompt", value: object = prompt) -> list[int]:
+        return prefix_chunks(prompt_text(json.dumps({"model": model, field: value})))
+
+    assert key("llama") == key("llama") and key("llama") != key("sql")
+    chat = [{"role": "user", "content": prompt}]
+    longer = [*chat, {"role": "assistant", "content": "q" * PREFIX_CHUNK_CHARS}]
+    assert key("sql", "messages", longer)[: len(key("sql", "messages", chat))] == key(
+        "sql", "messages", chat
+    )
+    assert prompt_text(b"not json") == "" and prompt_text(b'{"model": "x"}') == ""

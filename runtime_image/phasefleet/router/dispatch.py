@@ -114,7 +114,8 @@ def error_event(message: str) -> bytes:
 
 
 def prompt_text(body: bytes) -> str:
-    """The part of a request body a prefix cache keys on, as text ('' if there is none)."""
+    """The part of a request body a prefix cache keys on, as text ('' if there is none): the
+    prompt after the model's name (a LoRA adapter's KV is its own: docs/worker.md)."""
     try:
         payload = json.loads(body)
     except ValueError:
@@ -122,10 +123,14 @@ def prompt_text(body: bytes) -> str:
     if not isinstance(payload, dict):
         return ""
     prompt = payload.get("messages", payload.get("prompt"))
+    if not prompt:
+        return ""
+    model = payload.get("model")
+    head = f"{model}\n" if isinstance(model, str) else ""
     if isinstance(prompt, str):
-        return prompt
+        return head + prompt
     # A JSON dump keeps prefixes: a conversation that grows by messages dumps to a longer text.
-    return json.dumps(prompt, separators=(",", ":")) if prompt else ""
+    return head + json.dumps(prompt, separators=(",", ":"))
 
 
 class Router:
