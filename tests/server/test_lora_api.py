@@ -227,6 +227,9 @@ def test_adapters_load_and_unload_at_runtime(
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     next(iter(long))  # running now
+    info = [k for k in runtime_worker.metrics() if k.startswith("phasefleet_lora_requests_info")]
+    assert len(info) == 1 and 'running_lora_adapters="poet"' in info[0], info
+    assert 'waiting_lora_adapters=""' in info[0] and 'max_lora="2"' in info[0]
     busy = post(runtime_worker, "unload_lora_adapter", {"lora_name": "poet"})
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "lora_in_use"
     assert sum(1 for _ in long) > 0

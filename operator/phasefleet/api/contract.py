@@ -181,6 +181,9 @@ class Metric:
     # would, label `to`: local (prefill pool backlogged) | remote (prefill pool idle)
     PHASE_BOUNDARY_MOVES_TOTAL = "phasefleet_phase_boundary_moves_total"
     ENGINE_BUSY_SECONDS_TOTAL = "phasefleet_engine_busy_seconds_total"  # wall time in steps
+    # workers with LoRA slots: 1, labelled with the adapters of the running and of the waiting
+    # requests (comma-separated) and the slot count, as vLLM's vllm:lora_requests_info
+    LORA_REQUESTS_INFO = "phasefleet_lora_requests_info"
     WORKER_STARTUP_SECONDS = "phasefleet_worker_startup_seconds"  # label `phase`
     # router: requests waiting for a pool with no ready worker, label `worker_pool` (the
     # chart's PodMonitor sets `pool` to the scraped pod's own role)

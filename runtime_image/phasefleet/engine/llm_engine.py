@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -565,7 +565,17 @@ class LLMEngine:
             num_kv_leases=len(self.leases),
             num_kv_lease_expiries_total=self.num_kv_lease_expiries_total,
             busy_seconds_total=self.busy_seconds_total,
+            max_loras=self.runner.lora.max_loras if self.runner.lora is not None else 0,
+            running_loras=self._adapters_of(s.running),
+            waiting_loras=self._adapters_of([*s.waiting, *s.late]),
         )
+
+    def _adapters_of(self, requests: Iterable[Request]) -> tuple[str, ...]:
+        lora = self.runner.lora
+        if lora is None or not lora.slots:
+            return ()
+        names = {slot: name for name, slot in lora.slots.items()}
+        return tuple(sorted({names[r.lora_slot] for r in requests if r.lora_slot in names}))
 
     def close(self) -> None:
         """Stops the engine's other tensor-parallel ranks (nothing else holds resources)."""

@@ -84,3 +84,9 @@ class EngineStats:
     """The highest running + waiting of the last PEAK_WINDOW_S seconds (autoscale/peaks.py)."""
     kv_cache_usage_peak: float = 0.0
     """The highest KV usage of the last PEAK_WINDOW_S seconds, 0..1."""
+    max_loras: int = 0
+    """LoRA adapter slots; 0: no adapters."""
+    running_loras: tuple[str, ...] = ()
+    """The adapters of the running requests, sorted."""
+    waiting_loras: tuple[str, ...] = ()
+    """The adapters of the waiting requests, sorted."""

@@ -121,6 +121,15 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self._labels, float(getattr(stats, attr)))
             yield counter
+        if stats.max_loras:
+            info = GaugeMetricFamily(
+                M.LORA_REQUESTS_INFO,
+                "1, labelled with the LoRA adapters of the running and waiting requests.",
+                labels=[*LABELS, "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            running, waiting = ",".join(stats.running_loras), ",".join(stats.waiting_loras)
+            info.add_metric([*self._labels, running, waiting, str(stats.max_loras)], 1.0)
+            yield info
 
 
 class _StartupCollector(Collector):
