@@ -45,12 +45,15 @@ WHEELS_MISSING = [
     "uvicorn",
     "gguf",  # transformers' GGUF reader (SmolLM2's .gguf)
     "openai", "httpx2", "httpcore2", "truststore", "jiter", "sniffio",  # tests/models' client
+    "llguidance",  # structured output (engine/grammar.py, tests/engine/test_grammar.py)
+    "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",  # tests/models
 ]  # fmt: skip
-WHEELS_TOO_NEW = ["transformers", "huggingface-hub", "tokenizers"]  # there: 5.x, 1.x, 0.23
+# there: 5.x, 1.x, 0.23; and a peft (tests/engine/test_lora.py's reference) made for those
+WHEELS_TOO_NEW = ["transformers", "huggingface-hub", "tokenizers", "peft"]
 WHEEL_NAMES = WHEELS_MISSING + WHEELS_TOO_NEW
-PLATFORMS = [
-    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64", "manylinux1_x86_64",
+PLATFORMS = [  # the GPU machine: Ubuntu 24.04's Python 3.12.3, glibc 2.39
+    "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
 ]  # fmt: skip
 
 

@@ -79,6 +79,12 @@ CHECKS = [
         90,
         "structured output's masks on the host's CPUs: one by one vs llguidance's threads",
     ),
+    Check(
+        "lora_8b",
+        "gpu_lora:lora_8b",
+        240,
+        "Llama-3-8B shape, bf16: a decode step with 4 rank-16 LoRA slots vs none",
+    ),
     Check("engine_tests", "pytest", 360, "pytest tests/engine with the engine on the device"),
     Check("model_tests", "pytest", 360, "pytest tests/models: SmolLM2 served on the device"),
 ]
