@@ -2,8 +2,9 @@
 through `phasefleet serve` as a user runs it, answers chat prompts greedily exactly as
 transformers' `generate` does on the same folder, token for token.
 
-Two fleets: 1 prefill + 1 decode worker where every prompt takes the KV hand-off, and one
-aggregated worker served straight from the .gguf file."""
+Two fleets: 1 prefill + 1 decode worker where every prompt takes the KV hand-off (serving a
+random LoRA adapter of the model too), and one aggregated worker served straight from the .gguf
+file."""
 
 from __future__ import annotations
 
@@ -127,9 +128,9 @@ def structured_reference(smollm2: Path) -> Answer:
     return Answer(tokenizer.decode(out), len(out))
 
 
-def ask(client: openai.OpenAI, question: str, stream: bool) -> Answer:
+def ask(client: openai.OpenAI, question: str, stream: bool, model: str = "smollm2") -> Answer:
     kw = {
-        "model": "smollm2",
+        "model": model,
         "messages": [{"role": "user", "content": question}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
@@ -159,10 +160,22 @@ def counter(url: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def adapter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random rank-8 LoRA adapter of SmolLM2 on every projection (none is shipped on PyPI):
+    small enough that the model still answers, large enough to change the answer."""
+    from phasefleet.engine.tiny_lora import make_tiny_lora
+
+    return make_tiny_lora(tmp_path_factory.mktemp("lora") / "smol-lora", smollm2, rank=8, std=0.05)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(
+    tmp_path_factory: pytest.TempPathFactory, adapter: Path
+) -> Iterator[tuple[str, Path]]:
     run_dir = tmp_path_factory.mktemp("disaggregated")
-    # every prompt is handed off
+    # every prompt is handed off; both pools serve the adapter too
     args = f"--remote-prefill-min-tokens 0 --num-kv-blocks 256 {WORKER_ARGS}"
+    args += f" --lora-modules smol-lora={adapter}"
     with serve(run_dir, "--model", "smollm2", "--worker-args", args) as url:
         yield url, run_dir
 
@@ -287,3 +300,42 @@ def test_prefill_split_over_three_ranks_hands_off_to_one_and_equals_transformers
     assert "tensor-parallel" not in (tmp_path / "serve.out").read_text()  # no rank failed
     prefill_log = "".join(p.read_text() for p in tmp_path.glob("prefill-*.log"))
     assert " rank 1 " in prefill_log and " rank 2 " in prefill_log  # the ranks' own log lines
+
+
+def test_a_lora_adapter_of_the_trained_model_answers_as_peft_does_through_the_hand_off(
+    disaggregated: tuple[str, Path],
+    smollm2: Path,
+    adapter: Path,
+    reference: dict[str, Answer],
+) -> None:
+    """SmolLM2 with a LoRA adapter (named as the request's model), prefilled on the prefill
+    worker and decoded on the decode worker: token for token PEFT's `generate` on transformers
+    with the same adapter, and not the base model's answer."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    question = QUESTIONS[0]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    if tokenizer.eos_token_id in out:
+        out = out[: out.index(tokenizer.eos_token_id) + 1]
+    want = Answer(tokenizer.decode(out, skip_special_tokens=True), len(out))
+    url, run_dir = disaggregated
+    decode = json.loads((run_dir / "workers.json").read_text())["decode"][0]
+    remote = counter(decode, "phasefleet_prefills_total", where="remote")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+    for stream in (False, True):
+        assert ask(client, question, stream, model="smol-lora") == want
+    assert counter(decode, "phasefleet_prefills_total", where="remote") == remote + 2
+    assert want != reference[question]
