@@ -43,8 +43,16 @@ LONG_STREAM = {
 
 @pytest.fixture(scope="module")
 def worker(tiny_model: Path) -> Iterator[Worker]:
-    with run_worker(tiny_model, "--max-model-len", "64", "--max-queue-len", "64") as w:
-        yield w
+    """With runtime LoRA loading, so its endpoints are fuzzed too (offline: a fuzzed repo id is
+    looked up in the cache only)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    args = ("--max-model-len", "64", "--max-queue-len", "64")
+    try:
+        with run_worker(tiny_model, *args, "--max-loras", "1", "--enable-runtime-lora") as w:
+            yield w
+    finally:
+        mp.undo()
 
 
 def served_model_schema(worker: Worker, vocab_size: int) -> Any:
