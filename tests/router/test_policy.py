@@ -144,7 +144,7 @@ def test_the_prefix_key_is_the_prompt_after_the_model_so_adapters_keep_their_own
     prompt = "p" * PREFIX_CHUNK_CHARS * 2
 
     def key(model: str, field: str = "prompt", value: object = prompt) -> list[int]:
-        return prefix_chunks(prompt_text(json.dumps({"model": model, field: value})))
+        return prefix_chunks(prompt_text(json.dumps({"model": model, field: value}).encode()))
 
     assert key("llama") == key("llama") and key("llama") != key("sql")
     chat = [{"role": "user", "content": prompt}]
