@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 from phasefleet.api import contract
 from phasefleet.api.spec import Role
@@ -51,7 +52,8 @@ def test_worker_metrics_expose_every_contract_name():
 
     startup = {"imports": 3.5, "weights": 1.25}
     role = contract.EngineRole.BOTH.value
-    text = WorkerMetrics("m", role, lambda: IDLE, lambda: startup).render().decode()
+    with_slots = replace(IDLE, max_loras=2, running_loras=("sql",))  # LoRA's series needs slots
+    text = WorkerMetrics("m", role, lambda: with_slots, lambda: startup).render().decode()
     names = [
         value
         for attr, value in vars(contract.Metric).items()
@@ -60,12 +62,16 @@ def test_worker_metrics_expose_every_contract_name():
         and isinstance(value, str)
         and not attr.startswith(("AUTOSCALER_", "ROUTER_"))  # the operator's, the router's
     ]
-    assert len(names) == 27
+    assert len(names) == 28
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name
     startup_line = f'{contract.Metric.WORKER_STARTUP_SECONDS}{{model_name="m",phase="weights",'
     assert f'{startup_line}role="{role}"}} 1.25' in text
+    lora = f'{contract.Metric.LORA_REQUESTS_INFO}{{max_lora="2",model_name="m",role="{role}",'
+    assert f'{lora}running_lora_adapters="sql",waiting_lora_adapters=""}} 1.0' in text
+    without = WorkerMetrics("m", role, lambda: IDLE).render().decode()
+    assert contract.Metric.LORA_REQUESTS_INFO not in without
     # while the model loads there are no engine stats: the engine's series are left out
     loading = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: None).render().decode()
     assert contract.Metric.NUM_REQUESTS_RUNNING not in loading
