@@ -153,9 +153,12 @@ def test_example_gets_children_status_and_columns(
             pods = get(cluster, "pods", "-n", namespace, "-l", f"phasefleet.dev/role={role}")
             assert {p["spec"]["nodeName"] for p in pods["items"]} <= {"kwok-gpu-0", "kwok-gpu-1"}
         hf = spec["model"].get("hf", {})
-        if "tokenSecret" in hf:
-            env = {e["name"]: e for e in container["env"]}
+        if "tokenSecret" in hf:  # for whoever downloads: with a cache, the init container
+            cached = "cache" in spec["model"]
+            (downloader,) = pod["initContainers"] if cached else [container]
+            env = {e["name"]: e for e in downloader["env"]}
             assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == hf["tokenSecret"]["name"]
+            assert cached != ("HF_TOKEN" in {e["name"] for e in container["env"]})
 
     # The router's own account reads its namespace's EndpointSlices and nothing else.
     router_sa = f"system:serviceaccount:{namespace}:{name}-router"

@@ -165,7 +165,9 @@ def _from_cache(
             f" ({cache}) and HF_HUB_OFFLINE=1 forbids downloading it from {endpoint}: unset"
             " HF_HUB_OFFLINE, or pre-fill the cache with one online start"
         ) from exc
-    logger.info("%s %s found in the cache: %s (offline)", kind.what, repo_id, folder)
+    logger.info(
+        "%s %s found in the cache: %s (offline, no network call)", kind.what, repo_id, folder
+    )
     return Path(folder)
 
 
