@@ -27,7 +27,7 @@ from phasefleet.engine.grammar import GrammarCompiler, GrammarMatcher
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
 from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
-from phasefleet.engine.lora import LoraError, prefix_salt, read_adapter
+from phasefleet.engine.lora import NO_SLOT, LoadedAdapter, LoraError, read_adapter
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
@@ -98,8 +98,6 @@ class LLMEngine:
             startup,
             tensor_parallel_size=config.tensor_parallel_size,
         )
-        self.lora_salts: dict[str, int] = {}  # adapter name -> its prefix salt
-        self.lora_loads = 0  # adapters loaded so far: each load salts its blocks apart
         if config.num_lora_slots:
             with startup.phase("lora"):
                 self._load_adapters(config)
@@ -202,7 +200,7 @@ class LLMEngine:
         if importing_from is not None and first_block != importing_from:
             raise ValueError(f"imported_kv must start at block {importing_from}")
         imported_tokens = self.imports.check(imported_kv, first_block, n)
-        lora_slot, salt = self.lora_slot(lora)
+        adapter = None if lora is None else self._adapter(lora)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -214,8 +212,8 @@ class LLMEngine:
             import_first_block=first_block,
             importing=importing_from is not None,
             late_after_s=late_after_s,
-            lora_slot=lora_slot,
-            prefix_salt=salt,
+            lora_slot=NO_SLOT if adapter is None else adapter.slot,
+            prefix_salt=None if adapter is None else adapter.salt,
         )
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
@@ -241,41 +239,32 @@ class LLMEngine:
         for name, folder in config.lora_adapters.items():
             self.load_lora(name, folder)
 
+    def _adapter(self, name: str) -> LoadedAdapter:
+        """A loaded adapter's slot and salt; LoraError when it is not loaded."""
+        if self.runner.lora is None:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded")
+        return self.runner.lora.get(name)
+
     def load_lora(self, name: str, folder: str) -> None:
         """Reads an adapter into a free slot; LoraError (nothing changed) when it cannot.
         Engine thread only."""
-        lora = self.runner.lora
-        if lora is None:
+        if self.runner.lora is None:
             raise LoraError(f"LoRA adapter {name!r}: this engine has no adapter slots (max_loras)")
-        lora.load(read_adapter(name, folder))
-        self.lora_loads += 1
-        self.lora_salts[name] = prefix_salt(name, self.lora_loads)
+        self.runner.lora.load(read_adapter(name, folder))
 
     def unload_lora(self, name: str) -> None:
         """Empties an adapter's slot; LoraError when it is not loaded or a running or waiting
         request still uses it (a finished prefill's leased KV is computed already). Engine
         thread only."""
-        slot, _ = self.lora_slot(name)
-        lora = self.runner.lora
+        slot = self._adapter(name).slot
         users = [r for r in self.scheduler.requests.values() if r.lora_slot == slot]
         if users:
             raise LoraError(
                 f"LoRA adapter {name!r} is in use by {len(users)} request(s): unload it once "
                 "they finish"
             )
-        if lora is not None:  # lora_slot found the adapter, so there are slots
-            lora.unload(name)
-        del self.lora_salts[name]
-
-    def lora_slot(self, name: str | None) -> tuple[int, int | None]:
-        """(slot, prefix salt) of an adapter by name; (-1, None) for the base model. ValueError
-        for an adapter this engine has not loaded."""
-        if name is None:
-            return -1, None
-        lora = self.runner.lora
-        if lora is None or name not in self.lora_salts:
-            raise LoraError(f"LoRA adapter {name!r} is not loaded")
-        return lora.slot(name), self.lora_salts[name]
+        if self.runner.lora is not None:  # _adapter found it there
+            self.runner.lora.unload(name)
 
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         """The next chunk of an importing request's KV (written into its blocks now if it is
@@ -347,7 +336,8 @@ class LLMEngine:
         references."""
         if not self.config.enable_prefix_caching:
             return 0
-        bs, parent, hits = self.config.block_size, self.lora_salts.get(lora or ""), 0
+        loaded = self.runner.lora.loaded.get(lora or "") if self.runner.lora else None
+        bs, parent, hits = self.config.block_size, loaded.salt if loaded else None, 0
         for i in range(len(prompt_token_ids) // bs):
             tokens = prompt_token_ids[i * bs : (i + 1) * bs]
             block_hash = hash_block(parent, tokens)
@@ -572,9 +562,9 @@ class LLMEngine:
 
     def _adapters_of(self, requests: Iterable[Request]) -> tuple[str, ...]:
         lora = self.runner.lora
-        if lora is None or not lora.slots:
+        if lora is None or not lora.loaded:
             return ()
-        names = {slot: name for name, slot in lora.slots.items()}
+        names = {a.slot: name for name, a in lora.loaded.items()}
         return tuple(sorted({names[r.lora_slot] for r in requests if r.lora_slot in names}))
 
     def close(self) -> None:

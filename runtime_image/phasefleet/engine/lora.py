@@ -115,6 +115,12 @@ def read_adapter(name: str, folder: str | Path) -> LoraAdapter:
     return LoraAdapter(name, rank, weights)
 
 
+@dataclass(frozen=True)
+class LoadedAdapter:
+    slot: int  # its columns in every LoraLinear
+    salt: int  # the root of its requests' prefix-cache block hashes (prefix_salt)
+
+
 class LoraStep:
     """The adapter slot of each token of the current step, in a fixed device buffer (filled
     before every forward; CUDA graphs read the same memory)."""
@@ -227,13 +233,15 @@ class LoraSet:
                     )  # fmt: skip
                     setattr(holder, fused, wrapped)
                     self.linears[(index, fused)] = wrapped
-        self.slots: dict[str, int] = {}
+        self.loaded: dict[str, LoadedAdapter] = {}
+        self.loads = 0  # adapters loaded so far: each load's blocks are salted apart
 
-    def load(self, adapter: LoraAdapter) -> int:
-        """Puts an adapter in a free slot; returns the slot. LoraError when it does not fit."""
-        if adapter.name in self.slots:
+    def load(self, adapter: LoraAdapter) -> LoadedAdapter:
+        """Puts an adapter in a free slot (every slot's columns are zero until then: `unload`
+        clears them). LoraError when it does not fit."""
+        if adapter.name in self.loaded:
             raise LoraError(f"LoRA adapter {adapter.name!r} is already loaded")
-        free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+        free = sorted(set(range(self.max_loras)) - {a.slot for a in self.loaded.values()})
         if not free:
             raise LoraError(
                 f"LoRA adapter {adapter.name!r}: all {self.max_loras} slots are taken "
@@ -257,25 +265,25 @@ class LoraSet:
                     "it was trained on another base model"
                 )
         slot = free[0]
-        for linear in self.linears.values():
-            linear.clear(slot)
         for (layer, part), (a, b) in adapter.weights.items():
             fused, index = PART_OF[part]
             self.linears[(layer, fused)].set_part(slot, index, a, b)
-        self.slots[adapter.name] = slot
-        return slot
+        self.loads += 1
+        loaded = LoadedAdapter(slot, prefix_salt(adapter.name, self.loads))
+        self.loaded[adapter.name] = loaded
+        return loaded
 
     def unload(self, name: str) -> None:
         """Empties an adapter's slot (no running request may use it: the caller checks)."""
-        slot = self.slot(name)
+        slot = self.get(name).slot
         for linear in self.linears.values():
             linear.clear(slot)
-        del self.slots[name]
+        del self.loaded[name]
 
-    def slot(self, name: str) -> int:
-        if name not in self.slots:
+    def get(self, name: str) -> LoadedAdapter:
+        if name not in self.loaded:
             raise LoraError(f"LoRA adapter {name!r} is not loaded")
-        return self.slots[name]
+        return self.loaded[name]
 
 
 def _shapes(config: Any, holder: nn.Module) -> dict[str, tuple[int, list[int]]]:
