@@ -1,5 +1,5 @@
 """Where `--lora-modules NAME=SOURCE` adapters come from: SOURCE is a PEFT adapter folder, or a
-Hugging Face repo id (`org/name`, optionally `@revision`) fetched into `$HF_HOME/hub`
+Hugging Face repo id (`org/name`, optionally `@revision`) fetched into the model's Hub cache
 (server/hub.py). No heavy imports: the CLI checks the flag before loading anything."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILES = [ADAPTER_CONFIG, "adapter_model.safetensors"]  # all an adapter needs
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]{0,99}$")  # a request's `model`
 HUB_SOURCE = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(@(?P<revision>[\w./-]+))?$")
 
@@ -29,7 +30,7 @@ def parse_lora_modules(values: list[str], served_name: str | None) -> dict[str, 
             )
         if name in adapters or name == served_name:
             raise ValueError(f"--lora-modules: the name {name!r} is used twice")
-        if not is_hub_source(source) and not (Path(source) / ADAPTER_CONFIG).is_file():
+        if hub_source(source) is None and not (Path(source) / ADAPTER_CONFIG).is_file():
             raise ValueError(
                 f"--lora-modules {name}: {source} has no {ADAPTER_CONFIG} (a PEFT LoRA adapter "
                 "folder, as save_pretrained writes it, or a Hugging Face repo id org/name)"
@@ -38,11 +39,13 @@ def parse_lora_modules(values: list[str], served_name: str | None) -> dict[str, 
     return adapters
 
 
-def is_hub_source(source: str) -> bool:
-    """A repo id (with an optional @revision) that is not a local folder."""
+def hub_source(source: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) of `org/name[@revision]` that is not a local path; None for
+    anything else."""
     if source.startswith((".", "/", "~")) or Path(source).exists():
-        return False
-    return HUB_SOURCE.match(source) is not None
+        return None
+    match = HUB_SOURCE.match(source)
+    return None if match is None else (match["repo"], match["revision"])
 
 
 def resolve_adapters(adapters: dict[str, str]) -> dict[str, str]:
@@ -51,8 +54,6 @@ def resolve_adapters(adapters: dict[str, str]) -> dict[str, str]:
 
     folders = {}
     for name, source in adapters.items():
-        match = HUB_SOURCE.match(source)
-        if match is not None and is_hub_source(source):
-            source = str(fetch_adapter(match["repo"], match["revision"]))
-        folders[name] = source
+        repo = hub_source(source)
+        folders[name] = source if repo is None else str(fetch_adapter(*repo))
     return folders

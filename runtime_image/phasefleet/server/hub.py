@@ -29,6 +29,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import disable_progress_bars, filter_repo_objects
 
+from phasefleet.server.adapters import ADAPTER_FILES
 from phasefleet.server.hub_fetch import Fetcher, HubFile, human_size, repo_folder
 
 logger = logging.getLogger("phasefleet.hub")
@@ -52,7 +53,6 @@ ENGINE_FILES = [
     WEIGHT_INDEX,
 ]
 TRUE = ("1", "ON", "YES", "TRUE")  # how huggingface_hub reads a boolean variable
-ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]  # a PEFT LoRA adapter
 
 
 @dataclass(frozen=True)

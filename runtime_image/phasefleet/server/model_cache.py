@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from phasefleet.api.contract import MODEL_CACHE_HUB, MODEL_CACHE_PLANS, FetchModelFlag
+from phasefleet.server.adapters import hub_source
 from phasefleet.server.cache_lock import CacheLock, LockTiming
 from phasefleet.termination import fail
 
@@ -213,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         got = ensure_model(root, args.model, args.revision, lock=lock)
         for source in args.adapters:
-            repo, _, revision = source.partition("@")
+            # the operator passes spec.lora's ids, which the CRD checked
+            repo, revision = hub_source(source) or (source, None)
             adapter = ensure_model(
                 root, repo, revision or DEFAULT_REVISION, fetch=adapter_from_hub,
                 lock=CacheLock(lock_path(root, repo), timing=timing),
