@@ -127,3 +127,28 @@ def test_unknown_adapter_and_adapters_that_cannot_load_are_refused(
         read_adapter("empty", tmp_path)
     with pytest.raises(ValueError, match="max_loras \\(1\\) must be at least"):
         _engine(base, dict(adapters), max_loras=1)
+
+
+def test_adapter_files_the_engine_cannot_run_are_refused_naming_the_fix(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A target outside the seven projections, lora_A without its lora_B, and adapters with
+    tensor parallelism: each a clear error before anything is served."""
+    from safetensors.torch import load_file, save_file
+
+    from phasefleet.engine.config import EngineConfig
+
+    base = tiny_model(MODEL)
+    folder = make_tiny_lora(tmp_path / "a", base, rank=2)
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    embed = {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(2, 8)}
+    save_file({**weights, **embed}, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="embed_tokens.lora_A.weight is not supported"):
+        read_adapter("a", folder)
+    half = {k: v for k, v in weights.items() if ".layers.0.self_attn.q_proj.lora_B" not in k}
+    save_file(half, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="layer 0 q_proj has lora_A, no lora_B"):
+        read_adapter("a", folder)
+    config = EngineConfig(model=str(base), lora_adapters={"a": str(folder)}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
+        config.validate()

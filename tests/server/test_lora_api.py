@@ -117,10 +117,20 @@ def test_an_unknown_model_is_a_404_naming_what_is_served(workers: tuple[Worker, 
     assert "'tiny', 'sql', 'poet'" in caught.value.message
 
 
-def test_a_bad_lora_flag_exits_with_a_message(tiny_model: Path, tmp_path: Path) -> None:
-    with run_worker(tiny_model, "--lora-modules", f"x={tmp_path}", wait_healthy=False) as worker:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--lora-modules", "x={tmp}"), "has no adapter_config.json"),
+        (("--enable-runtime-lora",), "--enable-runtime-lora needs adapter slots"),
+    ],
+)
+def test_a_bad_lora_flag_exits_with_a_message(
+    tiny_model: Path, tmp_path: Path, flags: tuple[str, ...], message: str
+) -> None:
+    args = [flag.format(tmp=tmp_path) for flag in flags]
+    with run_worker(tiny_model, *args, wait_healthy=False) as worker:
         assert worker.proc.wait(timeout=120) == 2
-        assert "has no adapter_config.json" in worker.log()
+        assert message in worker.log()
 
 
 @pytest.fixture
