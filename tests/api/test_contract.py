@@ -52,7 +52,7 @@ def test_worker_metrics_expose_every_contract_name():
 
     startup = {"imports": 3.5, "weights": 1.25}
     role = contract.EngineRole.BOTH.value
-    with_slots = replace(IDLE, max_loras=2, running_loras=("sql",))  # LoRA's series needs slots
+    with_slots = replace(IDLE, max_loras=2, running_loras=("sql",), loaded_loras=("doc", "sql"))
     text = WorkerMetrics("m", role, lambda: with_slots, lambda: startup).render().decode()
     names = [
         value
@@ -62,7 +62,7 @@ def test_worker_metrics_expose_every_contract_name():
         and isinstance(value, str)
         and not attr.startswith(("AUTOSCALER_", "ROUTER_"))  # the operator's, the router's
     ]
-    assert len(names) == 28
+    assert len(names) == 29
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name
@@ -70,8 +70,11 @@ def test_worker_metrics_expose_every_contract_name():
     assert f'{startup_line}role="{role}"}} 1.25' in text
     lora = f'{contract.Metric.LORA_REQUESTS_INFO}{{max_lora="2",model_name="m",role="{role}",'
     assert f'{lora}running_lora_adapters="sql",waiting_lora_adapters=""}} 1.0' in text
+    loaded = f'{contract.Metric.LORA_ADAPTER_LOADED}{{lora_name="doc",model_name="m",'
+    assert f'{loaded}role="{role}"}} 1.0' in text
     without = WorkerMetrics("m", role, lambda: IDLE).render().decode()
     assert contract.Metric.LORA_REQUESTS_INFO not in without
+    assert contract.Metric.LORA_ADAPTER_LOADED not in without
     # while the model loads there are no engine stats: the engine's series are left out
     loading = WorkerMetrics("m", contract.EngineRole.BOTH.value, lambda: None).render().decode()
     assert contract.Metric.NUM_REQUESTS_RUNNING not in loading

@@ -184,6 +184,9 @@ class Metric:
     # workers with LoRA slots: 1, labelled with the adapters of the running and of the waiting
     # requests (comma-separated) and the slot count, as vLLM's vllm:lora_requests_info
     LORA_REQUESTS_INFO = "phasefleet_lora_requests_info"
+    # workers with LoRA slots: 1 per loaded adapter, label `lora_name` (the router sends an
+    # adapter's requests only to workers that have it)
+    LORA_ADAPTER_LOADED = "phasefleet_lora_adapter_loaded"
     WORKER_STARTUP_SECONDS = "phasefleet_worker_startup_seconds"  # label `phase`
     # router: requests waiting for a pool with no ready worker, label `worker_pool` (the
     # chart's PodMonitor sets `pool` to the scraped pod's own role)

@@ -534,7 +534,7 @@ class LLMEngine:
         self.imports.dropped(request_id)
 
     def stats(self) -> EngineStats:
-        s, pool = self.scheduler, self.kv.pool
+        s, pool, lora = self.scheduler, self.kv.pool, self.runner.lora
         requests_peak, kv_usage_peak = self.peaks(time.monotonic())
         return EngineStats(
             num_running=len(s.running),
@@ -555,7 +555,8 @@ class LLMEngine:
             num_kv_leases=len(self.leases),
             num_kv_lease_expiries_total=self.num_kv_lease_expiries_total,
             busy_seconds_total=self.busy_seconds_total,
-            max_loras=self.runner.lora.max_loras if self.runner.lora is not None else 0,
+            max_loras=lora.max_loras if lora is not None else 0,
+            loaded_loras=tuple(sorted(lora.loaded)) if lora is not None else (),
             running_loras=self._adapters_of(s.running),
             waiting_loras=self._adapters_of([*s.waiting, *s.late]),
         )

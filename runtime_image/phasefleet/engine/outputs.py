@@ -86,6 +86,8 @@ class EngineStats:
     """The highest KV usage of the last PEAK_WINDOW_S seconds, 0..1."""
     max_loras: int = 0
     """LoRA adapter slots; 0: no adapters."""
+    loaded_loras: tuple[str, ...] = ()
+    """The adapters loaded in those slots, sorted."""
     running_loras: tuple[str, ...] = ()
     """The adapters of the running requests, sorted."""
     waiting_loras: tuple[str, ...] = ()

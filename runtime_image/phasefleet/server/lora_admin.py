@@ -10,28 +10,21 @@ import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from phasefleet.engine.lora import LoraError
 from phasefleet.server.adapters import parse_lora_modules, resolve_adapters
 from phasefleet.server.errors import APIError, bad_request
 from phasefleet.server.hub import ModelFetchError
+from phasefleet.server.openai_protocol import (
+    LORA_ALREADY_LOADED,
+    LORA_IN_USE,
+    LORA_NOT_FOUND,
+    LoadLoraAdapter,
+    UnloadLoraAdapter,
+)
 from phasefleet.server.state import WorkerState
 
 logger = logging.getLogger(__name__)
-
-
-class LoadLoraAdapter(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    lora_name: str = Field(min_length=1, max_length=100)
-    lora_path: str = Field(min_length=1, max_length=4096)  # a folder, or a repo id org/name
-
-
-class UnloadLoraAdapter(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    lora_name: str = Field(min_length=1, max_length=100)
 
 
 def lora_admin_routes() -> APIRouter:
@@ -42,7 +35,12 @@ def lora_admin_routes() -> APIRouter:
         state: WorkerState = request.app.state.worker
         name = body.lora_name
         if name in state.lora_names:
-            raise bad_request(f"LoRA adapter '{name}' is already loaded", "lora_name")
+            raise APIError(
+                400,
+                f"LoRA adapter '{name}' is already loaded",
+                param="lora_name",
+                code=LORA_ALREADY_LOADED,
+            )
         try:
             source = parse_lora_modules([f"{name}={body.lora_path}"], state.served_model_name)
             folders = await asyncio.to_thread(resolve_adapters, source)
@@ -61,12 +59,12 @@ def lora_admin_routes() -> APIRouter:
         name = body.lora_name
         if name not in state.lora_names:
             raise APIError(
-                404, f"LoRA adapter '{name}' is not loaded", param="lora_name", code="not_found"
+                404, f"LoRA adapter '{name}' is not loaded", param="lora_name", code=LORA_NOT_FOUND
             )
         try:
             await state.engine.call(lambda engine: engine.unload_lora(name))
         except LoraError as exc:
-            raise APIError(409, str(exc), param="lora_name", code="lora_in_use") from None
+            raise APIError(409, str(exc), param="lora_name", code=LORA_IN_USE) from None
         state.lora_names = tuple(n for n in state.lora_names if n != name)
         logger.info("LoRA adapter %s unloaded", name)
         return f"Success: LoRA adapter '{name}' removed successfully."

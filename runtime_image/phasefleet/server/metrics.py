@@ -130,6 +130,14 @@ class _EngineStatsCollector(Collector):
             running, waiting = ",".join(stats.running_loras), ",".join(stats.waiting_loras)
             info.add_metric([*self._labels, running, waiting, str(stats.max_loras)], 1.0)
             yield info
+            loaded = GaugeMetricFamily(
+                M.LORA_ADAPTER_LOADED,
+                "1 for each LoRA adapter loaded in a slot, labelled with its name.",
+                labels=[*LABELS, "lora_name"],
+            )
+            for name in stats.loaded_loras:
+                loaded.add_metric([*self._labels, name], 1.0)
+            yield loaded
 
 
 class _StartupCollector(Collector):

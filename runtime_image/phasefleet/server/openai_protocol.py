@@ -309,3 +309,23 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# Runtime LoRA adapters (vLLM's bodies): the worker's endpoints and the router's, which sends them
+# to every worker. Error codes the router reads in the workers' answers:
+LORA_ALREADY_LOADED = "lora_already_loaded"  # 400 from load: counts as loaded
+LORA_NOT_FOUND = "not_found"  # 404 from unload: counts as unloaded
+LORA_IN_USE = "lora_in_use"  # 409 from unload: requests still use it
+
+
+class LoadLoraAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=100)
+    lora_path: str = Field(min_length=1, max_length=4096)  # a folder, or a repo id org/name
+
+
+class UnloadLoraAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=100)
