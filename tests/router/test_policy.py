@@ -139,12 +139,14 @@ def test_prefill_backlog_in_seconds_needs_a_measured_throughput() -> None:
 
 
 def test_the_prefix_key_is_the_prompt_after_the_model_so_adapters_keep_their_own() -> None:
-    from phasefleet.router.dispatch import prompt_text
+    from phasefleet.router.dispatch import RequestKey, request_key
 
     prompt = "p" * PREFIX_CHUNK_CHARS * 2
 
     def key(model: str, field: str = "prompt", value: object = prompt) -> list[int]:
-        return prefix_chunks(prompt_text(json.dumps({"model": model, field: value}).encode()))
+        return prefix_chunks(
+            request_key(json.dumps({"model": model, field: value}).encode()).prompt
+        )
 
     assert key("llama") == key("llama") and key("llama") != key("sql")
     chat = [{"role": "user", "content": prompt}]
@@ -152,4 +154,6 @@ def test_the_prefix_key_is_the_prompt_after_the_model_so_adapters_keep_their_own
     assert key("sql", "messages", longer)[: len(key("sql", "messages", chat))] == key(
         "sql", "messages", chat
     )
-    assert prompt_text(b"not json") == "" and prompt_text(b'{"model": "x"}') == ""
+    assert request_key(b"not json") == RequestKey(None, "")
+    assert request_key(b'{"model": "x"}') == RequestKey("x", "")
+    assert request_key(b'{"model": 3, "prompt": "p"}') == RequestKey(None, "p")

@@ -130,3 +130,28 @@ def test_the_router_picks_a_prefill_worker_whose_backlog_it_can_state_in_seconds
     chosen = router.choose_prefill([])
     assert chosen is not None and prefill_backlog_s(chosen) == 0.5
     asyncio.run(prefill.upstream.aclose())
+
+
+def test_an_adapters_requests_go_only_to_the_workers_that_have_it() -> None:
+    p1, p2, d1, d2 = "http://p1:1", "http://p2:1", "http://d1:1", "http://d2:1"
+    prefill = WorkerPool("prefill", ListedEndpoints(), Upstream())
+    decode = WorkerPool("decode", ListedEndpoints(), prefill.upstream)
+    config = RouterConfig(served_model_name="m", policy="round-robin", internal_token="t")
+    pools = {"prefill": prefill, "decode": decode}
+    router = Router(config, pools, prefill.upstream, RouterMetrics("m"))
+    for pool, url, adapters in [
+        (prefill, p1, {"sql"}), (prefill, p2, set()), (decode, d1, set()), (decode, d2, {"sql"}),
+    ]:  # fmt: skip
+        pool.workers[url] = WorkerState(url, healthy=True, adapters=frozenset(adapters))
+    assert router.loaded_adapters() == {"sql"}
+    assert decode.has_adapter("sql") and not decode.has_adapter("poet")
+    for _ in range(4):  # round-robin would alternate: the adapter pins both choices
+        assert router.choose(decode, [], set(), adapter="sql") == d2
+        chosen = router.choose_prefill([], "sql")
+        assert chosen is not None and chosen.url == p1
+    assert router.choose(decode, [], {d2}, adapter="sql") is None  # tried: no fallback
+    assert {router.choose(decode, [], set()) for _ in range(4)} == {d1, d2}  # base model
+    prefill.workers[p1].adapters = frozenset()
+    assert router.choose_prefill([], "sql") is None  # the decode worker prefills it
+    assert router.choose_prefill([], "m") is not None  # the base model: any prefill worker
+    asyncio.run(prefill.upstream.aclose())

@@ -4,8 +4,10 @@
 Generation and tokenizer bodies are not validated here: they go to a worker as received, and the
 worker's 400/404 comes back unchanged, so the router and the workers can never disagree on what a
 valid request is; /openapi.json declares the worker's request bodies all the same
-(phasefleet.router.openapi). /v1/models is a worker's list with the router's own start as
-`created`, so it is the same whichever worker answers; /version is the router's own.
+(phasefleet.router.openapi). /v1/models is a worker's list, with the LoRA adapters other workers
+of the pool have loaded and the router's own start as `created`, so it is the same whichever
+worker answers; /version is the router's own. /v1/load_lora_adapter and /v1/unload_lora_adapter
+go to every worker (phasefleet.router.adapters).
 
 The pools refresh in a background task started by the app's lifespan; the first
 refresh completes before the router takes requests.
@@ -19,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -27,7 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from phasefleet.router.dispatch import Router
 from phasefleet.router.openapi import publish_worker_bodies
+from phasefleet.router.pool import WorkerPool
 from phasefleet.server.errors import APIError, install_error_handlers
+from phasefleet.server.openai_protocol import LoadLoraAdapter, UnloadLoraAdapter
 from phasefleet.server.tokenize import package_version
 
 logger = logging.getLogger(__name__)
@@ -93,6 +98,18 @@ async def _from_a_worker(router: Router, path: str, body: bytes | None) -> httpx
     return None
 
 
+def _add_adapter_cards(listing: dict[str, Any], pool: WorkerPool) -> None:
+    """Adds a card, like the answering worker's base model card, for each LoRA adapter that
+    only other workers of the pool have loaded."""
+    cards = listing.get("data", [])
+    base = next((c for c in cards if isinstance(c, dict) and not c.get("parent")), None)
+    if base is None:
+        return
+    listed = {c.get("id") for c in cards if isinstance(c, dict)}
+    for name in sorted(frozenset[str]().union(*(s.adapters for s in pool.ready())) - listed):
+        cards.append({**base, "id": name, "root": name, "parent": base["id"]})
+
+
 def _no_worker(router: Router) -> Response:
     return APIError(
         503,
@@ -114,6 +131,7 @@ def build_app(router: Router) -> FastAPI:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await router.adapters.aclose()
             await router.upstream.aclose()
             for pool in router.pools.values():
                 await pool.discovery.aclose()
@@ -144,6 +162,7 @@ def build_app(router: Router) -> FastAPI:
         answer = await _from_a_worker(router, "/v1/models", None)
         if answer is not None and answer.status_code == 200:
             listing = answer.json()
+            _add_adapter_cards(listing, router.generation_pool)
             for card in listing.get("data", []):
                 card["created"] = started_at
             return JSONResponse(listing)
@@ -166,6 +185,14 @@ def build_app(router: Router) -> FastAPI:
             return _no_worker(router)
         content_type = answer.headers.get("content-type")
         return Response(answer.content, answer.status_code, media_type=content_type)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapter) -> Response:
+        return await router.adapters.load(body, router.ready_workers())
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapter) -> Response:
+        return await router.adapters.unload(body, router.ready_workers())
 
     app.add_api_route("/tokenize", relay, methods=["POST"])
     app.add_api_route("/detokenize", relay, methods=["POST"])

@@ -15,6 +15,11 @@ worker runs the KV hand-off itself, or prefills locally when its cache already h
 the prompt (docs/architecture.md "Prefill to decode hand-off"). With no ready prefill worker the
 decode worker prefills every prompt itself.
 
+A request whose `model` is a LoRA adapter goes only to workers that have it loaded (each says so
+on /metrics), and its prompt to a prefill worker that has it, or to none (the decode worker
+prefills it); an adapter no worker of the pool has goes anywhere, and the worker's 404 names what
+it serves.
+
 A request that finds no ready worker in the generation pool (a pool scaled to zero, waking) is
 held until one is ready, within the bounds of `phasefleet.router.hold`; past them it gets 503
 with Retry-After.
@@ -26,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -40,6 +46,7 @@ from phasefleet.api.contract import (
     PREFILL_URL_HEADER,
     TPOT_TARGET_HEADER,
 )
+from phasefleet.router.adapters import FleetAdapters
 from phasefleet.router.config import RouterConfig
 from phasefleet.router.hold import Held, HeldRequests
 from phasefleet.router.metrics import RouterMetrics, StreamTimer
@@ -51,8 +58,8 @@ from phasefleet.router.policy import (
     rank,
     rank_prefill,
 )
-from phasefleet.router.pool import WorkerPool
-from phasefleet.router.upstream import Event, Upstream, classify, sse_events
+from phasefleet.router.pool import WorkerPool, WorkerState
+from phasefleet.router.upstream import Event, Upstream, classify, error_message, sse_events
 from phasefleet.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -113,24 +120,32 @@ def error_event(message: str) -> bytes:
     return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
 
 
-def prompt_text(body: bytes) -> str:
-    """The part of a request body a prefix cache keys on, as text ('' if there is none): the
-    prompt after the model's name (a LoRA adapter's KV is its own: docs/worker.md)."""
+@dataclass(frozen=True)
+class RequestKey:
+    """What the router reads of a generation request's body (the worker validates the rest)."""
+
+    model: str | None  # the `model` field: the base model's served name or a LoRA adapter's
+    prompt: str  # what a prefix cache keys on: the prompt after the model's name ('' if none)
+
+
+def request_key(body: bytes) -> RequestKey:
+    """The body's model and prefix key. The key starts with the model, since a LoRA adapter's
+    KV is its own (docs/worker.md)."""
     try:
         payload = json.loads(body)
     except ValueError:
-        return ""
+        return RequestKey(None, "")
     if not isinstance(payload, dict):
-        return ""
+        return RequestKey(None, "")
+    model = payload.get("model") if isinstance(payload.get("model"), str) else None
     prompt = payload.get("messages", payload.get("prompt"))
     if not prompt:
-        return ""
-    model = payload.get("model")
-    head = f"{model}\n" if isinstance(model, str) else ""
+        return RequestKey(model, "")
+    head = f"{model}\n" if model is not None else ""
     if isinstance(prompt, str):
-        return head + prompt
+        return RequestKey(model, head + prompt)
     # A JSON dump keeps prefixes: a conversation that grows by messages dumps to a longer text.
-    return head + json.dumps(prompt, separators=(",", ":"))
+    return RequestKey(model, head + json.dumps(prompt, separators=(",", ":")))
 
 
 class Router:
@@ -153,6 +168,7 @@ class Router:
         self.prefix_index = PrefixIndex()  # the generation pool's workers
         self.prefill_index = PrefixIndex()  # the prefill pool's workers
         self.turn = 0  # rotation counter for round-robin and tie-breaks
+        self.adapters = FleetAdapters(upstream)  # runtime LoRA adapters loaded through here
         self.held = HeldRequests(
             config.hold_seconds, config.max_held_requests, on_change=metrics.set_held
         )
@@ -166,21 +182,35 @@ class Router:
 
     async def refresh(self) -> None:
         for name, pool in self.pools.items():
-            for url in await pool.refresh():
+            gone = await pool.refresh()
+            for url in gone:
                 self.prefix_index.forget(url)
                 self.prefill_index.forget(url)
+            self.adapters.forget(gone)
             if pool.ready_count():
                 released = self.held.release(name)
                 if released:
                     logger.info("%s has a ready worker: %d held requests go", name, released)
+        self.adapters.reconcile(self.ready_workers(), self.clock())
 
-    def choose_prefill(self, chunks: list[int]) -> Candidate | None:
+    def ready_workers(self) -> list[WorkerState]:
+        """Every pool's ready workers (a worker in two pools once)."""
+        unique = {s.url: s for pool in self.pools.values() for s in pool.ready()}
+        return list(unique.values())
+
+    def loaded_adapters(self) -> frozenset[str]:
+        """The LoRA adapters some ready worker of any pool has loaded."""
+        return frozenset[str]().union(*(s.adapters for s in self.ready_workers()))
+
+    def choose_prefill(self, chunks: list[int], model: str | None = None) -> Candidate | None:
         """The prefill worker for a request in disaggregated mode; None: the decode worker
-        prefills it (no prefill pool, none ready, or no token to authorize the hand-off)."""
+        prefills it (no prefill pool, none ready, no token to authorize the hand-off, or the
+        request's LoRA adapter loaded on no prefill worker)."""
         pool = self.pools.get("prefill")
         if pool is None or not self.config.internal_token:
             return None
-        candidates = pool.candidates(self.clock())
+        adapter = model if model is not None and model in self.loaded_adapters() else None
+        candidates = pool.candidates(self.clock(), adapter=adapter)
         if not candidates:
             return None
         matched = self.prefill_index.match(chunks) if chunks else {}
@@ -189,8 +219,10 @@ class Router:
             self.prefill_index.record(chunks, url)
         return next(c for c in candidates if c.url == url)
 
-    def choose(self, pool: WorkerPool, chunks: list[int], tried: set[str]) -> str | None:
-        candidates = pool.candidates(self.clock(), exclude=tried)
+    def choose(
+        self, pool: WorkerPool, chunks: list[int], tried: set[str], adapter: str | None = None
+    ) -> str | None:
+        candidates = pool.candidates(self.clock(), exclude=tried, adapter=adapter)
         if not candidates:
             return None
         matched = (
@@ -208,13 +240,18 @@ class Router:
             held = await self.held.wait(pool.name)
             if held is Held.FULL or held is Held.TIMED_OUT:
                 return self._not_woken(pool, held)
+        key = request_key(body)
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
-        chunks = prefix_chunks(prompt_text(body)) if affinity else []
-        headers = forward_headers(self.config, self.choose_prefill(chunks))
+        chunks = prefix_chunks(key.prompt) if affinity else []
+        headers = forward_headers(self.config, self.choose_prefill(chunks, key.model))
+        # A LoRA adapter's requests go only to the workers that have it; where none does, to
+        # any (its 404 names what the worker serves).
+        model = key.model
+        adapter = model if model is not None and pool.has_adapter(model) else None
         tried: set[str] = set()
         retries: list[_Retry] = []
         while len(tried) < self.config.max_attempts:
-            url = self.choose(pool, chunks, tried)
+            url = self.choose(pool, chunks, tried, adapter)
             if url is None:
                 break
             if tried:
@@ -317,9 +354,9 @@ class Router:
             raise _Retry("429 at capacity", retry_after=retry_after)
         if status == 503:
             pool.mark_down(url)
-            raise _Retry(f"503 {_message(content)}")
+            raise _Retry(f"503 {error_message(content)}")
         if status >= 500:
-            raise _Retry(f"{status} {_message(content)}", answer=answer)
+            raise _Retry(f"{status} {error_message(content)}", answer=answer)
         return answer  # the request's own fault: the client sees the worker's answer
 
     async def _open_stream(
@@ -337,7 +374,7 @@ class Router:
                     raise _Retry("the stream ended before its first token") from None
                 kind = classify(event)
                 if kind is Event.ERROR:
-                    raise _Retry(f"in-band error {_message(event[len(b'data: ') :])}")
+                    raise _Retry(f"in-band error {error_message(event[len(b'data: ') :])}")
                 head.append(event)
         except BaseException:
             await events.aclose()
@@ -387,11 +424,3 @@ def _seconds(value: str | None) -> int:
         return max(1, int(value)) if value else DEFAULT_RETRY_AFTER
     except ValueError:
         return DEFAULT_RETRY_AFTER
-
-
-def _message(content: bytes) -> str:
-    """The message of an OpenAI-shaped error body, else the body's start."""
-    try:
-        return str(json.loads(content)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return content[:200].decode(errors="replace")

@@ -1,8 +1,9 @@
 """A pool of workers (`worker`, `prefill` or `decode`): who is there, who is ready, how loaded.
 
 `refresh()` asks discovery for the endpoints, then polls every worker's /health and /metrics at
-once. Between refreshes the router adds what it sees itself: requests it has open on a worker,
-a 429 (busy for a while), a refused connection or a 503 (out until a poll says healthy again).
+once (its load, and the LoRA adapters it has loaded). Between refreshes the router adds what it
+sees itself: requests it has open on a worker, a 429 (busy for a while), a refused connection or
+a 503 (out until a poll says healthy again).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class WorkerState:
     inflight: int = 0  # requests this router has open on it
     busy_until: float = 0.0  # monotonic seconds; answered 429 until then
     prefill_rate: float | None = None  # prompt tokens per busy second, a moving average
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, as of the last poll
 
     def observe(self, load: WorkerLoad) -> None:
         """Takes a new poll's load; updates the throughput from its counters' growth since
@@ -82,26 +84,37 @@ class WorkerPool:
                 else:  # finishing its requests: keep it, send nothing new
                     self.workers[url].ready = False
         states = list(self.workers.values())
-        results = await asyncio.gather(*(self.upstream.poll(s.url) for s in states))
-        for state, (healthy, load) in zip(states, results, strict=True):
-            if healthy != state.healthy:
-                logger.info("worker %s in %s: %s", state.url, self.name, _word(healthy))
-            state.healthy = healthy
-            if healthy and load is not None:
-                state.observe(load)
+        polls = await asyncio.gather(*(self.upstream.poll(s.url) for s in states))
+        for state, poll in zip(states, polls, strict=True):
+            if poll.healthy != state.healthy:
+                logger.info("worker %s in %s: %s", state.url, self.name, _word(poll.healthy))
+            state.healthy = poll.healthy
+            state.adapters = poll.adapters
+            if poll.load is not None:
+                state.observe(poll.load)
             else:
                 state.load = None
         return gone
 
-    def candidates(self, now: float, exclude: Collection[str] = ()) -> list[Candidate]:
+    def candidates(
+        self, now: float, exclude: Collection[str] = (), adapter: str | None = None
+    ) -> list[Candidate]:
+        """The ready workers not in `exclude`; with `adapter`, only those that have it."""
         return [
             Candidate(s.url, s.load, s.inflight, s.busy_until > now, s.prefill_rate)
-            for s in self.workers.values()
-            if s.ready and s.healthy and s.url not in exclude
+            for s in self.ready()
+            if s.url not in exclude and (adapter is None or adapter in s.adapters)
         ]
 
+    def ready(self) -> list[WorkerState]:
+        return [s for s in self.workers.values() if s.ready and s.healthy]
+
     def ready_count(self) -> int:
-        return sum(1 for s in self.workers.values() if s.ready and s.healthy)
+        return len(self.ready())
+
+    def has_adapter(self, name: str) -> bool:
+        """Whether a ready worker of this pool has the LoRA adapter `name` loaded."""
+        return any(name in s.adapters for s in self.ready())
 
     def acquire(self, url: str) -> None:
         if url in self.workers:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
+import re
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 import httpx
 
@@ -38,6 +41,8 @@ PROMPT_TOKENS = Metric.PROMPT_TOKENS_TOTAL  # counters: a prefill worker's throu
 BUSY_SECONDS = Metric.ENGINE_BUSY_SECONDS_TOTAL
 LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, PREFILL_PENDING, PREFILL_WAITING, PROMPT_TOKENS,
                BUSY_SECONDS)  # fmt: skip
+# Adapter names are [A-Za-z0-9][\w.:-]* (server/adapters.py): nothing to unescape.
+_ADAPTER = re.compile(rf'^{Metric.LORA_ADAPTER_LOADED}{{.*\blora_name="([^"]*)"')
 
 
 class Event(enum.Enum):
@@ -76,6 +81,14 @@ async def sse_events(response: httpx.Response) -> AsyncGenerator[bytes, None]:
         raise httpx.RemoteProtocolError("the worker's stream ended inside an event")
 
 
+def error_message(content: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    try:
+        return str(json.loads(content)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return content[:200].decode(errors="replace")
+
+
 def parse_load(text: str) -> WorkerLoad:
     """A worker's /metrics text -> its load; ValueError if a gauge is missing."""
     values: dict[str, float] = {}
@@ -98,6 +111,21 @@ def parse_load(text: str) -> WorkerLoad:
     )
 
 
+def parse_adapters(text: str) -> frozenset[str]:
+    """The LoRA adapters a worker's /metrics text says are loaded (none without the series)."""
+    found = (_ADAPTER.match(line) for line in text.splitlines())
+    return frozenset(match[1] for match in found if match)
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One poll of a worker."""
+
+    healthy: bool  # /health answered 200
+    load: WorkerLoad | None = None  # from /metrics; None if it did not answer or lacked a gauge
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded, from /metrics
+
+
 class Upstream:
     """The router's one HTTP client to every worker (connection pooling, keep-alive)."""
 
@@ -118,17 +146,18 @@ class Upstream:
     async def get(self, url: str, timeout: float = POLL_TIMEOUT) -> httpx.Response:
         return await self.client.get(url, timeout=timeout)
 
-    async def poll(self, base_url: str) -> tuple[bool, WorkerLoad | None]:
-        """(healthy, load) of one worker; (False, None) when it cannot be reached. /health and
-        /metrics are asked at once, so a hung worker costs one timeout, not two."""
+    async def poll(self, base_url: str) -> Poll:
+        """One worker's health, load and adapters; unhealthy when it cannot be reached. /health
+        and /metrics are asked at once, so a hung worker costs one timeout, not two."""
         health, metrics = await asyncio.gather(
             self.get(f"{base_url}/health"), self.get(f"{base_url}/metrics"), return_exceptions=True
         )
         if not isinstance(health, httpx.Response) or health.status_code != 200:
-            return False, None
+            return Poll(healthy=False)
         if not isinstance(metrics, httpx.Response) or metrics.status_code != 200:
-            return True, None
+            return Poll(healthy=True)
+        adapters = parse_adapters(metrics.text)
         try:
-            return True, parse_load(metrics.text)
+            return Poll(True, parse_load(metrics.text), adapters)
         except ValueError:
-            return True, None
+            return Poll(True, None, adapters)
