@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import yaml
 
 from e2e.harness.controlplane import ControlPlane
 from e2e.harness.phasefleet_operator import (
@@ -24,7 +25,15 @@ from e2e.harness.phasefleet_operator import (
     is_ready,
 )
 from e2e.harness.podnet import POD_RANGE
-from e2e.harness.serving import AGGREGATED, DISAGGREGATED, client, pods, ready_ips, wait_router_sees
+from e2e.harness.serving import (
+    AGGREGATED,
+    API_KEYS,
+    DISAGGREGATED,
+    client,
+    pods,
+    ready_ips,
+    wait_router_sees,
+)
 from e2e.harness.wait import wait_for
 from phasefleet.api.contract import ROUTER_PORT, WORKER_PORT
 
@@ -62,7 +71,8 @@ def serve(
 
     def apply(example: Path) -> str:
         cluster.kubectl("apply", "-n", run_namespace, "-f", str(example))
-        name = str(cluster.get_json("-f", str(example), "-n", run_namespace)["metadata"]["name"])
+        docs = yaml.safe_load_all(example.read_text())
+        (name,) = [d["metadata"]["name"] for d in docs if d and d["kind"] == "InferenceService"]
         try:
             wait_for(lambda: is_ready(cluster, run_namespace, name), 360, f"{name} Ready")
         except TimeoutError as exc:
@@ -207,6 +217,25 @@ def test_disaggregated_example_answers_through_its_router(
     metrics = httpx.get(f"http://{decode}:{WORKER_PORT}/metrics", timeout=5).text
     assert sample(metrics, "phasefleet_prefills_total", 'where="remote"') == 2 * len(PROMPTS)
     assert sample(metrics, "phasefleet_kv_transfer_bytes_total") > 0
+
+
+def test_a_service_with_api_keys_answers_only_clients_holding_one(
+    cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
+) -> None:
+    """The keys reach the router and the worker from the user's Secret: with either key the
+    answer is the reference's; without one, or with another, 401 from both; probes pass."""
+    serve(API_KEYS)
+    (ip,) = ready_ips(cluster, run_namespace, "router")
+    wait_router_sees(ip, {"worker": 1})  # /health needs no key
+    want = complete(reference.client(), PROMPTS[0], stream=False)
+    for key in ("replace-me", "and-me"):
+        assert complete(client(ip, ROUTER_PORT, key), PROMPTS[0], stream=True) == want
+    (worker,) = ready_ips(cluster, run_namespace, "worker")
+    for address in ((ip, ROUTER_PORT), (worker, WORKER_PORT)):
+        with pytest.raises(openai.AuthenticationError):
+            complete(client(*address, api_key="guess"), PROMPTS[0], stream=False)
+        assert httpx.get(f"http://{address[0]}:{address[1]}/metrics", timeout=5).status_code == 200
+    assert complete(client(worker, WORKER_PORT, "and-me"), PROMPTS[0], stream=False) == want
 
 
 def rolled_out(cluster: ControlPlane, namespace: str, name: str) -> bool:

@@ -18,6 +18,7 @@ from phasefleet.engine.models.linear_plan import DEFAULT_CACHE_FILE
 
 AGGREGATED = ROOT / "examples" / "tiny-aggregated.yaml"
 DISAGGREGATED = ROOT / "examples" / "tiny-disaggregated.yaml"
+API_KEYS = ROOT / "examples" / "api-keys.yaml"
 PLANS = "plans/cpu_linear_plans.json"
 
 
@@ -39,9 +40,9 @@ def ready_ips(cluster: ControlPlane, namespace: str, role: str) -> list[str]:
     )
 
 
-def client(ip: str, port: int) -> openai.OpenAI:
+def client(ip: str, port: int, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(
-        base_url=f"http://{ip}:{port}/v1", api_key="unused", max_retries=0, timeout=120
+        base_url=f"http://{ip}:{port}/v1", api_key=api_key, max_retries=0, timeout=120
     )
 
 

@@ -77,6 +77,23 @@ def test_router_and_workers_get_the_internal_token_from_the_secret() -> None:
     assert internal_token_secret(make_owner())["stringData"] != secret["stringData"]  # random
 
 
+def test_api_keys_reach_the_router_and_every_worker_by_reference_only() -> None:
+    spec = make_spec(auth={"apiKeySecret": {"name": "llm-keys", "key": "keys"}})
+    children = _by_key(desired_children(make_owner(), spec))
+    want = {
+        "name": "PHASEFLEET_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "llm-keys", "key": "keys"}},
+    }
+    for role in ("prefill", "decode", "router"):
+        env = _pod(children[("Deployment", f"llm-{role}")])["containers"][0]["env"]
+        assert want in env, role
+    for role in ("prefill", "decode", "router"):  # none without spec.auth
+        env = _pod(
+            _by_key(desired_children(make_owner(), make_spec()))[("Deployment", f"llm-{role}")]
+        )["containers"][0]["env"]
+        assert "PHASEFLEET_API_KEY" not in {e["name"] for e in env}
+
+
 def test_aggregated_has_one_worker_pool():
     spec = make_spec(mode="aggregated", prefill=None, decode=None, worker={"replicas": 3})
     children = _by_key(desired_children(make_owner(), spec))

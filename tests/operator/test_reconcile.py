@@ -135,6 +135,22 @@ def test_missing_token_secret_or_key_is_reported_without_reading_values():
     assert "c2VjcmV0" not in str(fresh(api)["status"])
 
 
+def test_missing_api_key_secret_or_key_is_reported_without_reading_values():
+    api, body = setup(auth={"apiKeySecret": {"name": "keys"}})
+    with pytest.raises(Blocked, match="Secret team-a/keys not found.*spec.auth.apiKeySecret"):
+        reconcile(api, body, NOW)
+    assert condition(fresh(api), "Degraded")["reason"] == "ApiKeySecretMissing"
+    secret = {"kind": "Secret", "metadata": {"name": "keys", "namespace": NAMESPACE}}
+    api.add({**secret, "data": {"other": "c2VjcmV0"}})
+    with pytest.raises(Blocked, match="no key 'token'.*spec.auth.apiKeySecret.key") as info:
+        reconcile(api, fresh(api), NOW)
+    assert condition(fresh(api), "Degraded")["reason"] == "ApiKeySecretKeyMissing"
+    assert "c2VjcmV0" not in str(info.value) + str(fresh(api)["status"])
+    api.objects[("Secret", NAMESPACE, "keys")] = {**secret, "data": {"token": "c2VjcmV0"}}
+    reconcile(api, fresh(api), NOW)
+    assert condition(fresh(api), "Degraded")["status"] == "False"
+
+
 def test_invalid_spec_is_permanent():
     api, body = setup(mode="aggregated")
     with pytest.raises(InvalidSpec, match="worker"):

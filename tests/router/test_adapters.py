@@ -18,6 +18,9 @@ from phasefleet.server.openai_protocol import LoadLoraAdapter, UnloadLoraAdapter
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 SQL = LoadLoraAdapter(lora_name="sql", lora_path="/adapters/sql")
+UNLOAD_SQL = UnloadLoraAdapter(lora_name="sql")
+CLIENT = {"authorization": "Bearer client-key"}  # the client's header, passed on
+OWN = {"authorization": "Bearer router-key"}  # the router's first key, for its own loads
 
 Handler = Callable[[str, str, dict[str, str]], httpx.Response]
 
@@ -37,18 +40,20 @@ class FakeWorkers:
     def __init__(self, handler: Handler = ok) -> None:
         self.handler = handler
         self.sent: list[tuple[str, str, dict[str, str]]] = []
+        self.authorization: list[str | None] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         body = json.loads(request.content)
         self.sent.append((url, request.url.path, body))
+        self.authorization.append(request.headers.get("authorization"))
         return self.handler(url, request.url.path, body)
 
 
 def fleet(workers: FakeWorkers) -> FleetAdapters:
     upstream = Upstream()
     upstream.client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
-    return FleetAdapters(upstream)
+    return FleetAdapters(upstream, OWN)
 
 
 def states(*urls: str) -> list[WorkerState]:
@@ -62,12 +67,13 @@ def text(response: object) -> str:
 def test_a_load_goes_to_every_worker_and_is_remembered() -> None:
     workers = FakeWorkers()
     adapters, ready = fleet(workers), states(A, B)
-    answer = asyncio.run(adapters.load(SQL, ready))
+    answer = asyncio.run(adapters.load(SQL, ready, CLIENT))
     assert answer.status_code == 200
     assert "added on 2 of 2 workers" in text(answer)
     sent = {(url, path) for url, path, _ in workers.sent}
     assert sent == {(A, "/v1/load_lora_adapter"), (B, "/v1/load_lora_adapter")}
     assert workers.sent[0][2] == {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    assert workers.authorization == ["Bearer client-key"] * 2
     assert adapters.sources == {"sql": "/adapters/sql"}
     assert all(s.adapters == {"sql"} for s in ready)  # routed to at once, before a poll
 
@@ -77,7 +83,7 @@ def test_a_load_some_workers_refuse_names_them_and_still_serves() -> None:
         return error(400, "no free LoRA slot") if url == B else ok(url, path, body)
 
     adapters, ready = fleet(FakeWorkers(handler)), states(A, B)
-    answer = asyncio.run(adapters.load(SQL, ready))
+    answer = asyncio.run(adapters.load(SQL, ready, CLIENT))
     assert answer.status_code == 200
     assert "added on 1 of 2 workers" in text(answer)
     assert f"not on {B}: 400 no free LoRA slot" in text(answer)
@@ -92,7 +98,7 @@ def test_a_load_every_worker_refuses_is_their_answer_and_forgotten() -> None:
         return error(400, message)
 
     adapters = fleet(FakeWorkers(handler))
-    answer = asyncio.run(adapters.load(SQL, states(A, B)))
+    answer = asyncio.run(adapters.load(SQL, states(A, B), CLIENT))
     assert answer.status_code == 400
     assert json.loads(text(answer))["error"]["message"] == message
     assert adapters.sources == {}
@@ -103,7 +109,7 @@ def test_a_load_already_everywhere_is_the_workers_400() -> None:
         return error(400, "LoRA adapter 'sql' is already loaded", "lora_already_loaded")
 
     adapters = fleet(FakeWorkers(handler))
-    answer = asyncio.run(adapters.load(SQL, states(A, B)))
+    answer = asyncio.run(adapters.load(SQL, states(A, B), CLIENT))
     assert answer.status_code == 400
     assert json.loads(text(answer))["error"]["code"] == "lora_already_loaded"
 
@@ -115,7 +121,7 @@ def test_a_load_already_on_some_completes_the_fleet() -> None:
         return ok(url, path, body)
 
     adapters, ready = fleet(FakeWorkers(handler)), states(A, B)
-    answer = asyncio.run(adapters.load(SQL, ready))
+    answer = asyncio.run(adapters.load(SQL, ready, CLIENT))
     assert answer.status_code == 200 and "added on 2 of 2 workers" in text(answer)
     assert all(s.adapters == {"sql"} for s in ready)
 
@@ -125,9 +131,9 @@ def test_unreachable_workers_are_a_502_and_no_worker_a_503() -> None:
         raise httpx.ConnectError("refused")
 
     adapters = fleet(FakeWorkers(handler))
-    answer = asyncio.run(adapters.load(SQL, states(A)))
+    answer = asyncio.run(adapters.load(SQL, states(A), CLIENT))
     assert answer.status_code == 502 and "unreachable" in text(answer)
-    answer = asyncio.run(adapters.load(SQL, []))
+    answer = asyncio.run(adapters.load(SQL, [], CLIENT))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
 
 
@@ -139,8 +145,8 @@ def test_an_unload_in_use_somewhere_is_a_409_and_never_loaded_again() -> None:
 
     workers = FakeWorkers(handler)
     adapters, ready = fleet(workers), states(A, B)
-    asyncio.run(adapters.load(SQL, ready))
-    answer = asyncio.run(adapters.unload(UnloadLoraAdapter(lora_name="sql"), ready))
+    asyncio.run(adapters.load(SQL, ready, CLIENT))
+    answer = asyncio.run(adapters.unload(UNLOAD_SQL, ready, CLIENT))
     assert answer.status_code == 409
     assert json.loads(text(answer))["error"]["code"] == "lora_in_use"
     assert "removed from 1 workers" in text(answer) and B in text(answer)
@@ -159,14 +165,14 @@ def test_an_unload_counts_workers_without_the_adapter_as_done() -> None:
         return ok(url, path, body)
 
     adapters = fleet(FakeWorkers(handler))
-    answer = asyncio.run(adapters.unload(UnloadLoraAdapter(lora_name="sql"), states(A, B)))
+    answer = asyncio.run(adapters.unload(UNLOAD_SQL, states(A, B), CLIENT))
     assert answer.status_code == 200 and "removed from 1 workers" in text(answer)
 
     def nowhere(url: str, path: str, body: dict[str, str]) -> httpx.Response:
         return error(404, "LoRA adapter 'sql' is not loaded", "not_found")
 
     adapters = fleet(FakeWorkers(nowhere))
-    answer = asyncio.run(adapters.unload(UnloadLoraAdapter(lora_name="sql"), states(A, B)))
+    answer = asyncio.run(adapters.unload(UNLOAD_SQL, states(A, B), CLIENT))
     assert answer.status_code == 404 and "not loaded on any worker" in text(answer)
 
 
@@ -175,7 +181,7 @@ def test_a_joining_worker_gets_the_remembered_adapters_once() -> None:
     adapters = fleet(workers)
 
     async def scenario() -> None:
-        await adapters.load(SQL, states(A))
+        await adapters.load(SQL, states(A), CLIENT)
         joined = states(A, C)
         joined[0].adapters = frozenset({"sql"})
         workers.sent.clear()
@@ -183,6 +189,7 @@ def test_a_joining_worker_gets_the_remembered_adapters_once() -> None:
         adapters.reconcile(joined, now=0.5)  # the load is still running: not sent twice
         await asyncio.sleep(0.05)
         assert [(url, path) for url, path, _ in workers.sent] == [(C, "/v1/load_lora_adapter")]
+        assert workers.authorization[-1] == "Bearer router-key"
         assert joined[1].adapters == {"sql"}
 
     asyncio.run(scenario())

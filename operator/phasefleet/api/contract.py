@@ -21,6 +21,9 @@ METRICS_PATH = "/metrics"  # Prometheus text format
 INTERNAL_TOKEN_ENV = "PHASEFLEET_INTERNAL_TOKEN"
 INTERNAL_TOKEN_KEY = "token"
 INTERNAL_TOKEN_HEADER = "X-PhaseFleet-Internal-Token"
+# API keys clients must send (`Authorization: Bearer <key>`) to the router and the workers,
+# comma-separated; unset: none needed. The operator fills it from spec.auth.apiKeySecret.
+API_KEY_ENV = "PHASEFLEET_API_KEY"
 # Set by the router (with the token) on a request to a decode worker: the prefill worker it
 # picked. The decode worker prefills there, or locally when the uncached prompt is short.
 PREFILL_URL_HEADER = "X-PhaseFleet-Prefill-Url"

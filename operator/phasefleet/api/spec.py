@@ -721,6 +721,17 @@ def _min_gpus(spec: InferenceServiceSpec) -> int:
     return sum(p.min_size * pool_gpus(p) for p in pools if p is not None)
 
 
+class AuthSpec(ApiModel):
+    """Who may call the service's OpenAI API."""
+
+    api_key_secret: SecretKeyRef = Field(
+        description="Secret key holding the API keys clients must send as 'Authorization:"
+        " Bearer <key>' (comma-separated: several are accepted, to replace one without a"
+        " gap). The router and every worker read it (env PHASEFLEET_API_KEY); probes,"
+        " /metrics and the hand-off between workers need no key."
+    )
+
+
 class InferenceServiceSpec(ApiModel):
     """A model served by prefill and decode pools (or one aggregated pool) behind a router."""
 
@@ -737,6 +748,9 @@ class InferenceServiceSpec(ApiModel):
     )
     lora: LoraSpec | None = Field(
         default=None, description="LoRA adapters every worker serves beside the model."
+    )
+    auth: AuthSpec | None = Field(
+        default=None, description="API keys the router and the workers require; none: open."
     )
 
     rules = (

@@ -20,7 +20,7 @@ from typing import Any
 from phasefleet.api.contract import CHILD_KINDS
 from phasefleet.api.crd import API_VERSION, KIND
 from phasefleet.api.names import InvalidService, validate_service
-from phasefleet.api.spec import InferenceServiceSpec
+from phasefleet.api.spec import InferenceServiceSpec, SecretKeyRef
 from phasefleet.operator.cache_claim import cache_claim, claim_conflict, claim_notice
 from phasefleet.operator.children import desired_children, internal_token_secret, key
 from phasefleet.operator.compare import in_sync
@@ -158,23 +158,35 @@ def preflight(api: Api, owner: Owner, spec: InferenceServiceSpec) -> Problem | N
         )
     token = spec.model.hf.token_secret if spec.model.hf else None
     if token is not None:
-        try:
-            secret = api.get("Secret", ns, token.name)
-        except Rejected:  # the chart's rbac.readSecrets=false: the pods will report it instead
-            return None
-        if secret is None:
-            return Problem(
-                "TokenSecretMissing",
-                f"Secret {ns}/{token.name} not found: create it with key '{token.key}',"
-                " or change spec.model.hf.tokenSecret",
-            )
-        keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
-        if token.key not in keys:  # only key names are read; values never leave the Secret
-            return Problem(
-                "TokenSecretKeyMissing",
-                f"Secret {ns}/{token.name} has no key '{token.key}': add it, or change"
-                " spec.model.hf.tokenSecret.key",
-            )
+        problem = _secret_problem(api, ns, token, "spec.model.hf.tokenSecret", "TokenSecret")
+        if problem is not None:
+            return problem
+    if spec.auth is not None:
+        key = spec.auth.api_key_secret
+        return _secret_problem(api, ns, key, "spec.auth.apiKeySecret", "ApiKeySecret")
+    return None
+
+
+def _secret_problem(
+    api: Api, ns: str, ref: SecretKeyRef, field: str, reason: str
+) -> Problem | None:
+    """`<reason>Missing` / `<reason>KeyMissing` when the Secret or its key is not there; None
+    when they are, or when the operator may not read Secrets (the pods will say so)."""
+    try:
+        secret = api.get("Secret", ns, ref.name)
+    except Rejected:  # the chart's rbac.readSecrets=false
+        return None
+    if secret is None:
+        return Problem(
+            f"{reason}Missing",
+            f"Secret {ns}/{ref.name} not found: create it with key '{ref.key}', or change {field}",
+        )
+    keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
+    if ref.key not in keys:  # only key names are read; values never leave the Secret
+        return Problem(
+            f"{reason}KeyMissing",
+            f"Secret {ns}/{ref.name} has no key '{ref.key}': add it, or change {field}.key",
+        )
     return None
 
 

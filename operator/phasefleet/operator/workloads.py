@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from phasefleet.api.contract import (
+    API_KEY_ENV,
     CPU_LINEAR_CACHE_ENV,
     HEALTH_PATH,
     INTERNAL_TOKEN_ENV,
@@ -148,6 +149,14 @@ def internal_token_env(owner_name: str) -> dict[str, Any]:
     return {"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
 
 
+def api_key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The service's API keys, by reference to the user's Secret (router and workers)."""
+    if spec.auth is None:
+        return []
+    ref = {"name": spec.auth.api_key_secret.name, "key": spec.auth.api_key_secret.key}
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}]
+
+
 def _hub_env(spec: InferenceServiceSpec, token: bool) -> list[dict[str, Any]]:
     """HF_REVISION, and HF_TOKEN by reference to its Secret (only for whoever downloads)."""
     hf = spec.model.hf
@@ -178,6 +187,7 @@ def _env(owner_name: str, spec: InferenceServiceSpec, pool: PoolSpec) -> list[di
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/inductor"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         internal_token_env(owner_name),
+        *api_key_env(spec),
         *(worker_cache_env() if cached else []),
         *([plans_env()] if _shared_plans(spec, pool) else []),
         *_hub_env(spec, token=not cached),
@@ -442,7 +452,11 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["phasefleet"],
         "args": router_args(owner, spec),
-        "env": [{"name": "HOME", "value": "/tmp"}, internal_token_env(owner.name)],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            internal_token_env(owner.name),
+            *api_key_env(spec),
+        ],
         "resources": {
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "1Gi"},

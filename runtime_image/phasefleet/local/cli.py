@@ -33,6 +33,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from phasefleet.api.contract import API_KEY_ENV
 from phasefleet.local import scaling_flags
 from phasefleet.local.restarts import DEFAULT_FIRST_BACKOFF_S, DEFAULT_MAX_CRASHES, RestartConfig
 
@@ -225,8 +226,9 @@ def _banner(fleet: Fleet) -> str:
     name = fleet.config.served_model_name
     message = '{"role": "user", "content": "What is the capital of France?"}'
     body = f'{{"model": "{name}", "messages": [{message}], "max_tokens": 32, "temperature": 0}}'
+    key = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if os.environ.get(API_KEY_ENV) else ""
     return (
         f"PhaseFleet is serving {name} at {fleet.url}/v1 (OpenAI API; Ctrl-C stops it)\n\n"
-        f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+        f"  curl {fleet.url}/v1/chat/completions -H 'content-type: application/json'{key} \\\n"
         f"    -d '{body}'\n"
     )

@@ -59,31 +59,37 @@ class WorkerAnswer:
 
 
 class FleetAdapters:
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: Upstream, own_authorization: dict[str, str]) -> None:
         self.upstream = upstream
+        self.own_authorization = own_authorization  # for loads onto joining workers
         self.sources: dict[str, str] = {}  # adapter name -> lora_path, loaded through here
         self._next_try: dict[tuple[str, str], float] = {}  # (url, name) -> clock; inf: loading
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}  # loads onto joiners
 
-    async def _post(self, url: str, path: str, body: str) -> WorkerAnswer:
+    async def _post(
+        self, url: str, path: str, body: str, authorization: dict[str, str]
+    ) -> WorkerAnswer:
         try:
             answer = await self.upstream.client.post(
                 url + path,
                 content=body,
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **authorization},
                 timeout=LOAD_TIMEOUT_S,
             )
         except httpx.HTTPError as exc:
             return WorkerAnswer(url, UNREACHABLE, f"{type(exc).__name__}: {exc}".encode())
         return WorkerAnswer(url, answer.status_code, answer.content)
 
-    async def load(self, body: LoadLoraAdapter, workers: list[WorkerState]) -> Response:
-        """Loads the adapter on every worker; remembered if at least one has it then."""
+    async def load(
+        self, body: LoadLoraAdapter, workers: list[WorkerState], authorization: dict[str, str]
+    ) -> Response:
+        """Loads the adapter on every worker (with the client's `authorization` header);
+        remembered once a worker has newly loaded it."""
         if not workers:
             return _no_worker()
         payload = body.model_dump_json()
         answers = await asyncio.gather(
-            *(self._post(w.url, "/v1/load_lora_adapter", payload) for w in workers)
+            *(self._post(w.url, "/v1/load_lora_adapter", payload, authorization) for w in workers)
         )
         name = body.lora_name
         added = [a for a in answers if a.status == 200]
@@ -103,7 +109,9 @@ class FleetAdapters:
         logger.info("LoRA adapter %s loaded from %s on %d workers", name, body.lora_path, len(have))
         return PlainTextResponse(message + ".")
 
-    async def unload(self, body: UnloadLoraAdapter, workers: list[WorkerState]) -> Response:
+    async def unload(
+        self, body: UnloadLoraAdapter, workers: list[WorkerState], authorization: dict[str, str]
+    ) -> Response:
         """Unloads the adapter from every worker and forgets it, even where a worker refused
         (409 while its requests run): the client retries, and nothing loads it again."""
         name = body.lora_name
@@ -116,7 +124,7 @@ class FleetAdapters:
             return _no_worker()
         payload = body.model_dump_json()
         answers = await asyncio.gather(
-            *(self._post(w.url, "/v1/unload_lora_adapter", payload) for w in workers)
+            *(self._post(w.url, "/v1/unload_lora_adapter", payload, authorization) for w in workers)
         )
         removed = {a.url for a in answers if a.status == 200}
         absent = {a.url for a in answers if a.status == 404 and a.code() == LORA_NOT_FOUND}
@@ -153,7 +161,9 @@ class FleetAdapters:
     async def _load_onto(self, worker: WorkerState, body: LoadLoraAdapter, now: float) -> None:
         key = (worker.url, body.lora_name)
         try:
-            answer = await self._post(worker.url, "/v1/load_lora_adapter", body.model_dump_json())
+            payload = body.model_dump_json()
+            path = "/v1/load_lora_adapter"
+            answer = await self._post(worker.url, path, payload, self.own_authorization)
         finally:
             self._loads.pop(key, None)
         if answer.status == 200 or answer.code() == LORA_ALREADY_LOADED:

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from phasefleet.router.dispatch import Router
 from phasefleet.router.openapi import publish_worker_bodies
 from phasefleet.router.pool import WorkerPool
+from phasefleet.server.auth import ApiKeyAuth
 from phasefleet.server.errors import APIError, install_error_handlers
 from phasefleet.server.openai_protocol import LoadLoraAdapter, UnloadLoraAdapter
 from phasefleet.server.tokenize import package_version
@@ -80,16 +81,26 @@ async def _unless_client_leaves(raw: Request, work: Awaitable[Response]) -> Resp
     return task.result()
 
 
-async def _from_a_worker(router: Router, path: str, body: bytes | None) -> httpx.Response | None:
+def authorization(raw: Request) -> dict[str, str]:
+    """The client's Authorization header, passed on to the workers (server/auth.py)."""
+    value = raw.headers.get("authorization")
+    return {} if value is None else {"authorization": value}
+
+
+async def _from_a_worker(
+    router: Router, path: str, body: bytes | None, auth: dict[str, str]
+) -> httpx.Response | None:
     """The answer of the first ready worker of the generation pool that answers `path` (GET, or
     POST `body`) below 500: for what every worker answers alike (its model, its tokenizer)."""
     for candidate in router.generation_pool.candidates(router.clock()):
         url = f"{candidate.url}{path}"
         with contextlib.suppress(httpx.HTTPError):
             if body is None:
-                answer = await router.upstream.get(url, timeout=WORKER_QUERY_TIMEOUT)
+                answer = await router.upstream.client.get(
+                    url, headers=auth, timeout=WORKER_QUERY_TIMEOUT
+                )
             else:
-                headers = {"content-type": "application/json"}
+                headers = {"content-type": "application/json", **auth}
                 answer = await router.upstream.client.post(
                     url, content=body, headers=headers, timeout=WORKER_QUERY_TIMEOUT
                 )
@@ -140,6 +151,8 @@ def build_app(router: Router) -> FastAPI:
     started_at = int(time.time())  # /v1/models' `created`, the same in every answer
     app.state.router = router
     install_error_handlers(app)
+    if router.config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=router.config.api_keys)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -158,8 +171,8 @@ def build_app(router: Router) -> FastAPI:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        answer = await _from_a_worker(router, "/v1/models", None)
+    async def models(raw: Request) -> JSONResponse:
+        answer = await _from_a_worker(router, "/v1/models", None, authorization(raw))
         if answer is not None and answer.status_code == 200:
             listing = answer.json()
             _add_adapter_cards(listing, router.generation_pool)
@@ -180,19 +193,19 @@ def build_app(router: Router) -> FastAPI:
         return JSONResponse({"version": package_version()})
 
     async def relay(raw: Request) -> Response:
-        answer = await _from_a_worker(router, raw.url.path, await raw.body())
+        answer = await _from_a_worker(router, raw.url.path, await raw.body(), authorization(raw))
         if answer is None:
             return _no_worker(router)
         content_type = answer.headers.get("content-type")
         return Response(answer.content, answer.status_code, media_type=content_type)
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapter) -> Response:
-        return await router.adapters.load(body, router.ready_workers())
+    async def load_lora_adapter(body: LoadLoraAdapter, raw: Request) -> Response:
+        return await router.adapters.load(body, router.ready_workers(), authorization(raw))
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoraAdapter) -> Response:
-        return await router.adapters.unload(body, router.ready_workers())
+    async def unload_lora_adapter(body: UnloadLoraAdapter, raw: Request) -> Response:
+        return await router.adapters.unload(body, router.ready_workers(), authorization(raw))
 
     app.add_api_route("/tokenize", relay, methods=["POST"])
     app.add_api_route("/detokenize", relay, methods=["POST"])
@@ -201,14 +214,15 @@ def build_app(router: Router) -> FastAPI:
     async def completions(raw: Request) -> Response:
         arrival = router.clock()
         body = await raw.body()
-        return await _unless_client_leaves(raw, router.generate("/v1/completions", body, arrival))
+        work = router.generate("/v1/completions", body, arrival, authorization(raw))
+        return await _unless_client_leaves(raw, work)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         arrival = router.clock()
         body = await raw.body()
-        path = "/v1/chat/completions"
-        return await _unless_client_leaves(raw, router.generate(path, body, arrival))
+        work = router.generate("/v1/chat/completions", body, arrival, authorization(raw))
+        return await _unless_client_leaves(raw, work)
 
     publish_worker_bodies(app)
     return app

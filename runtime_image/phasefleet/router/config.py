@@ -22,6 +22,13 @@ class RouterConfig:
     max_held_requests: int = DEFAULT_MAX_HELD  # requests held per pool at once
     late_after_ms: int | None = None  # the TTFT target sent with each request: late prompts last
     tpot_target_ms: int | None = None  # the TPOT target sent to decode workers: phase boundary
+    # keys a client must send (`Authorization: Bearer`, server/auth.py); (): none. A relayed
+    # request carries the client's header; the router's own loads onto workers, the first key.
+    api_keys: tuple[str, ...] = ()
+
+    def own_authorization(self) -> dict[str, str]:
+        """The header of the router's own requests to workers (none without keys)."""
+        return {"authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
 
     def validate(self) -> None:
         if self.policy not in POLICIES:

@@ -168,7 +168,8 @@ class Router:
         self.prefix_index = PrefixIndex()  # the generation pool's workers
         self.prefill_index = PrefixIndex()  # the prefill pool's workers
         self.turn = 0  # rotation counter for round-robin and tie-breaks
-        self.adapters = FleetAdapters(upstream)  # runtime LoRA adapters loaded through here
+        # runtime LoRA adapters loaded through here
+        self.adapters = FleetAdapters(upstream, config.own_authorization())
         self.held = HeldRequests(
             config.hold_seconds, config.max_held_requests, on_change=metrics.set_held
         )
@@ -233,8 +234,11 @@ class Router:
         self.turn += 1
         return rank(self.config.policy, candidates, self.turn, matched)[0]
 
-    async def generate(self, path: str, body: bytes, arrival: float) -> Response:
-        """POST `path` (/v1/completions or /v1/chat/completions) with the client's raw body."""
+    async def generate(
+        self, path: str, body: bytes, arrival: float, authorization: dict[str, str] | None = None
+    ) -> Response:
+        """POST `path` (/v1/completions or /v1/chat/completions) with the client's raw body and
+        `authorization` header."""
         pool = self.generation_pool
         if not pool.candidates(self.clock()):
             held = await self.held.wait(pool.name)
@@ -244,6 +248,7 @@ class Router:
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(key.prompt) if affinity else []
         headers = forward_headers(self.config, self.choose_prefill(chunks, key.model))
+        headers.update(authorization or {})
         # A LoRA adapter's requests go only to the workers that have it; where none does, to
         # any (its 404 names what the worker serves).
         model = key.model

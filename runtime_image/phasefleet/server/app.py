@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from phasefleet.server.auth import ApiKeyAuth
 from phasefleet.server.body_limit import BodyLimit
 from phasefleet.server.chat import create_chat_completion
 from phasefleet.server.completions import create_completion
@@ -52,6 +53,8 @@ def build_app(state: WorkerState) -> FastAPI:
     install_error_handlers(app)
     if state.max_request_bytes is not None:
         app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    if state.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=state.api_keys)  # outermost: checked first
 
     async def on_client_gone(_: Request, __: Exception) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

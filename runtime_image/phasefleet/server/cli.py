@@ -389,6 +389,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
     from phasefleet.server.app import build_app
     from phasefleet.server.async_engine import AsyncEngine
+    from phasefleet.server.auth import api_keys
     from phasefleet.server.drain import DrainingServer
     from phasefleet.server.handoff import HandoffClient
     from phasefleet.server.metrics import WorkerMetrics
@@ -433,6 +434,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         tool_call_parser=args.tool_call_parser,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,
+        api_keys=api_keys(os.environ),
     )
     uv_config = uvicorn.Config(
         build_app(state),

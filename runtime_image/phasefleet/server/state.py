@@ -74,6 +74,8 @@ class WorkerState:
     lora_names: tuple[str, ...] = ()
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (server/lora_admin.py)
     runtime_lora: bool = False
+    # keys a client must send as `Authorization: Bearer <key>` (server/auth.py); (): none
+    api_keys: tuple[str, ...] = ()
 
     @functools.cached_property
     def decode(self) -> Callable[[list[int]], str]:
