@@ -117,7 +117,7 @@ def _add_adapter_cards(listing: dict[str, Any], pool: WorkerPool) -> None:
     if base is None:
         return
     listed = {c.get("id") for c in cards if isinstance(c, dict)}
-    for name in sorted(frozenset[str]().union(*(s.adapters for s in pool.ready())) - listed):
+    for name in sorted(pool.loaded_adapters() - listed):
         cards.append({**base, "id": name, "root": name, "parent": base["id"]})
 
 

@@ -201,7 +201,7 @@ class Router:
 
     def loaded_adapters(self) -> frozenset[str]:
         """The LoRA adapters some ready worker of any pool has loaded."""
-        return frozenset[str]().union(*(s.adapters for s in self.ready_workers()))
+        return frozenset[str]().union(*(p.loaded_adapters() for p in self.pools.values()))
 
     def choose_prefill(self, chunks: list[int], model: str | None = None) -> Candidate | None:
         """The prefill worker for a request in disaggregated mode; None: the decode worker

@@ -116,6 +116,10 @@ class WorkerPool:
         """Whether a ready worker of this pool has the LoRA adapter `name` loaded."""
         return any(name in s.adapters for s in self.ready())
 
+    def loaded_adapters(self) -> frozenset[str]:
+        """The LoRA adapters some ready worker of this pool has loaded."""
+        return frozenset[str]().union(*(s.adapters for s in self.ready()))
+
     def acquire(self, url: str) -> None:
         if url in self.workers:
             self.workers[url].inflight += 1
