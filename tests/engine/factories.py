@@ -50,6 +50,7 @@ def engine_config(folder: Path, **kw: object) -> EngineConfig:
 TINY_MODELS: dict[str, dict[str, object]] = {
     "llama": dict(arch="llama", seed=1),  # 4 heads, 2 kv heads: GQA
     "qwen2": dict(arch="qwen2", seed=2),  # qkv bias, tied embeddings
+    "qwen3": dict(arch="qwen3", seed=6),  # q/k norms, head_dim 2 x hidden / heads, tied
     "mistral": dict(arch="mistral", seed=3),
     "llama31": dict(arch="llama", seed=4, rope_scaling="llama3"),
     "mistral_sw": dict(arch="mistral", seed=5, sliding_window=12),  # window < prompt lengths

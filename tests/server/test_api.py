@@ -158,6 +158,37 @@ def test_chat_completion_uses_chat_template(client: openai.OpenAI, tokenizer: An
     assert chat.usage.completion_tokens == 8
 
 
+def test_chat_template_kwargs_reach_the_template(
+    worker: Worker, client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """vLLM's `chat_template_kwargs`: the tiny template's `enable_thinking` (Qwen3's switch)
+    reaches it through a chat request and through /tokenize; a key that would set one of
+    apply_chat_template's own parameters is a 400 naming the field."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    no_thought = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, enable_thinking=False
+    )
+    assert len(no_thought) > len(plain)  # the template does read it
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=2,
+        extra_body={**kwargs, "return_token_ids": True},
+    )
+    assert extra(chat.choices[0], "prompt_token_ids") == list(no_thought)
+    tokens = httpx.post(f"{worker.base_url}/tokenize", json={"messages": messages, **kwargs})
+    assert tokens.json()["tokens"] == list(no_thought)
+    with pytest.raises(openai.BadRequestError, match="may not set tokenize") as info:
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            extra_body={"chat_template_kwargs": {"tokenize": False}},
+        )
+    assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+
+
 def test_streaming_completion_with_usage(client: openai.OpenAI) -> None:
     body = {"ignore_eos": True, "return_token_ids": True}
     whole = client.completions.create(

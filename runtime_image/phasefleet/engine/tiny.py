@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("llama", "qwen2", "mistral")
+ARCHES = ("llama", "qwen2", "qwen3", "mistral")
 
 # name -> sizes; "tiny" is for tests, the "bench" ones (~100-150M parameters) for the CPU
 # benchmark (`bench/engine_throughput.py --preset`).
@@ -66,8 +66,10 @@ SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)  # Qwen3's switch: enable_thinking false opens the answer with an empty thought
 
 # Training text for the tokenizer (written for this project).
 CORPUS = """\
@@ -217,8 +219,10 @@ def _write_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=arch == "qwen2",
+        tie_word_embeddings=arch in ("qwen2", "qwen3"),
     )
+    if arch == "qwen3":  # as Qwen3-0.6B: heads twice as wide as hidden_size / num_heads
+        kwargs["head_dim"] = 2 * s["hidden_size"] // s["num_heads"]
     if arch == "mistral":
         kwargs["sliding_window"] = s.get("sliding_window")
     if rope_scaling == "llama3":

@@ -48,6 +48,7 @@ def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
             tools=definitions,
             add_generation_prompt=req.add_generation_prompt,
             tokenize=True,
+            **(req.chat_template_kwargs or {}),
         )
     except Exception as exc:  # jinja raises whatever the template author chose
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None

@@ -1,10 +1,10 @@
 """Pydantic models of the OpenAI requests and responses the worker speaks.
 
 Requests carry vLLM-style extensions (`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`return_token_ids`). Range checks live in the field constraints so that a bad value becomes a 400
-naming the field; the sampling bounds are the engine's own (`phasefleet.engine.sampling_params`,
-torch-free). Fields OpenAI has and we do not implement are accepted only at their neutral value
-(see `unsupported`); unknown fields are ignored.
+`return_token_ids`, `chat_template_kwargs`). Range checks live in the field constraints so that
+a bad value becomes a 400 naming the field; the sampling bounds are the engine's own
+(`phasefleet.engine.sampling_params`, torch-free). Fields OpenAI has and we do not implement are
+accepted only at their neutral value (see `unsupported`); unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from phasefleet.engine.sampling_params import (
     API_SEED_MAX,
@@ -35,6 +35,27 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 OptionalIds = list[int] | None
+
+# apply_chat_template's own parameters (and the messages): `chat_template_kwargs` may not set them
+TEMPLATE_PARAMETERS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(set(kwargs or {}) & TEMPLATE_PARAMETERS)
+    if taken:
+        raise ValueError(
+            f"may not set {', '.join(taken)}: these are the request's own fields or the"
+            " template's inputs; give only the template's variables (e.g. enable_thinking)"
+        )
+    return kwargs
+
+
+# vLLM's `chat_template_kwargs`: extra variables for the chat template (Qwen3's enable_thinking)
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_variables)]
 
 
 def _ids_field() -> Any:
@@ -194,6 +215,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # server/tools.py
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

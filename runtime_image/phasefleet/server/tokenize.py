@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from phasefleet.server.errors import bad_request, unavailable
-from phasefleet.server.openai_protocol import ChatMessage
+from phasefleet.server.openai_protocol import ChatMessage, TemplateKwargs
 
 if TYPE_CHECKING:  # the router imports package_version: no engine-side imports at run time
     from phasefleet.server.state import WorkerState
@@ -29,6 +29,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class TokenizeResponse(BaseModel):
@@ -69,7 +70,10 @@ def tokenize(body: TokenizeRequest, state: WorkerState) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
     try:
         text = state.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tokenize=False,
+            **(body.chat_template_kwargs or {}),
         )
     except Exception as exc:  # jinja raises whatever the template author chose
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None

@@ -1,4 +1,5 @@
-"""The Llama-family decoder in torch: Llama, Qwen2 (qkv bias, tied embeddings) and Mistral.
+"""The Llama-family decoder in torch: Llama, Qwen2 (qkv bias, tied embeddings), Qwen3 (an
+RMSNorm on each query and key head before RoPE, a head size of its own) and Mistral.
 
 Parameter names match the Hugging Face checkpoints, so a safetensors state dict loads as is.
 Activations are flat over the batch: [T, hidden] for T tokens of all scheduled requests.
@@ -23,7 +24,8 @@ from phasefleet.engine.models.rope import apply_rope
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.shard import Shard
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+QK_NORM_MODEL_TYPES = ("qwen3",)  # q_norm and k_norm over each head
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 # fused projection -> the checkpoint's projections whose outputs it concatenates, in order
@@ -78,6 +80,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)  # row-parallel
         self.qkv_proj: nn.Linear | None = None  # set by fuse(), after loading
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type in QK_NORM_MODEL_TYPES:  # the same weights on every rank
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer kernel launches per layer)."""
@@ -97,7 +104,10 @@ class Attention(nn.Module):
             raise RuntimeError("Attention runs fused: call fuse() once the weights are loaded")
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k heads in one pass
+        qk = qkv[:, : heads + kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         out = self.o_proj(o.reshape(t, heads * self.head_dim))
