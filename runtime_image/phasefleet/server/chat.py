@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template; `logprobs`
-and `top_logprobs` give choices[].logprobs.content."""
+and `top_logprobs` give choices[].logprobs.content; with --reasoning-parser, a thought comes
+back as `reasoning_content` (server/reasoning.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from phasefleet.server.generation import (
 )
 from phasefleet.server.logprobs import chat_logprobs
 from phasefleet.server.openai_protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -30,12 +32,14 @@ from phasefleet.server.openai_protocol import (
     Delta,
     Usage,
 )
+from phasefleet.server.reasoning import ReasoningStream, split_reasoning
 from phasefleet.server.responses import collect_or_abort, sse_response
 from phasefleet.server.state import WorkerState
 from phasefleet.server.structured import checked_grammar
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
+    from phasefleet.engine.sampling_params import Grammar
 
 
 def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
@@ -111,12 +115,14 @@ async def create_chat_completion(
     await gen.start()
     response_id = f"chatcmpl-{gen.request_id}"
     if req.stream:
-        return sse_response(gen, _chunks(gen, req, state, prompt, response_id, int(time.time())))
+        created = int(time.time())
+        return sse_response(gen, _chunks(gen, req, state, prompt, grammar, response_id, created))
     finals = await collect_or_abort(gen, raw)
     ids = req.return_token_ids
     choices = []
+    thinks = _reasoning_parser(state, grammar)
     for i, out in enumerate(finals):
-        message, reason = tools.answer(req, state.tool_call_parser, out.text, out.finish_reason)
+        message, reason = _message(req, state, thinks, out.text, out.finish_reason)
         content_logprobs = None
         if req.logprobs:
             content_logprobs = await state.off_loop(chat_logprobs, state.tokenizer, gen.logprobs[i])
@@ -136,11 +142,36 @@ async def create_chat_completion(
     return Response(body.model_dump_json(), media_type="application/json")
 
 
+def _reasoning_parser(state: WorkerState, grammar: Grammar | None) -> str | None:
+    """The worker's reasoning parser, unless a grammar (structured output, a forced tool call)
+    shapes the answer: it leaves no room for a thought."""
+    return state.reasoning_parser if grammar is None else None
+
+
+def _message(
+    req: ChatCompletionRequest,
+    state: WorkerState,
+    thinks: str | None,
+    text: str,
+    reason: str | None,
+) -> tuple[AssistantMessage, str | None]:
+    """A whole answer's message: its thought apart, then its tool calls found in the rest."""
+    if thinks is None:
+        return tools.answer(req, state.tool_call_parser, text, reason)
+    split = split_reasoning(thinks, text)
+    if split.content is None:  # all thought (cut short while thinking)
+        return AssistantMessage(content=None, reasoning_content=split.reasoning), reason
+    message, reason = tools.answer(req, state.tool_call_parser, split.content, reason)
+    message.reasoning_content = split.reasoning
+    return message, reason
+
+
 async def _chunks(
     gen: Generation,
     req: ChatCompletionRequest,
     state: WorkerState,
     prompt: list[int],
+    grammar: Grammar | None,
     response_id: str,
     created: int,
 ) -> AsyncIterator[str]:
@@ -166,6 +197,9 @@ async def _chunks(
     sent = [""] * req.n
     finals: list[RequestOutput] = []
     streams = [tools.ChoiceStream(req, state.tool_call_parser) for _ in range(req.n)]
+    thinks = _reasoning_parser(state, grammar)
+    thoughts = [ReasoningStream(thinks) for _ in range(req.n)] if thinks else None
+    answers = [""] * req.n  # the content so far, past the thought
     async for event in gen.events():
         out, i = event.output, event.index
         delta = out.text[len(sent[i]) :]
@@ -174,7 +208,13 @@ async def _chunks(
         sent[i] = out.text
         if out.finished:
             finals.append(out)
-        piece = streams[i].delta(delta, out.finished, out.text)
+        thought = ""
+        if thoughts is not None:
+            thought, delta = thoughts[i].feed(delta, out.finished)
+        answers[i] += delta
+        piece = streams[i].delta(delta, out.finished, answers[i])
+        if thought:
+            piece.reasoning_content = thought
         if piece == Delta() and not out.finished and not ids and not req.logprobs:
             continue  # text held back (a call being written): nothing to send yet
         logprobs = None

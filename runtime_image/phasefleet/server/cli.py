@@ -29,6 +29,7 @@ from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclas
 from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
+from phasefleet.server.reasoning import REASONING_PARSERS  # no heavy imports
 from phasefleet.server.tool_parsers import TOOL_CALL_PARSERS  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 
@@ -169,6 +170,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model's format of tool calls in free text, for chat's tool_choice 'auto': "
         "hermes (<tool_call>{...}</tool_call>, as Hermes and Qwen2.5) or llama3_json (an answer "
         "of JSON calls, as Llama 3.1-3.3); without it 'auto' is a 400",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="return a reasoning model's thought (up to </think>) as a chat answer's "
+        "reasoning_content: qwen3 (the model opens <think> itself) or deepseek_r1 (the template "
+        "opens it: DeepSeek-R1, QwQ, Qwen3 Thinking-2507); without it the thought is content",
     )
 
     handoff = parser.add_argument_group(
@@ -432,6 +441,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         boundary=args.phase_boundary,
         tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,
         api_keys=api_keys(os.environ),

@@ -261,6 +261,8 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # the thought of a reasoning model (--reasoning-parser), as DeepSeek's and vLLM's APIs name it
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
@@ -297,6 +299,7 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 

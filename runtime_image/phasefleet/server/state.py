@@ -70,6 +70,8 @@ class WorkerState:
     grammars: GrammarCompiler | None = None
     # finds tool calls in a chat's free text (tool_choice 'auto': server/tools.py); None: none
     tool_call_parser: str | None = None
+    # splits a chat answer's thought (reasoning_content) from its content (server/reasoning.py)
+    reasoning_parser: str | None = None
     # the LoRA adapters the engine loaded: a request names one as its `model`
     lora_names: tuple[str, ...] = ()
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (server/lora_admin.py)

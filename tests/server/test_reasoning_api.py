@@ -1,0 +1,77 @@
+"""--reasoning-parser over real HTTP with the official openai client: a model that writes a
+<think> block (a tiny one trained to) gets its thought back as `reasoning_content` and the rest
+as `content`, whole or streamed; an answer a grammar shapes is not split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server.trained import train_to_answer
+from tests.server.worker_proc import Worker, run_worker
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER = "<think>\nIt is Paris.\n</think>\n\nParis."
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from phasefleet.engine.tiny import make_tiny
+
+    folder = make_tiny(tmp_path_factory.mktemp("models") / "thinker", arch="qwen3", seed=7)
+    return train_to_answer(folder, MESSAGES, ANSWER)
+
+
+@pytest.fixture(scope="module")
+def worker(thinker: Path) -> Iterator[Worker]:
+    with run_worker(thinker, "--reasoning-parser", "qwen3") as w:
+        yield w
+
+
+def ask(client: openai.OpenAI, **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_completion_tokens=32,
+        temperature=0,
+        **kw,
+    )
+
+
+def test_the_thought_comes_back_apart_from_the_answer(worker: Worker, thinker: Path) -> None:
+    from transformers import AutoTokenizer
+
+    chat = ask(worker.client(), extra_body={"return_token_ids": True})
+    choice = chat.choices[0]
+    written = AutoTokenizer.from_pretrained(thinker).decode(choice.model_extra["token_ids"])
+    assert written == ANSWER + "<|im_end|>"  # what the model wrote, tags and all
+    assert choice.message.content == "Paris."
+    assert (choice.message.model_extra or {})["reasoning_content"] == "\nIt is Paris.\n"
+    assert choice.finish_reason == "stop"
+
+
+def test_a_stream_sends_the_thought_first_then_the_answer(worker: Worker) -> None:
+    parts: list[tuple[str, str]] = []
+    for chunk in ask(worker.client(), stream=True):
+        for choice in chunk.choices:
+            thought = (choice.delta.model_extra or {}).get("reasoning_content")
+            if thought:
+                parts.append(("thought", thought))
+            if choice.delta.content:
+                parts.append(("content", choice.delta.content))
+    kinds = [kind for kind, _ in parts]
+    assert kinds == sorted(kinds, reverse=True)  # every thought piece before any content
+    assert "".join(text for kind, text in parts if kind == "thought") == "\nIt is Paris.\n"
+    assert "".join(text for kind, text in parts if kind == "content") == "Paris."
+    assert all("<" not in text for _, text in parts)  # no tag reaches the client
+
+
+def test_an_answer_a_grammar_shapes_is_all_content(worker: Worker) -> None:
+    chat = ask(worker.client(), extra_body={"structured_outputs": {"regex": "Paris|Rome"}})
+    message = chat.choices[0].message
+    assert message.content in ("Paris", "Rome")
+    assert "reasoning_content" not in (message.model_extra or {})
