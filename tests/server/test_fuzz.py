@@ -44,12 +44,13 @@ LONG_STREAM = {
 @pytest.fixture(scope="module")
 def worker(tiny_model: Path) -> Iterator[Worker]:
     """With runtime LoRA loading, so its endpoints are fuzzed too (offline: a fuzzed repo id is
-    looked up in the cache only)."""
+    looked up in the cache only), and a reasoning parser, so every chat answer is split."""
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_HUB_OFFLINE", "1")
     args = ("--max-model-len", "64", "--max-queue-len", "64")
     try:
-        with run_worker(tiny_model, *args, "--max-loras", "1", "--enable-runtime-lora") as w:
+        lora = ("--max-loras", "1", "--enable-runtime-lora")
+        with run_worker(tiny_model, *args, *lora, "--reasoning-parser", "deepseek_r1") as w:
             yield w
     finally:
         mp.undo()
