@@ -158,6 +158,30 @@ def test_chat_completion_uses_chat_template(client: openai.OpenAI, tokenizer: An
     assert chat.usage.completion_tokens == 8
 
 
+def test_continue_final_message_continues_the_assistants_words(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    rendered = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=True
+    )
+    assert tokenizer.decode(rendered).endswith("The capital of France is")  # no end of turn
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=2,
+        extra_body={
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "return_token_ids": True,
+        },
+    )
+    assert extra(chat.choices[0], "prompt_token_ids") == list(rendered)
+
+
 def test_chat_template_kwargs_reach_the_template(
     worker: Worker, client: openai.OpenAI, tokenizer: Any
 ) -> None:

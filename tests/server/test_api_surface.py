@@ -260,6 +260,22 @@ def test_version_and_a_stable_model_list(worker: Worker, client: openai.OpenAI) 
 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"best_of": 2}, "best_of"),
+    # vLLM's extensions this worker does not implement: never silently ignored
+    ("completions", {"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
+    (
+        "completions",
+        {"extra_body": {"include_stop_str_in_output": True}},
+        "include_stop_str_in_output",
+    ),
+    ("completions", {"extra_body": {"truncate_prompt_tokens": 8}}, "truncate_prompt_tokens"),
+    ("completions", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ("completions", {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
+    ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("chat", {"extra_body": {"bad_words": ["x"]}}, "bad_words"),
+    ("chat", {"extra_body": {"priority": 1}}, "priority"),
+    ("chat", {"extra_body": {"echo": True}}, "echo"),
+    ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    ("chat", {"extra_body": {"continue_final_message": True}}, "continue_final_message"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias.5"),
     ("completions", {"logit_bias": {"five": 1.0}}, "logit_bias.five"),

@@ -51,6 +51,7 @@ def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
             messages,
             tools=definitions,
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             tokenize=True,
             **(req.chat_template_kwargs or {}),
         )
@@ -89,6 +90,12 @@ async def create_chat_completion(
     arrival = time.monotonic()
     lora = state.check_model(req.model)
     check_supported(req)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message continues the last message, add_generation_prompt opens a"
+            " new one: set add_generation_prompt to false",
+            "continue_final_message",
+        )
     state.check_logit_bias(req.logit_bias_ids())
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")

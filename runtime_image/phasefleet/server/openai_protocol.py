@@ -138,9 +138,29 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    # vLLM's sampling extensions this worker does not implement, accepted at their neutral
+    # value only: refused otherwise, never ignored (the answer would not be what was asked)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
-        return ["prompt_logprobs"] if self.prompt_logprobs is not None else []
+        neutral = {
+            "prompt_logprobs": None, "skip_special_tokens": True,
+            "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+            "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+            "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
+            "logits_processors": None,
+        }  # fmt: skip
+        return [name for name, value in neutral.items() if getattr(self, name) not in (value, [])]
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
@@ -215,7 +235,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # server/tools.py
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued
     chat_template_kwargs: TemplateKwargs = None
+    chat_template: str | None = None  # vLLM's: a template of the request's own (refused)
+    echo: bool = False  # vLLM's: the last message before the answer (refused)
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        return bad + [name for name in ("chat_template", "echo") if getattr(self, name)]
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
