@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from phasefleet.api.names import NAME_RULES
+from phasefleet.api.names import NAME_RULES, SERVICE_RULES
 from phasefleet.api.spec import InferenceServiceSpec
 from phasefleet.api.status import InferenceServiceStatus
 
@@ -153,7 +153,9 @@ def build_crd() -> dict[str, Any]:
                                 "prefill and decode pools behind a router."
                             ),
                             "required": ["spec"],
-                            "x-kubernetes-validations": [r.to_schema() for r in NAME_RULES],
+                            "x-kubernetes-validations": [
+                                r.to_schema() for r in (*NAME_RULES, *SERVICE_RULES)
+                            ],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

@@ -9,6 +9,7 @@ lowercase letters, digits and '-', starting with a letter and ending with a lett
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -44,6 +45,34 @@ NAME_RULES = (
 )
 
 
+@dataclass(frozen=True)
+class NamedService:
+    """What the root rules on name and spec together see."""
+
+    name: str
+    spec: InferenceServiceSpec
+
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.name
+
+
+SERVED_NAME = "(has(self.spec.model.servedName) ? self.spec.model.servedName : self.metadata.name)"
+SERVICE_RULES = (
+    Rule(
+        cel=f"!has(self.spec.lora) || self.spec.lora.adapters.all(a, a.name != {SERVED_NAME})",
+        message=(
+            "spec.lora.adapters: an adapter may not have the served model's name"
+            " (spec.model.servedName, or metadata.name when unset): a request's model names one"
+            " or the other; rename the adapter"
+        ),
+        check=lambda s: (
+            s.spec.lora is None or all(a.name != s.served_name() for a in s.spec.lora.adapters)
+        ),
+        field_path=".spec.lora.adapters",
+    ),
+)
+
+
 def name_problem(name: str) -> str | None:
     """Why `name` cannot be an InferenceService's name (the CRD's root rules), or None."""
     for rule in NAME_RULES:
@@ -57,14 +86,19 @@ class InvalidService(ValueError):
 
 
 def validate_service(name: str, spec: dict[str, Any]) -> InferenceServiceSpec:
-    """Everything the CRD checks, in Python: the name rules, then the spec's own rules."""
+    """Everything the CRD checks, in Python: the name rules, the spec's own rules, then the
+    rules on both."""
     problem = name_problem(name)
     if problem is not None:
         raise InvalidService(problem)
     try:
-        return parse_spec(spec)
+        parsed = parse_spec(spec)
     except ValidationError as exc:
         raise InvalidService(readable(exc)) from exc
+    for rule in SERVICE_RULES:
+        if not rule.check(NamedService(name, parsed)):
+            raise InvalidService(rule.message)
+    return parsed
 
 
 def readable(exc: ValidationError) -> str:
