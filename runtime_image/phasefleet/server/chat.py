@@ -173,6 +173,28 @@ def _message(
     return message, reason
 
 
+class _StreamedChoice:
+    """One streamed choice: the text given out so far, its thought apart (with a reasoning
+    parser), then its content through the tool-call stream."""
+
+    def __init__(self, req: ChatCompletionRequest, parser: str | None, thinks: str | None):
+        self.tools = tools.ChoiceStream(req, parser)
+        self.thought = ReasoningStream(thinks) if thinks is not None else None
+        self.sent = ""  # the answer's text so far
+        self.content = ""  # of it, past the thought
+
+    def delta(self, text: str, finished: bool) -> Delta:
+        """The chunk's delta for `text`, the answer's new text."""
+        thought = ""
+        if self.thought is not None:
+            thought, text = self.thought.feed(text, finished)
+        self.content += text
+        piece = self.tools.delta(text, finished, self.content)
+        if thought:
+            piece.reasoning_content = thought
+        return piece
+
+
 async def _chunks(
     gen: Generation,
     req: ChatCompletionRequest,
@@ -201,29 +223,21 @@ async def _chunks(
             for i in range(req.n)
         ]
     )
-    sent = [""] * req.n
     finals: list[RequestOutput] = []
-    streams = [tools.ChoiceStream(req, state.tool_call_parser) for _ in range(req.n)]
     thinks = _reasoning_parser(state, grammar)
-    thoughts = [ReasoningStream(thinks) for _ in range(req.n)] if thinks else None
-    answers = [""] * req.n  # the content so far, past the thought
+    choices = [_StreamedChoice(req, state.tool_call_parser, thinks) for _ in range(req.n)]
     async for event in gen.events():
         out, i = event.output, event.index
-        delta = out.text[len(sent[i]) :]
+        streamed = choices[i]
+        delta = out.text[len(streamed.sent) :]
         if not (delta or out.finished or ((ids or req.logprobs) and out.new_token_ids)):
             continue
-        sent[i] = out.text
+        streamed.sent = out.text
         if out.finished:
             finals.append(out)
-        thought = ""
-        if thoughts is not None:
-            thought, delta = thoughts[i].feed(delta, out.finished)
-        answers[i] += delta
-        piece = streams[i].delta(delta, out.finished, answers[i])
-        if thought:
-            piece.reasoning_content = thought
+        piece = streamed.delta(delta, out.finished)
         if piece == Delta() and not out.finished and not ids and not req.logprobs:
-            continue  # text held back (a call being written): nothing to send yet
+            continue  # text held back (a call being written, a tag): nothing to send yet
         logprobs = None
         if req.logprobs:
             logprobs = await state.off_loop(chat_logprobs, state.tokenizer, out.logprobs or [])
@@ -231,7 +245,7 @@ async def _chunks(
             index=i,
             delta=piece,
             logprobs=logprobs,
-            finish_reason=streams[i].finish_reason(out.finish_reason) if out.finished else None,
+            finish_reason=streamed.tools.finish_reason(out.finish_reason) if out.finished else None,
             token_ids=list(out.new_token_ids) if ids else None,
         )
         yield chunk([choice])
