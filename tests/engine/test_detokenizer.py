@@ -16,8 +16,10 @@ def tokenizer(tiny_model: Callable[[str], Path]) -> object:
     return AutoTokenizer.from_pretrained(tiny_model("llama"))
 
 
-def feed(tok: object, text: str, stop: list[str]) -> tuple[IncrementalDetokenizer, list[str]]:
-    detok = IncrementalDetokenizer(decoder(tok), stop)
+def feed(
+    tok: object, text: str, stop: list[str], include_stop: bool = False
+) -> tuple[IncrementalDetokenizer, list[str]]:
+    detok = IncrementalDetokenizer(decoder(tok), stop, include_stop)
     seen = []
     for t in tok.encode(text, add_special_tokens=False):  # type: ignore[attr-defined]
         detok.update([t])
@@ -57,6 +59,12 @@ def test_stop_string_spanning_tokens(tokenizer: object) -> None:
     detok, _ = feed(tokenizer, "the quick brown fox", ["k br"])
     assert detok.stopped
     assert detok.text(final=True) == "the quic"
+
+
+def test_the_stop_string_stays_when_asked(tokenizer: object) -> None:
+    detok, seen = feed(tokenizer, "one two STOP three", ["three", "STOP"], include_stop=True)
+    assert detok.stopped and detok.text(final=True) == "one two STOP"  # the first found
+    assert all("STOP" not in s for s in seen[:-1])
 
 
 @pytest.mark.parametrize("clean_up", [False, True])

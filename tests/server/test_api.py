@@ -129,6 +129,35 @@ def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
     ).choices[0]
     assert cut.text == full.text[:at]
     assert cut.finish_reason == "stop"
+    kept = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    ).choices[0]
+    assert kept.text == full.text[: at + 2] and kept.finish_reason == "stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    assert len(ids) > 4
+
+    def answer(prompt: Any, **extra_body: Any) -> Any:
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+            extra_body={"return_token_ids": True, **extra_body},
+        ).choices[0]  # fmt: skip
+
+    cut = answer(PROMPT, truncate_prompt_tokens=4)
+    assert extra(cut, "prompt_token_ids") == ids[-4:]
+    assert cut.text == answer(ids[-4:]).text  # as if only the last four were sent, echo too
+    assert extra(answer(PROMPT, truncate_prompt_tokens=-1), "prompt_token_ids") == ids
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        answer(PROMPT, truncate_prompt_tokens=0)
 
 
 def test_chat_completion_uses_chat_template(client: openai.OpenAI, tokenizer: Any) -> None:

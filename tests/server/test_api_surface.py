@@ -262,12 +262,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"best_of": 2}, "best_of"),
     # vLLM's extensions this worker does not implement: never silently ignored
     ("completions", {"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
-    (
-        "completions",
-        {"extra_body": {"include_stop_str_in_output": True}},
-        "include_stop_str_in_output",
-    ),
-    ("completions", {"extra_body": {"truncate_prompt_tokens": 8}}, "truncate_prompt_tokens"),
     ("completions", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ("completions", {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),

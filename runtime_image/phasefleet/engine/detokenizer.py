@@ -39,10 +39,14 @@ class IncrementalDetokenizer:
     tail (decoded as U+FFFD) and any suffix that could be the start of a stop string.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
-        """`decode`: the tokenizer's, from `decoder` (made once per tokenizer, not per request)."""
+    def __init__(
+        self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False
+    ) -> None:
+        """`decode`: the tokenizer's, from `decoder` (made once per tokenizer, not per request).
+        `include_stop`: the text ends after the stop string found, not before it."""
         self._decode = decode
         self.stop = stop
+        self.include_stop = include_stop
         self._max_stop = max((len(s) for s in stop), default=0)
         self._tokens: list[int] = []
         self._prefix_offset = 0  # tokens before this are fully in `_text`
@@ -81,13 +85,13 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, old_len: int) -> None:
         search_from = max(0, old_len - self._max_stop + 1)
-        cut = -1
+        cut, found = -1, ""
         for s in self.stop:
             i = self._text.find(s, search_from)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, found = i, s
         if cut != -1:
-            self._text = self._text[:cut]
+            self._text = self._text[: cut + len(found) if self.include_stop else cut]
             self.stopped = True
 
     def text(self, final: bool) -> str:

@@ -220,7 +220,7 @@ class LLMEngine:
         matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
         if matcher is not None and first_token_id is not None:
             matcher.accept(first_token_id)
-        detok = IncrementalDetokenizer(self._decode, params.stop)
+        detok = IncrementalDetokenizer(self._decode, params.stop, params.include_stop_str_in_output)
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)

@@ -19,6 +19,7 @@ from phasefleet.server.generation import (
     check_supported,
     output_budget,
     sampling_params,
+    truncated,
 )
 from phasefleet.server.logprobs import chat_logprobs
 from phasefleet.server.openai_protocol import (
@@ -103,6 +104,7 @@ async def create_chat_completion(
     check_queue_room(1, req.n, state.engine.max_queue_len, "messages")
     grammar = await checked_grammar(req, state)
     prompt = await state.off_loop(render, req, state)
+    prompt = truncated(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)
     budget = output_budget(
         len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
     )

@@ -18,6 +18,7 @@ from phasefleet.server.generation import (
     check_supported,
     output_budget,
     sampling_params,
+    truncated,
 )
 from phasefleet.server.logprobs import CompletionLogprobs, completion_logprobs
 from phasefleet.server.openai_protocol import (
@@ -61,13 +62,14 @@ def prompts_of(req: CompletionRequest, state: WorkerState) -> list[list[int]]:
 
 
 def echo_texts(req: CompletionRequest, prompts: list[list[int]], state: WorkerState) -> list[str]:
-    """Each prompt as `echo` shows it: a text prompt as sent, token ids decoded (tokenizer
-    thread)."""
+    """Each prompt as `echo` shows it: a text prompt as sent, token ids (or a prompt
+    `truncate_prompt_tokens` cut) decoded (tokenizer thread)."""
     prompt = req.prompt
     single = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
     items = [prompt] if single else list(prompt)
+    cut = req.truncate_prompt_tokens is not None
     return [
-        item if isinstance(item, str) else str(state.tokenizer.decode(ids))
+        item if isinstance(item, str) and not cut else str(state.tokenizer.decode(ids))
         for item, ids in zip(items, prompts, strict=True)
     ]
 
@@ -89,9 +91,10 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     check_queue_room(num_prompts(req), req.n, state.engine.max_queue_len, "prompt")
     grammar = await checked_grammar(req, state)
     prompts = await state.off_loop(prompts_of, req, state)
+    max_len = state.engine.max_model_len
+    prompts = [truncated(p, req.truncate_prompt_tokens, max_len) for p in prompts]
     texts = await state.off_loop(echo_texts, req, prompts, state) if req.echo else []
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
-    max_len = state.engine.max_model_len
     prompt_logprobs = req.logprobs if req.echo else None
     choice_prompts, params, echoes = [], [], []
     for p, prompt in enumerate(prompts):

@@ -72,6 +72,7 @@ def sampling_params(
         top_k=-1 if req.top_k is None else req.top_k,
         seed=None if req.seed is None else req.seed + choice,
         stop=stop,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
@@ -113,6 +114,15 @@ def check_queue_room(num_prompts: int, n: int, max_queue_len: int, prompt_field:
             f"this worker's whole waiting queue ({max_queue_len}); send fewer per request",
             "n" if n > max_queue_len else prompt_field,
         )
+
+
+def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the model's
+    maximum length); None: the whole prompt."""
+    if keep is None:
+        return prompt
+    limit = max_model_len if keep == -1 else keep
+    return prompt[-limit:] if len(prompt) > limit else prompt
 
 
 def output_budget(
@@ -260,7 +270,9 @@ class Generation:
             self.close()
             raise
         self.metrics.prefills["remote"].inc()
-        text, stopped = await remote.first_token_text(first.token_id, params.stop)
+        text, stopped = await remote.first_token_text(
+            first.token_id, params.stop, params.include_stop_str_in_output
+        )
         final = stopped or first.finish_reason != "handoff"
         output = RequestOutput(
             request_id=self._engine_id,

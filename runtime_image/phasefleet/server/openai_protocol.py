@@ -44,6 +44,12 @@ TEMPLATE_PARAMETERS = frozenset({
 })  # fmt: skip
 
 
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("0 would keep no prompt token: give -1 (the model's length) or k >= 1")
+    return value
+
+
 def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     taken = sorted(set(kwargs or {}) & TEMPLATE_PARAMETERS)
     if taken:
@@ -120,6 +126,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string found ends the text
+    # vLLM's: only the prompt's last k tokens are used (-1: the model's maximum length)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
     prompt_logprobs: int | None = None  # vLLM's; completions' echo + logprobs gives them
     # token id (as a string, as OpenAI's) -> bias
     logit_bias: (
@@ -142,10 +151,8 @@ class SamplingFields(BaseModel):
     # value only: refused otherwise, never ignored (the answer would not be what was asked)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     priority: int = 0
@@ -155,8 +162,7 @@ class SamplingFields(BaseModel):
         """Names of set fields this worker does not implement."""
         neutral = {
             "prompt_logprobs": None, "skip_special_tokens": True,
-            "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
-            "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+            "spaces_between_special_tokens": True, "allowed_token_ids": None, "bad_words": None,
             "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
             "logits_processors": None,
         }  # fmt: skip

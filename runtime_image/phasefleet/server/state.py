@@ -137,13 +137,15 @@ class WorkerState:
             stats.num_running,
         )  # fmt: skip
 
-    async def first_token_text(self, token: int, stop: list[str]) -> tuple[str, bool]:
+    async def first_token_text(
+        self, token: int, stop: list[str], include_stop: bool
+    ) -> tuple[str, bool]:
         """The text a first token adds and whether a stop string ends the request there."""
 
         def detokenize() -> tuple[str, bool]:
             from phasefleet.engine.detokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.decode, stop)
+            detok = IncrementalDetokenizer(self.decode, stop, include_stop)
             detok.update([token])
             if detok.stopped:
                 detok.flush()
