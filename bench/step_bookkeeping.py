@@ -60,7 +60,7 @@ def as_before(eng: LLMEngine) -> None:
     """Makes `eng` the engine as it was: transformers' decode, and a copy of all tokens in every
     output."""
     tokenizer = eng.tokenizer
-    eng._decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+    eng._decoders[True] = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
     output = eng._output
 
     def every_output_copies(req: Request, *args: Any, **kwargs: Any) -> RequestOutput:

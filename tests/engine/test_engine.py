@@ -301,7 +301,7 @@ def inject(eng: LLMEngine, request_id: str, fault: str) -> None:
     if fault == "nan":
         eng._live[request_id].row.params.temperature = float("nan")  # past validation
     else:
-        eng._live[request_id].detok = BrokenDetokenizer(eng._decode, ["zzz-never"], fault)
+        eng._live[request_id].detok = BrokenDetokenizer(eng._decoders[True], ["zzz-never"], fault)
 
 
 def run_batch(eng: LLMEngine, fault: str | None) -> dict[str, RequestOutput]:

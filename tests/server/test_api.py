@@ -140,6 +140,23 @@ def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
     assert kept.text == full.text[: at + 2] and kept.finish_reason == "stop"
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """The end of the turn, a special token, shows in the text only when asked (ignore_eos and
+    logit_bias make the model write it: <|im_end|> is not the tiny model's eos)."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def text(**extra_body: Any) -> str:
+        return client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, temperature=0,
+            logit_bias={str(end): 100}, extra_body={"ignore_eos": True, **extra_body},
+        ).choices[0].text  # fmt: skip
+
+    assert text() == ""
+    assert text(skip_special_tokens=False) == "<|im_end|><|im_end|>"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(
     client: openai.OpenAI, tokenizer: Any
 ) -> None:

@@ -261,7 +261,11 @@ def test_version_and_a_stable_model_list(worker: Worker, client: openai.OpenAI) 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"best_of": 2}, "best_of"),
     # vLLM's extensions this worker does not implement: never silently ignored
-    ("completions", {"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
+    (
+        "completions",
+        {"extra_body": {"spaces_between_special_tokens": False}},
+        "spaces_between_special_tokens",
+    ),
     ("completions", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ("completions", {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
     ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),

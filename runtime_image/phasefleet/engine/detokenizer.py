@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 
-def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of the ids.
+def decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` as a function of the ids.
 
     For a fast tokenizer whose class keeps transformers' own `decode` and `_decode`, the same
     text straight from the Rust tokenizer: transformers' wrapper adds ~40 us of Python a call
@@ -17,7 +17,7 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-    cls = type(tokenizer)
+    cls, skip = type(tokenizer), skip_special_tokens
     if (
         isinstance(tokenizer, PreTrainedTokenizerFast)
         and cls.decode is PreTrainedTokenizerBase.decode
@@ -26,9 +26,9 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
         rust_decode = tokenizer._tokenizer.decode
         if tokenizer.clean_up_tokenization_spaces:
             clean_up = tokenizer.clean_up_tokenization
-            return lambda ids: str(clean_up(rust_decode(ids, skip_special_tokens=True)))
-        return lambda ids: str(rust_decode(ids, skip_special_tokens=True))
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+            return lambda ids: str(clean_up(rust_decode(ids, skip_special_tokens=skip)))
+        return lambda ids: str(rust_decode(ids, skip_special_tokens=skip))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip))
 
 
 class IncrementalDetokenizer:

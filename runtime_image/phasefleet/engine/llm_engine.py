@@ -75,7 +75,8 @@ class LLMEngine:
         with startup.phase("config"):
             self.hf_config: Any = AutoConfig.from_pretrained(folder)
             self.tokenizer: Any = load_tokenizer(folder)
-        self._decode = decoder(self.tokenizer)
+        # by skip_special_tokens: the output text without or with the special tokens
+        self._decoders = {skip: decoder(self.tokenizer, skip) for skip in (True, False)}
         limit = int(self.hf_config.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
@@ -220,7 +221,8 @@ class LLMEngine:
         matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
         if matcher is not None and first_token_id is not None:
             matcher.accept(first_token_id)
-        detok = IncrementalDetokenizer(self._decode, params.stop, params.include_stop_str_in_output)
+        decode = self._decoders[params.skip_special_tokens]
+        detok = IncrementalDetokenizer(decode, params.stop, params.include_stop_str_in_output)
         if first_token_id is not None:
             detok.update([first_token_id])  # the text goes on from what the prefill worker sent
         self.scheduler.add_request(request)

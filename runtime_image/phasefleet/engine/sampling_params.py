@@ -74,6 +74,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     """Stop strings (at most MAX_STOP_STRINGS, each 1..MAX_STOP_STRING_CHARS characters); the
     output text ends before the first one found."""
+    skip_special_tokens: bool = True
+    """Special tokens (end of turn, tool markers) are left out of the output text."""
     include_stop_str_in_output: bool = False
     """The stop string found stays at the end of the output text (vLLM's)."""
     stop_token_ids: list[int] = field(default_factory=list)

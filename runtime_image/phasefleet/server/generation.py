@@ -73,6 +73,7 @@ def sampling_params(
         seed=None if req.seed is None else req.seed + choice,
         stop=stop,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
@@ -270,9 +271,7 @@ class Generation:
             self.close()
             raise
         self.metrics.prefills["remote"].inc()
-        text, stopped = await remote.first_token_text(
-            first.token_id, params.stop, params.include_stop_str_in_output
-        )
+        text, stopped = await remote.first_token_text(first.token_id, params)
         final = stopped or first.finish_reason != "handoff"
         output = RequestOutput(
             request_id=self._engine_id,

@@ -239,7 +239,7 @@ class RemotePrefill:
 
     client: HandoffClient
     prefill_url: str  # the prefill worker the router picked
-    # (first token, stop strings, whether a stop string stays in the text) -> (its text, whether
-    # a stop string ended it); on the tokenizer thread
-    first_token_text: Callable[[int, list[str], bool], Awaitable[tuple[str, bool]]]
+    # (first token, its request's sampling) -> (its text, whether a stop string ended it); on
+    # the tokenizer thread
+    first_token_text: Callable[[int, SamplingParams], Awaitable[tuple[str, bool]]]
     cached_tokens: int = 0  # prompt tokens this worker's prefix cache holds (an estimate)

@@ -127,6 +127,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's: the stop string found ends the text
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
     # vLLM's: only the prompt's last k tokens are used (-1: the model's maximum length)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
     prompt_logprobs: int | None = None  # vLLM's; completions' echo + logprobs gives them
@@ -149,7 +150,6 @@ class SamplingFields(BaseModel):
 
     # vLLM's sampling extensions this worker does not implement, accepted at their neutral
     # value only: refused otherwise, never ignored (the answer would not be what was asked)
-    skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -161,10 +161,9 @@ class SamplingFields(BaseModel):
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
         neutral = {
-            "prompt_logprobs": None, "skip_special_tokens": True,
-            "spaces_between_special_tokens": True, "allowed_token_ids": None, "bad_words": None,
-            "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
-            "logits_processors": None,
+            "prompt_logprobs": None, "spaces_between_special_tokens": True,
+            "allowed_token_ids": None, "bad_words": None, "use_beam_search": False,
+            "length_penalty": 1.0, "priority": 0, "logits_processors": None,
         }  # fmt: skip
         return [name for name, value in neutral.items() if getattr(self, name) not in (value, [])]
 

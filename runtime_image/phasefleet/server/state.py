@@ -21,7 +21,7 @@ from phasefleet.api.contract import (
     TPOT_TARGET_HEADER,
 )
 from phasefleet.engine.grammar import GrammarCompiler
-from phasefleet.engine.sampling_params import Grammar
+from phasefleet.engine.sampling_params import Grammar, SamplingParams
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
 from phasefleet.server.handoff import HandoffClient, RemotePrefill
@@ -80,11 +80,12 @@ class WorkerState:
     api_keys: tuple[str, ...] = ()
 
     @functools.cached_property
-    def decode(self) -> Callable[[list[int]], str]:
-        """The tokenizer's decode for detokenizers (`detokenizer.decoder`), made once."""
+    def decoders(self) -> dict[bool, Callable[[list[int]], str]]:
+        """The tokenizer's decode for detokenizers (`detokenizer.decoder`), made once, by
+        skip_special_tokens."""
         from phasefleet.engine.detokenizer import decoder
 
-        return decoder(self.tokenizer)
+        return {skip: decoder(self.tokenizer, skip) for skip in (True, False)}
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the tokenizer thread; what it raises (an APIError) is raised here."""
@@ -137,15 +138,14 @@ class WorkerState:
             stats.num_running,
         )  # fmt: skip
 
-    async def first_token_text(
-        self, token: int, stop: list[str], include_stop: bool
-    ) -> tuple[str, bool]:
+    async def first_token_text(self, token: int, params: SamplingParams) -> tuple[str, bool]:
         """The text a first token adds and whether a stop string ends the request there."""
 
         def detokenize() -> tuple[str, bool]:
             from phasefleet.engine.detokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.decode, stop, include_stop)
+            decode = self.decoders[params.skip_special_tokens]
+            detok = IncrementalDetokenizer(decode, params.stop, params.include_stop_str_in_output)
             detok.update([token])
             if detok.stopped:
                 detok.flush()
