@@ -513,3 +513,47 @@ def test_metrics_after_traffic(worker: Worker, client: openai.OpenAI) -> None:
     assert startup["imports"] > 0 and startup["weights"] > 0
     assert "# TYPE phasefleet_time_to_first_token_seconds histogram" in text
     assert "# TYPE phasefleet_prompt_tokens_total counter" in text
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_prompt_logprobs_are_transformers(
+    client: openai.OpenAI, tokenizer: Any, tiny_model: Path, api: str
+) -> None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob and
+    rank with the k most likely in its place, as transformers' log-softmax over the prompt
+    gives them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    body: dict[str, Any] = {"prompt_logprobs": 2, "return_token_ids": True}
+    if api == "completions":
+        res = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body=body)
+        got, prompt = (
+            extra(res.choices[0], "prompt_logprobs"),
+            extra(res.choices[0], "prompt_token_ids"),
+        )
+    else:
+        res = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+            extra_body=body,
+        )  # fmt: skip
+        got, prompt = extra(res, "prompt_logprobs"), extra(res.choices[0], "prompt_token_ids")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)  # [n - 1, V]
+    assert len(got) == len(prompt) and got[0] is None
+    for position, (token, entry) in enumerate(zip(prompt[1:], got[1:], strict=True)):
+        row = want[position]
+        top = row.topk(2).indices.tolist()
+        assert set(entry) == {str(t) for t in (token, *top)}
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - row[token].item()) < 1e-4
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+        assert mine["decoded_token"] == tokenizer.decode([token])
+        assert [entry[str(t)]["rank"] for t in top if t != token] == [
+            r for r, t in enumerate(top, start=1) if t != token
+        ]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=1, stream=True, extra_body=body
+        )

@@ -268,7 +268,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("completions", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ("completions", {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
-    ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("chat", {"extra_body": {"bad_words": ["x"]}}, "bad_words"),
     ("chat", {"extra_body": {"priority": 1}}, "priority"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),

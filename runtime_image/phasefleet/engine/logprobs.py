@@ -14,7 +14,10 @@ def token_logprobs(
     """logits: [b, V] float32 raw; one chosen token and one top count per row."""
     logprobs = logits.log_softmax(dim=-1)  # [b, V]
     index = torch.tensor(token_ids, device=logits.device).clamp_min(0).unsqueeze(1)
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [b]
+    chosen = logprobs.gather(1, index)  # [b, 1]
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [b, 1]
+    # One copy to the host for both (a rank is exact in float32: vocabularies are < 2**24).
+    pairs = torch.cat([chosen, ranks.to(chosen.dtype)], dim=1).tolist()  # [b, 2]
     k = min(max(num_top, default=0), logits.shape[-1])
     top_ids: list[list[int]] = [[] for _ in token_ids]
     top_values: list[list[float]] = [[] for _ in token_ids]
@@ -22,8 +25,8 @@ def token_logprobs(
         values, ids = logprobs.topk(k, dim=-1)  # [b, k], best first
         top_ids, top_values = ids.tolist(), values.tolist()
     return [
-        TokenLogprob(token, value, list(zip(ids_row[:n], values_row[:n], strict=True)))
-        for token, value, ids_row, values_row, n in zip(
-            token_ids, chosen, top_ids, top_values, num_top, strict=True
+        TokenLogprob(token, value, list(zip(ids_row[:n], values_row[:n], strict=True)), int(rank))
+        for token, (value, rank), ids_row, values_row, n in zip(
+            token_ids, pairs, top_ids, top_values, num_top, strict=True
         )
     ]

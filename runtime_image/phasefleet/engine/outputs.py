@@ -12,6 +12,8 @@ class TokenLogprob:
     """log-probability of token_id under the raw logits (phasefleet.engine.logprobs)."""
     top: list[tuple[int, float]]
     """The most likely (token id, logprob), best first."""
+    rank: int = 1
+    """1 + the number of tokens more likely than token_id."""
 
 
 @dataclass

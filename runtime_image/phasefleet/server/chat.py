@@ -21,7 +21,7 @@ from phasefleet.server.generation import (
     sampling_params,
     truncated,
 )
-from phasefleet.server.logprobs import chat_logprobs
+from phasefleet.server.logprobs import chat_logprobs, prompt_logprob_dicts
 from phasefleet.server.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -109,7 +109,10 @@ async def create_chat_completion(
         len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [sampling_params(req, budget, i, logprobs, grammar=grammar) for i in range(req.n)]
+    params = [
+        sampling_params(req, budget, i, logprobs, req.prompt_logprobs, grammar)
+        for i in range(req.n)
+    ]
     gen = Generation(
         state.engine,
         state.metrics,
@@ -145,8 +148,18 @@ async def create_chat_completion(
                 token_ids=list(out.output_token_ids) if ids else None,
             )
         )
+    prompt_part = None
+    if req.prompt_logprobs is not None:
+        entries = gen.prompt_logprobs[0] or []
+        prompt_part = await state.off_loop(
+            prompt_logprob_dicts, state.tokenizer, prompt, entries, req.prompt_logprobs
+        )
     body = ChatCompletionResponse(
-        id=response_id, model=req.model, choices=choices, usage=_usage(prompt, finals)
+        id=response_id,
+        model=req.model,
+        choices=choices,
+        usage=_usage(prompt, finals),
+        prompt_logprobs=prompt_part,
     )
     return Response(body.model_dump_json(), media_type="application/json")
 

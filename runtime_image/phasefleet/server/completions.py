@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -20,7 +20,11 @@ from phasefleet.server.generation import (
     sampling_params,
     truncated,
 )
-from phasefleet.server.logprobs import CompletionLogprobs, completion_logprobs
+from phasefleet.server.logprobs import (
+    CompletionLogprobs,
+    completion_logprobs,
+    prompt_logprob_dicts,
+)
 from phasefleet.server.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -95,7 +99,9 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     prompts = [truncated(p, req.truncate_prompt_tokens, max_len) for p in prompts]
     texts = await state.off_loop(echo_texts, req, prompts, state) if req.echo else []
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
-    prompt_logprobs = req.logprobs if req.echo else None
+    # the engine's count: echo's logprobs, vLLM's prompt_logprobs, or the larger of the two
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     choice_prompts, params, echoes = [], [], []
     for p, prompt in enumerate(prompts):
         budget = output_budget(len(prompt), requested, DEFAULT_MAX_TOKENS, max_len, "prompt")
@@ -126,11 +132,21 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     choices = []
     for i, out in enumerate(finals):
         echo = echoes[i]
-        logprobs = None
+        logprobs = prompt_part = None
         if req.logprobs is not None:
             entries = gen.logprobs[i]
+            echoed = _top(gen.prompt_logprobs[i], req.logprobs)
             logprobs, _ = await state.off_loop(
-                _logprobs, state, echo, gen.prompt_logprobs[i], entries, out.output_token_ids, 0
+                _logprobs, state, echo, echoed, entries, out.output_token_ids, 0
+            )
+        if req.prompt_logprobs is not None:
+            entries = gen.prompt_logprobs[i] or []
+            prompt_part = await state.off_loop(
+                prompt_logprob_dicts,
+                state.tokenizer,
+                choice_prompts[i],
+                entries,
+                req.prompt_logprobs,
             )
         choices.append(
             CompletionChoice(
@@ -140,6 +156,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
                 finish_reason=out.finish_reason,
                 prompt_token_ids=choice_prompts[i] if req.return_token_ids else None,
                 token_ids=list(out.output_token_ids) if req.return_token_ids else None,
+                prompt_logprobs=prompt_part,
             )
         )
     body = CompletionResponse(
@@ -165,6 +182,14 @@ def _logprobs(
         all_entries = prompt_part + all_entries
         all_ids = echo.token_ids + all_ids
     return completion_logprobs(state.tokenizer, all_entries, all_ids, text_offset)
+
+
+def _top(entries: list[TokenLogprob] | None, num_top: int) -> list[TokenLogprob] | None:
+    """`entries` with at most `num_top` alternatives each (the engine computed the larger of
+    echo's and prompt_logprobs' counts)."""
+    if entries is None or all(len(e.top) <= num_top for e in entries):
+        return entries
+    return [replace(e, top=e.top[:num_top]) for e in entries]
 
 
 def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> Usage:

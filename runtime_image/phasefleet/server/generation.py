@@ -104,6 +104,8 @@ def check_supported(req: SamplingFields) -> None:
         raise bad_request(f"'{name}' is not supported by this worker", name)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not served with stream: true", "prompt_logprobs")
 
 
 def check_queue_room(num_prompts: int, n: int, max_queue_len: int, prompt_field: str) -> None:

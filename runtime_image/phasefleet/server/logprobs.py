@@ -42,6 +42,43 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs`."""
+
+    logprob: float
+    rank: int  # 1: the most likely token
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: None for the first prompt token, then one dict per token, keyed by
+# token id (as a string, JSON's keys are), of that token and the most likely ones
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def prompt_logprob_dicts(
+    tokenizer: Any, prompt: Sequence[int], entries: Sequence[TokenLogprob], num_top: int
+) -> PromptLogprobs:
+    """vLLM's shape for a prompt's logprobs (`entries`: its tokens after the first)."""
+    result: PromptLogprobs = [None]
+    for k, token_id in enumerate(prompt[1:]):
+        if k >= len(entries):  # none computed (as echo, which shows these as None too)
+            result.append(None)
+            continue
+        entry = entries[k]
+        ranked = {token_id: (entry.logprob, entry.rank)}
+        for rank, (other, logprob) in enumerate(entry.top[:num_top], start=1):
+            ranked.setdefault(other, (logprob, rank))
+        result.append(
+            {
+                str(token): PromptLogprob(
+                    logprob=_reported(logprob), rank=rank, decoded_token=_text(tokenizer, token)
+                )
+                for token, (logprob, rank) in ranked.items()
+            }
+        )
+    return result
+
+
 def _reported(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN becomes MIN_LOGPROB too
 

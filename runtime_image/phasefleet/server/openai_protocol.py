@@ -29,7 +29,7 @@ from phasefleet.engine.sampling_params import (
     MIN_TOP_K,
     SEED_MIN,
 )
-from phasefleet.server.logprobs import ChatLogprobs, CompletionLogprobs
+from phasefleet.server.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -130,7 +130,8 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
     # vLLM's: only the prompt's last k tokens are used (-1: the model's maximum length)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
-    prompt_logprobs: int | None = None  # vLLM's; completions' echo + logprobs gives them
+    # vLLM's: each prompt token's logprob, rank and the k most likely in its place (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # token id (as a string, as OpenAI's) -> bias
     logit_bias: (
         dict[
@@ -161,7 +162,7 @@ class SamplingFields(BaseModel):
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
         neutral = {
-            "prompt_logprobs": None, "spaces_between_special_tokens": True,
+            "spaces_between_special_tokens": True,
             "allowed_token_ids": None, "bad_words": None, "use_beam_search": False,
             "length_penalty": 1.0, "priority": 0, "logits_processors": None,
         }  # fmt: skip
@@ -268,6 +269,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     prompt_token_ids: OptionalIds = _ids_field()
     token_ids: OptionalIds = _ids_field()
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -314,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class FunctionCallDelta(BaseModel):
