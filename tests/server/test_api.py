@@ -526,6 +526,7 @@ def test_prompt_logprobs_are_transformers(
     from transformers import AutoModelForCausalLM
 
     body: dict[str, Any] = {"prompt_logprobs": 2, "return_token_ids": True}
+    res: Any
     if api == "completions":
         res = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body=body)
         got, prompt = (
