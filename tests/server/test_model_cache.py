@@ -271,6 +271,16 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_the_fix(
     assert "spec.model.cache.hostPath" in message and message.count("\n") == 1
 
 
+def test_an_adapter_that_is_no_hub_repo_id_exits_2_naming_it(tmp_path: Path, hf_env: None) -> None:
+    run = subprocess.run(
+        [*FETCH_COMMAND, "--cache", str(tmp_path / "cache"), "--adapters", "org/a", "a b c"],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ),
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "--adapters takes Hub repo ids org/name[@revision], got 'a b c'" in run.stderr
+    assert not (tmp_path / "cache").exists()  # refused before anything is written
+
+
 def test_lora_adapters_are_fetched_once_with_the_model_and_read_offline(
     tiny_model: Path, hf_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

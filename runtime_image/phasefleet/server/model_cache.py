@@ -197,6 +197,13 @@ def run(args: argparse.Namespace) -> int:
         timing = LockTiming(heartbeat_s=min(LockTiming.heartbeat_s, stale / 4), stale_s=stale)
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
+    adapters: list[tuple[str, tuple[str, str | None]]] = []  # (source, (repo, revision))
+    for source in args.adapters:
+        parsed = hub_source(source)
+        if parsed is None:
+            message = f"--adapters takes Hub repo ids org/name[@revision], got {source!r}"
+            return fail(PROGRAM, message, code=2)
+        adapters.append((source, parsed))
     root: Path = args.cache
     problem = writable_problem(root)
     if problem is not None:
@@ -213,9 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         got = ensure_model(root, args.model, args.revision, lock=lock)
-        for source in args.adapters:
-            # the operator passes spec.lora's ids, which the CRD checked
-            repo, revision = hub_source(source) or (source, None)
+        for source, (repo, revision) in adapters:
             adapter = ensure_model(
                 root, repo, revision or DEFAULT_REVISION, fetch=adapter_from_hub,
                 lock=CacheLock(lock_path(root, repo), timing=timing),
