@@ -133,6 +133,21 @@ def test_a_bad_lora_flag_exits_with_a_message(
         assert message in worker.log()
 
 
+def test_an_adapter_the_engine_refuses_is_the_termination_message(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank above --max-lora-rank is found when the engine loads the adapter: exit 1, and
+    the termination message (what Kubernetes shows as the pod's reason) says to fix the flag."""
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv("PHASEFLEET_TERMINATION_LOG", str(log))
+    flags = ("--lora-modules", f"poet={adapters['poet']}", "--max-lora-rank", "4")  # rank 8
+    with run_worker(tiny_model, *flags, wait_healthy=False) as worker:
+        assert worker.proc.wait(timeout=120) == 1
+    message = log.read_text()
+    assert message.startswith("model ") and "cannot serve its LoRA adapters" in message
+    assert "'poet'" in message and message.rstrip().endswith("fix --lora-modules")
+
+
 @pytest.fixture
 def hub_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """A clean Hugging Face environment ($HF_HOME)."""
