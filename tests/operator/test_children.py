@@ -295,19 +295,40 @@ def test_pool_replicas_follow_spec_without_autoscaling_and_live_within_bounds_wi
     assert pool_replicas(fixed, fixed.decode, live=3, autoscaled=True) == 2
 
 
+def test_the_crds_parser_names_are_the_workers() -> None:
+    from typing import get_args
+
+    from phasefleet.api import contract
+    from phasefleet.api.spec import RuntimeSpec
+
+    fields = RuntimeSpec.model_fields
+    for field, names in (
+        ("tool_call_parser", contract.TOOL_CALL_PARSERS),
+        ("reasoning_parser", contract.REASONING_PARSERS),
+    ):
+        literal = get_args(fields[field].annotation)[0]
+        assert get_args(literal) == names, field
+
+
 def test_worker_args_parse_with_the_worker_cli():
     """The operator's container args are accepted by `phasefleet worker` itself."""
     from phasefleet.cli import build_parser
 
     spec = make_spec(
         model={"image": {"path": "/m"}, "dtype": "bfloat16", "maxModelLen": 2048},
-        runtime={"enablePrefixCaching": False, "blockSize": 32},
+        runtime={
+            "enablePrefixCaching": False,
+            "blockSize": 32,
+            "toolCallParser": "hermes",
+            "reasoningParser": "qwen3",
+        },
     )
     for role, engine_role in ((Role.PREFILL, "prefill"), (Role.DECODE, "decode")):
         dep = worker_deployment(make_owner(), spec, role, replicas=1)
         args = build_parser().parse_args(_pod(dep)["containers"][0]["args"])
         assert args.role == engine_role and args.port == 8000 and args.block_size == 32
         assert args.dtype == "bfloat16" and args.max_model_len == 2048 and args.no_prefix_caching
+        assert args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
     aggregated = make_spec(mode="aggregated", prefill=None, decode=None, worker={})
     dep = worker_deployment(make_owner(), aggregated, Role.WORKER, replicas=1)
     assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"

@@ -64,6 +64,12 @@ POOL_ENGINE_ROLE = {
 }
 
 
+# How a model writes tool calls in free text (--tool-call-parser, spec.runtime.toolCallParser)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# How a reasoning model marks its thought (--reasoning-parser, spec.runtime.reasoningParser)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
 class WorkerFlag:
     """`phasefleet worker` flags the operator sets."""
 
@@ -92,6 +98,8 @@ class WorkerFlag:
     MAX_LORAS = "--max-loras"
     MAX_LORA_RANK = "--max-lora-rank"
     ENABLE_RUNTIME_LORA = "--enable-runtime-lora"
+    TOOL_CALL_PARSER = "--tool-call-parser"
+    REASONING_PARSER = "--reasoning-parser"
 
 
 class FetchModelFlag:

@@ -369,6 +369,23 @@ class RuntimeSpec(ApiModel):
             " 5 min; none is dropped. false: first come, first served."
         ),
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default=None,
+        description=(
+            "How the model writes tool calls in free text, so that chat's tool_choice 'auto' is"
+            " served: hermes (<tool_call> blocks: Hermes, Qwen2.5, Qwen3) or llama3_json"
+            " (Llama 3.1-3.3); unset: 'auto' is a 400 (--tool-call-parser)."
+        ),
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        default=None,
+        description=(
+            "How a reasoning model marks its thought, returned apart as reasoning_content:"
+            " qwen3 (the model writes <think>) or deepseek_r1 (the chat template opens it:"
+            " DeepSeek-R1, QwQ, Qwen3 Thinking-2507); unset: the thought is content"
+            " (--reasoning-parser)."
+        ),
+    )
     kv_lease_seconds: int = Field(
         default=30,
         ge=1,

@@ -131,6 +131,10 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(pool.tensor_parallel_size)]
     if role is Role.DECODE and spec.runtime.adaptive_phase_boundary:
         args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)  # the decode worker's decision
+    if spec.runtime.tool_call_parser is not None:  # every pool alike: one pod template shape
+        args += [WorkerFlag.TOOL_CALL_PARSER, spec.runtime.tool_call_parser]
+    if spec.runtime.reasoning_parser is not None:
+        args += [WorkerFlag.REASONING_PARSER, spec.runtime.reasoning_parser]
     if spec.lora is not None:  # every pool: a hand-off needs the adapter on both sides
         args += [WorkerFlag.LORA_MODULES, *(f"{a.name}={a.source()}" for a in spec.lora.adapters)]
         args += [WorkerFlag.MAX_LORA_RANK, str(spec.lora.max_rank)]

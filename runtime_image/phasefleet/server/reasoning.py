@@ -18,7 +18,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+from phasefleet.api.contract import REASONING_PARSERS  # the worker's --reasoning-parser
+
 START, END = "<think>", "</think>"
 
 

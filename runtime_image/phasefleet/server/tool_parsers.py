@@ -15,9 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from phasefleet.api.contract import TOOL_CALL_PARSERS  # the worker's --tool-call-parser
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # the worker's --tool-call-parser (a light import)
 
 
 @dataclass(frozen=True)
