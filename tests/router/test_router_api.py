@@ -119,6 +119,45 @@ def test_chat_stream_equals_direct(via_router: openai.OpenAI, direct: openai.Ope
     assert routed[0] == ["assistant"]
 
 
+def test_responses_equal_direct_whole_and_streamed(
+    router: Router, via_router: openai.OpenAI, direct: openai.OpenAI
+) -> None:
+    """OpenAI's Responses API through the router: the same answer as from a worker, and a
+    stream the router relays event for event (its first text delta is the first token the
+    router times)."""
+
+    def whole(client: openai.OpenAI) -> Any:
+        return client.responses.create(
+            model="tiny", input=PROMPT, instructions="Be terse.", max_output_tokens=8,
+            temperature=0,
+        )  # fmt: skip
+
+    def streamed(client: openai.OpenAI) -> tuple[list[str], str, Any]:
+        stream = client.responses.create(
+            model="tiny", input=[{"role": "user", "content": PROMPT}], instructions="Be terse.",
+            max_output_tokens=8, temperature=0, stream=True,
+        )  # fmt: skip
+        kinds: list[str] = []
+        text, last = "", None
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            last = event
+        return kinds, text, last
+
+    first = router.counter("phasefleet_time_to_first_token_seconds_count")
+    routed, straight = whole(via_router), whole(direct)
+    assert routed.output_text == straight.output_text and routed.usage == straight.usage
+    assert routed.status == "incomplete" and routed.incomplete_details.reason == "max_output_tokens"
+    kinds, text, last = streamed(via_router)
+    assert (kinds, text) == streamed(direct)[:2]
+    assert text == routed.output_text
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert last.type == "response.incomplete" and last.response.output_text == text
+    assert router.counter("phasefleet_time_to_first_token_seconds_count") == first + 1
+
+
 def test_bad_request_passes_through_unchanged(router: Router, workers: tuple[Worker, ...]) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "top_p": 1.5}
     routed = httpx.post(f"{router.base_url}/v1/completions", json=body)
@@ -294,7 +333,7 @@ def test_openapi_declares_the_workers_request_bodies(
 ) -> None:
     mine = httpx.get(f"{router.base_url}/openapi.json").json()
     theirs = httpx.get(f"{workers[0].base_url}/openapi.json").json()
-    paths = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+    paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
     bodies = [theirs["paths"][path]["post"]["requestBody"] for path in paths]
     assert [mine["paths"][path]["post"].get("requestBody") for path in paths] == bodies
     assert bodies[0]["content"]["application/json"]["schema"] == {

@@ -60,6 +60,19 @@ def test_classify_tells_tokens_from_the_rest() -> None:
     assert classify(b": keep-alive\n\n") is Event.OTHER
 
 
+def test_classify_reads_the_responses_apis_named_events() -> None:
+    def event(kind: str, **fields: object) -> bytes:
+        data = json.dumps({"type": kind, **fields}, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    assert classify(event("response.created", response={})) is Event.OTHER
+    assert classify(event("response.output_text.delta", delta="event: error")) is Event.TOKEN
+    for end in ("completed", "incomplete", "failed"):
+        assert classify(event(f"response.{end}", response={})) is Event.DONE
+    assert classify(event("error", message="boom")) is Event.ERROR
+    assert classify(event("response.output_text.done", text="x")) is Event.OTHER
+
+
 def test_parse_load_reads_the_gauges_and_the_throughput_counters() -> None:
     text = "\n".join(
         [

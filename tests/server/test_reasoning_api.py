@@ -75,3 +75,49 @@ def test_an_answer_a_grammar_shapes_is_all_content(worker: Worker) -> None:
     message = chat.choices[0].message
     assert message.content in ("Paris", "Rome")
     assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> None:
+    """OpenAI's Responses API on the same model: a reasoning item, then the message; the
+    answer ended on its own (status completed); streamed, the same items in the same order."""
+    client = worker.client()
+    whole = client.responses.create(model="tiny", input=MESSAGES[0]["content"], temperature=0)
+    assert whole.status == "completed" and whole.incomplete_details is None
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "\nIt is Paris.\n"  # type: ignore[union-attr,index]
+    assert whole.output_text == "Paris."
+    chat = ask(client)
+    assert whole.usage is not None and chat.usage is not None
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+
+    stream: Any = client.responses.create(
+        model="tiny",
+        input=MESSAGES,  # type: ignore[arg-type]
+        temperature=0,
+        stream=True,
+    )
+    events: list[Any] = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == "Paris." and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == "Paris."
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_what_the_responses_api_does_not_serve_is_a_400_naming_it(
+    worker: Worker, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        worker.client().responses.create(model="tiny", input="hi", **fields)
+    assert bad.value.param == param

@@ -57,11 +57,6 @@ class Served:
         """Sample name (with labels) -> value, e.g. 'phasefleet_kv_cache_usage_perc{...}'."""
         return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=10).text)
 
-
-@dataclass
-class Worker(Served):
-    model: str
-
     def counter(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples whose labels include `labels` (e.g. reason="...")."""
         total = 0.0
@@ -69,6 +64,11 @@ class Worker(Served):
             if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
                 total += value
         return total
+
+
+@dataclass
+class Worker(Served):
+    model: str
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled-by-le sample, by bare name."""

@@ -217,6 +217,13 @@ def build_app(router: Router) -> FastAPI:
         work = router.generate("/v1/completions", body, arrival, authorization(raw))
         return await _unless_client_leaves(raw, work)
 
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        arrival = router.clock()
+        body = await raw.body()
+        work = router.generate("/v1/responses", body, arrival, authorization(raw))
+        return await _unless_client_leaves(raw, work)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         arrival = router.clock()

@@ -64,6 +64,7 @@ from phasefleet.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
+RESPONSES_PATH = "/v1/responses"
 DEFAULT_RETRY_AFTER = 1  # seconds, when a worker's 429 says nothing
 HELD_RETRY_AFTER = 5  # seconds, after a hold that no worker ended (the pool is still waking)
 PASSED_HEADERS = ("content-type", "retry-after")  # kept from a worker's error answer
@@ -115,8 +116,13 @@ class _Relay(StreamingResponse):
             await self.on_close()
 
 
-def error_event(message: str) -> bytes:
+def error_event(message: str, path: str) -> bytes:
+    """The in-band error that ends a stream the worker failed: OpenAI's `error` event on
+    /v1/responses, else an error chunk and [DONE]."""
     err = APIError(500, message, type="internal_server_error", code="worker_failed")
+    if path == RESPONSES_PATH:
+        body = {"type": "error", **err.body()["error"]}
+        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
     return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
 
 
@@ -138,7 +144,7 @@ def request_key(body: bytes) -> RequestKey:
     if not isinstance(payload, dict):
         return RequestKey(None, "")
     model = payload.get("model") if isinstance(payload.get("model"), str) else None
-    prompt = payload.get("messages", payload.get("prompt"))
+    prompt = payload.get("messages", payload.get("prompt", payload.get("input")))
     if not prompt:
         return RequestKey(model, "")
     head = f"{model}\n" if model is not None else ""
@@ -237,8 +243,8 @@ class Router:
     async def generate(
         self, path: str, body: bytes, arrival: float, authorization: dict[str, str] | None = None
     ) -> Response:
-        """POST `path` (/v1/completions or /v1/chat/completions) with the client's raw body and
-        `authorization` header."""
+        """POST `path` (/v1/completions, /v1/chat/completions or /v1/responses) with the
+        client's raw body and `authorization` header."""
         pool = self.generation_pool
         if not pool.candidates(self.clock()):
             held = await self.held.wait(pool.name)
@@ -332,7 +338,7 @@ class Router:
                 if chunks and self.config.policy == "prefix-aware":
                     self.prefix_index.record(chunks, url)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    relay = await self._open_stream(pool, url, resp, arrival)
+                    relay = await self._open_stream(pool, url, resp, arrival, path)
                     handed_off = True
                     return relay
                 content = await resp.aread()
@@ -365,7 +371,7 @@ class Router:
         return answer  # the request's own fault: the client sees the worker's answer
 
     async def _open_stream(
-        self, pool: WorkerPool, url: str, resp: httpx.Response, arrival: float
+        self, pool: WorkerPool, url: str, resp: httpx.Response, arrival: float, path: str
     ) -> Response:
         """Reads up to the first token event (retryable until then), then relays the rest."""
         events = sse_events(resp)
@@ -409,7 +415,7 @@ class Router:
             except httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             logger.warning("worker %s failed mid-stream: %s", url, reason)
-            yield error_event(f"the worker serving this stream failed: {reason}")
+            yield error_event(f"the worker serving this stream failed: {reason}", path)
 
         closed = False
 

@@ -14,7 +14,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from phasefleet.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from phasefleet.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
 from phasefleet.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 REF_PREFIX = "#/components/schemas/"
@@ -29,6 +33,9 @@ def _worker_bodies() -> FastAPI:
 
     @shape.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> None: ...
+
+    @shape.post("/v1/responses")
+    async def responses(req: ResponsesRequest) -> None: ...
 
     @shape.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> None: ...

@@ -27,6 +27,12 @@ POLL_TIMEOUT = 1.0  # seconds for one /health or /metrics poll
 MAX_KEEPALIVE = 256  # idle connections kept open across all workers
 
 _DONE = b"data: [DONE]"
+# The Responses API names each event in an `event:` line and ends without [DONE].
+_RESPONSE_TOKEN = b"event: response.output_text.delta\n"
+_RESPONSE_ENDS = tuple(
+    f"event: response.{end}\n".encode() for end in ("completed", "incomplete", "failed")
+)
+_RESPONSE_ERROR = b"event: error\n"
 _ERROR = b'data: {"error"'
 _NO_CHOICES = b'"choices":[]'  # the usage chunk
 _ROLE = b'"role":"assistant"'  # a chat stream's opening chunk, before any token
@@ -53,6 +59,12 @@ class Event(enum.Enum):
 
 
 def classify(event: bytes) -> Event:
+    if event.startswith(b"event:"):  # the Responses API's
+        if event.startswith(_RESPONSE_TOKEN):
+            return Event.TOKEN
+        if event.startswith(_RESPONSE_ENDS):
+            return Event.DONE
+        return Event.ERROR if event.startswith(_RESPONSE_ERROR) else Event.OTHER
     if event.startswith(_DONE):
         return Event.DONE
     if event.startswith(_ERROR):

@@ -29,8 +29,10 @@ from phasefleet.server.openai_protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
 )
 from phasefleet.server.responses import ClientDisconnected
+from phasefleet.server.responses_api import create_response
 from phasefleet.server.state import WorkerState
 from phasefleet.server.tokenize import tokenizer_routes
 
@@ -109,5 +111,9 @@ def build_app(state: WorkerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(req, raw, state)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(req, raw, state)
 
     return app

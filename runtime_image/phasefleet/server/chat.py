@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -85,9 +86,18 @@ def _usage(prompt: list[int], finals: list[RequestOutput]) -> Usage:
     )
 
 
-async def create_chat_completion(
-    req: ChatCompletionRequest, raw: Request, state: WorkerState
-) -> Response:
+@dataclass
+class StartedChat:
+    """A chat request validated, rendered and handed to the engine."""
+
+    gen: Generation
+    prompt: list[int]  # the rendered prompt's token ids
+    grammar: Grammar | None  # the answer's grammar (structured output, a forced tool call)
+    thinks: str | None  # the reasoning parser that splits the answer (none under a grammar)
+
+
+async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerState) -> StartedChat:
+    """Checks, renders and starts `req` (a 4xx APIError for what cannot be served)."""
     arrival = time.monotonic()
     lora = state.check_model(req.model)
     check_supported(req)
@@ -125,6 +135,14 @@ async def create_chat_completion(
         lora=lora,
     )
     await gen.start()
+    return StartedChat(gen, prompt, grammar, _reasoning_parser(state, grammar))
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw: Request, state: WorkerState
+) -> Response:
+    started = await start_chat(req, raw, state)
+    gen, prompt, grammar, thinks = started.gen, started.prompt, started.grammar, started.thinks
     response_id = f"chatcmpl-{gen.request_id}"
     if req.stream:
         created = int(time.time())
@@ -132,7 +150,6 @@ async def create_chat_completion(
     finals = await collect_or_abort(gen, raw)
     ids = req.return_token_ids
     choices = []
-    thinks = _reasoning_parser(state, grammar)
     for i, out in enumerate(finals):
         message, reason = _message(req, state, thinks, out.text, out.finish_reason)
         content_logprobs = None
@@ -188,7 +205,7 @@ def _message(
     return message, reason
 
 
-class _StreamedChoice:
+class StreamedChoice:
     """One streamed choice: the text given out so far, its thought apart (with a reasoning
     parser), then its content through the tool-call stream."""
 
@@ -240,7 +257,7 @@ async def _chunks(
     )
     finals: list[RequestOutput] = []
     thinks = _reasoning_parser(state, grammar)
-    choices = [_StreamedChoice(req, state.tool_call_parser, thinks) for _ in range(req.n)]
+    choices = [StreamedChoice(req, state.tool_call_parser, thinks) for _ in range(req.n)]
     async for event in gen.events():
         out, i = event.output, event.index
         streamed = choices[i]

@@ -29,6 +29,7 @@ from phasefleet.engine.sampling_params import (
     MIN_TOP_K,
     SEED_MIN,
 )
+from phasefleet.server.errors import bad_request
 from phasefleet.server.logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -389,3 +390,72 @@ class UnloadLoraAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1, max_length=100)
+
+
+# OpenAI's Responses API, for text (server/responses_api.py)
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True  # accepted; nothing is stored
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request this is underneath (a 400 for what this endpoint does not serve)."""
+        if self.previous_response_id is not None:
+            raise bad_request(
+                "responses are not stored here: send the whole conversation as input",
+                "previous_response_id",
+            )
+        if self.tools:
+            raise bad_request("tools are served on /v1/chat/completions", "tools")
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") != "text":
+            raise bad_request(
+                "only text output is served here; structured output is on /v1/chat/completions",
+                "text",
+            )
+        messages: list[dict[str, str]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages += [{"role": m.role, "content": m.text()} for m in self.input]
+        return ChatCompletionRequest.model_validate(
+            {
+                "model": self.model,
+                "messages": messages,
+                "max_completion_tokens": self.max_output_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "stream": self.stream,
+            }
+        )
