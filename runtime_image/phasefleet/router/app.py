@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 # Status code logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 WORKER_QUERY_TIMEOUT = 5.0  # seconds for a worker's /v1/models or tokenizer answer
 
 
@@ -210,26 +211,14 @@ def build_app(router: Router) -> FastAPI:
     app.add_api_route("/tokenize", relay, methods=["POST"])
     app.add_api_route("/detokenize", relay, methods=["POST"])
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
+    async def generation(raw: Request) -> Response:
         arrival = router.clock()
         body = await raw.body()
-        work = router.generate("/v1/completions", body, arrival, authorization(raw))
+        work = router.generate(raw.url.path, body, arrival, authorization(raw))
         return await _unless_client_leaves(raw, work)
 
-    @app.post("/v1/responses")
-    async def responses(raw: Request) -> Response:
-        arrival = router.clock()
-        body = await raw.body()
-        work = router.generate("/v1/responses", body, arrival, authorization(raw))
-        return await _unless_client_leaves(raw, work)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        arrival = router.clock()
-        body = await raw.body()
-        work = router.generate("/v1/chat/completions", body, arrival, authorization(raw))
-        return await _unless_client_leaves(raw, work)
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, generation, methods=["POST"])
 
     publish_worker_bodies(app)
     return app
