@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 300.0  # one worker's load: reads the adapter's weights, maybe from the Hub
 RETRY_S = 30.0  # before a failed load onto a joining worker is tried again
 UNREACHABLE = 0  # WorkerAnswer.status of a worker that could not be reached
+LOAD_PATH = "/v1/load_lora_adapter"  # the workers' endpoints (server/lora_admin.py)
+UNLOAD_PATH = "/v1/unload_lora_adapter"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class WorkerAnswer:
             return str(json.loads(self.body)["error"]["code"])
         except (ValueError, KeyError, TypeError):
             return None
+
+    def has_adapter(self) -> bool:
+        """To a load: the worker has the adapter now (loaded, or it had it already)."""
+        return self.status == 200 or self.code() == LORA_ALREADY_LOADED
 
     def describe(self) -> str:
         if self.status == UNREACHABLE:
@@ -89,11 +95,11 @@ class FleetAdapters:
             return _no_worker()
         payload = body.model_dump_json()
         answers = await asyncio.gather(
-            *(self._post(w.url, "/v1/load_lora_adapter", payload, authorization) for w in workers)
+            *(self._post(w.url, LOAD_PATH, payload, authorization) for w in workers)
         )
         name = body.lora_name
         added = [a for a in answers if a.status == 200]
-        loaded = [a for a in answers if a.status == 200 or a.code() == LORA_ALREADY_LOADED]
+        loaded = [a for a in answers if a.has_adapter()]
         failed = [a for a in answers if a not in loaded]
         if not added:  # loaded nowhere new: each worker's own answer (already loaded, a bad path)
             return _failure([a for a in answers if a.status != 200])
@@ -124,7 +130,7 @@ class FleetAdapters:
             return _no_worker()
         payload = body.model_dump_json()
         answers = await asyncio.gather(
-            *(self._post(w.url, "/v1/unload_lora_adapter", payload, authorization) for w in workers)
+            *(self._post(w.url, UNLOAD_PATH, payload, authorization) for w in workers)
         )
         removed = {a.url for a in answers if a.status == 200}
         absent = {a.url for a in answers if a.status == 404 and a.code() == LORA_NOT_FOUND}
@@ -162,11 +168,10 @@ class FleetAdapters:
         key = (worker.url, body.lora_name)
         try:
             payload = body.model_dump_json()
-            path = "/v1/load_lora_adapter"
-            answer = await self._post(worker.url, path, payload, self.own_authorization)
+            answer = await self._post(worker.url, LOAD_PATH, payload, self.own_authorization)
         finally:
             self._loads.pop(key, None)
-        if answer.status == 200 or answer.code() == LORA_ALREADY_LOADED:
+        if answer.has_adapter():
             self._next_try.pop(key, None)
             worker.adapters = worker.adapters | {body.lora_name}
             logger.info("LoRA adapter %s loaded on %s, which joined", body.lora_name, worker.url)

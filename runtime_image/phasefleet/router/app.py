@@ -28,7 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from phasefleet.router.dispatch import Router
+from phasefleet.router.adapters import LOAD_PATH, UNLOAD_PATH
+from phasefleet.router.dispatch import GENERATION_PATHS, Router
 from phasefleet.router.openapi import publish_worker_bodies
 from phasefleet.router.pool import WorkerPool
 from phasefleet.server.auth import ApiKeyAuth
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 # Status code logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 WORKER_QUERY_TIMEOUT = 5.0  # seconds for a worker's /v1/models or tokenizer answer
 
 
@@ -200,11 +200,11 @@ def build_app(router: Router) -> FastAPI:
         content_type = answer.headers.get("content-type")
         return Response(answer.content, answer.status_code, media_type=content_type)
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post(LOAD_PATH)
     async def load_lora_adapter(body: LoadLoraAdapter, raw: Request) -> Response:
         return await router.adapters.load(body, router.ready_workers(), authorization(raw))
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post(UNLOAD_PATH)
     async def unload_lora_adapter(body: UnloadLoraAdapter, raw: Request) -> Response:
         return await router.adapters.unload(body, router.ready_workers(), authorization(raw))
 

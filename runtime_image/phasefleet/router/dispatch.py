@@ -65,6 +65,7 @@ from phasefleet.server.errors import APIError
 logger = logging.getLogger(__name__)
 
 RESPONSES_PATH = "/v1/responses"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", RESPONSES_PATH)  # generate()'s
 DEFAULT_RETRY_AFTER = 1  # seconds, when a worker's 429 says nothing
 HELD_RETRY_AFTER = 5  # seconds, after a hold that no worker ended (the pool is still waking)
 PASSED_HEADERS = ("content-type", "retry-after")  # kept from a worker's error answer
