@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from phasefleet.api.contract import API_KEY_ENV
+from phasefleet.api.contract import API_KEY_ENV, HEALTH_PATH, LIVENESS_PATH, METRICS_PATH
 from phasefleet.server.errors import APIError
 
 OPEN_PATHS = frozenset(
-    {"/health", "/health/live", "/metrics", "/version", "/openapi.json", "/docs", "/redoc"}
+    {HEALTH_PATH, LIVENESS_PATH, METRICS_PATH, "/version", "/openapi.json", "/docs", "/redoc"}
 )
 OPEN_PREFIXES = ("/internal/",)
 
