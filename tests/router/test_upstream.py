@@ -11,7 +11,14 @@ import pytest
 
 from phasefleet.router.discovery import DnsDiscovery, StaticDiscovery, parse_host_port
 from phasefleet.router.policy import WorkerLoad
-from phasefleet.router.upstream import Event, classify, parse_load, sse_events
+from phasefleet.router.upstream import (
+    Event,
+    classify,
+    error_message,
+    event_data,
+    parse_load,
+    sse_events,
+)
 
 
 def response_of(*parts: bytes) -> httpx.Response:
@@ -71,6 +78,14 @@ def test_classify_reads_the_responses_apis_named_events() -> None:
         assert classify(event(f"response.{end}", response={})) is Event.DONE
     assert classify(event("error", message="boom")) is Event.ERROR
     assert classify(event("response.output_text.done", text="x")) is Event.OTHER
+
+
+def test_an_in_band_errors_message_is_read_from_either_api() -> None:
+    chat = chunk(error={"message": "boom", "code": "request_failed"})
+    named = b'event: error\ndata: {"type":"error","message":"boom","code":"request_failed"}\n\n'
+    assert event_data(named) == b'{"type":"error","message":"boom","code":"request_failed"}'
+    assert error_message(event_data(chat)) == error_message(event_data(named)) == "boom"
+    assert error_message(b"<html>bad gateway") == "<html>bad gateway"
 
 
 def test_parse_load_reads_the_gauges_and_the_throughput_counters() -> None:

@@ -59,7 +59,14 @@ from phasefleet.router.policy import (
     rank_prefill,
 )
 from phasefleet.router.pool import WorkerPool, WorkerState
-from phasefleet.router.upstream import Event, Upstream, classify, error_message, sse_events
+from phasefleet.router.upstream import (
+    Event,
+    Upstream,
+    classify,
+    error_message,
+    event_data,
+    sse_events,
+)
 from phasefleet.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -386,7 +393,7 @@ class Router:
                     raise _Retry("the stream ended before its first token") from None
                 kind = classify(event)
                 if kind is Event.ERROR:
-                    raise _Retry(f"in-band error {error_message(event[len(b'data: ') :])}")
+                    raise _Retry(f"in-band error {error_message(event_data(event))}")
                 head.append(event)
         except BaseException:
             await events.aclose()

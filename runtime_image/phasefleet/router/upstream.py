@@ -93,10 +93,20 @@ async def sse_events(response: httpx.Response) -> AsyncGenerator[bytes, None]:
         raise httpx.RemoteProtocolError("the worker's stream ended inside an event")
 
 
+def event_data(event: bytes) -> bytes:
+    """An event's `data:` payload (after an `event:` line, as the Responses API names them)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[len(b"data:") :].strip()
+    return event.strip()
+
+
 def error_message(content: bytes) -> str:
-    """The message of an OpenAI-shaped error body, else the body's start."""
+    """The message of an OpenAI-shaped error body (`{"error": {"message"}}`, or the Responses
+    API's error event, `{"type": "error", "message"}`), else the body's start."""
     try:
-        return str(json.loads(content)["error"]["message"])
+        body = json.loads(content)
+        return str(body["error"]["message"] if "error" in body else body["message"])
     except (ValueError, KeyError, TypeError):
         return content[:200].decode(errors="replace")
 
