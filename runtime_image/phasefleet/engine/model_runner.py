@@ -362,7 +362,7 @@ class ModelRunner:
         logits, span_logits, settings = self.run_step(step, sampling)
         for (_, _, row, targets), span in zip(spans, span_logits, strict=True):
             counts = [row.params.prompt_logprobs or 0] * len(targets)
-            row.prompt_logprobs.extend(token_logprobs(span, targets, counts))
+            row.prompt_logprobs.extend(token_logprobs(span, targets, counts, ranked=True))
         if logits is None or settings is None:
             return {}
         if sampling.grammar:  # on the host while the device runs the forward

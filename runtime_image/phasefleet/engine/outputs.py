@@ -12,8 +12,9 @@ class TokenLogprob:
     """log-probability of token_id under the raw logits (phasefleet.engine.logprobs)."""
     top: list[tuple[int, float]]
     """The most likely (token id, logprob), best first."""
-    rank: int = 1
-    """1 + the number of tokens more likely than token_id."""
+    rank: int | None = None
+    """1 + the number of tokens more likely than token_id; None: not computed (only prompt
+    logprobs are ranked)."""
 
 
 @dataclass

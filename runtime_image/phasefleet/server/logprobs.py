@@ -65,6 +65,8 @@ def prompt_logprob_dicts(
             result.append(None)
             continue
         entry = entries[k]
+        if entry.rank is None:  # the engine ranks every prompt logprob (model_runner)
+            raise RuntimeError(f"prompt token {k + 1}'s logprob has no rank")
         ranked = {token_id: (entry.logprob, entry.rank)}
         for rank, (other, logprob) in enumerate(entry.top[:num_top], start=1):
             ranked.setdefault(other, (logprob, rank))
