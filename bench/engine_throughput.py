@@ -14,6 +14,8 @@ copy (bytes read plus bytes written, per second).
     .venv/bin/python bench/engine_throughput.py --num-requests 24 --hf-batch-sizes 4,8,16
     .venv/bin/python bench/engine_throughput.py --preset bench-mha --num-requests 24
     .venv/bin/python bench/engine_throughput.py --model smollm2   # the trained SmolLM2-135M
+    .venv/bin/phasefleet make-tiny DIR --arch qwen3_moe --preset bench   # 8 experts, 2 per token
+    .venv/bin/python bench/engine_throughput.py --model DIR
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.models.moe_shape import moe_shape
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.tiny import make_tiny
 
@@ -190,12 +193,18 @@ def copy_bandwidth(nbytes: int, device: torch.device) -> float:
 
 
 def decode_step_bytes(model: Any) -> int:
-    """Weight bytes one decode step reads: every parameter but the embedding table, plus the
-    output projection (the embedding itself when tied: it is read once, as the projection)."""
+    """Weight bytes one decode step of one request reads: every parameter but the embedding
+    table, plus the output projection (the embedding itself when tied: it is read once, as the
+    projection); of a mixture of experts' experts, the k of E its token runs."""
+    shape = moe_shape(model.config)
+    share = 1.0 if shape is None else shape.top_k / shape.experts
     embed = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p is not embed:
+            total += p.numel() * p.element_size() * (share if ".experts." in name else 1.0)
     head = model.get_output_embeddings().weight
-    return total + (head.numel() * head.element_size() if head is embed else 0)
+    return int(total) + (head.numel() * head.element_size() if head is embed else 0)
 
 
 def load_engines(args: argparse.Namespace, config: EngineConfig) -> dict[str, LLMEngine]:

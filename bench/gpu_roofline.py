@@ -21,8 +21,8 @@ import torch
 from gpu_models import decode_weight_bytes, layer_params, llama3_8b_config, random_weights
 from gpu_report import CheckContext, Status
 
-from phasefleet.engine.config import EngineConfig
-from phasefleet.engine.llm_engine import MAX_GRAPH_BATCH, LLMEngine
+from phasefleet.engine.config import MAX_GRAPH_BATCH, EngineConfig
+from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
 
 BATCHES = (1, 8, 64)

@@ -54,6 +54,10 @@ TINY_MODELS: dict[str, dict[str, object]] = {
     "mistral": dict(arch="mistral", seed=3),
     "llama31": dict(arch="llama", seed=4, rope_scaling="llama3"),
     "mistral_sw": dict(arch="mistral", seed=5, sliding_window=12),  # window < prompt lengths
+    # mixture of experts: 8 experts, 2 per token (Qwen2-MoE: a shared expert, one dense layer)
+    "mixtral": dict(arch="mixtral", seed=7),
+    "qwen2_moe": dict(arch="qwen2_moe", seed=8),
+    "qwen3_moe": dict(arch="qwen3_moe", seed=9),  # q/k norms, renormalized top-k
 }
 
 

@@ -55,7 +55,9 @@ def _check(engine: LLMEngine, name: str, hf_greedy: HFGreedy, seed: int) -> None
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
+)
 def test_two_ranks_match_transformers(
     name: str, engines: Callable[[str, int], LLMEngine], hf_greedy: HFGreedy
 ) -> None:

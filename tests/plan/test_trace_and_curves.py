@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,43 @@ def test_a_models_shape_comes_from_its_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no vocab_size"):
         ModelShape.from_config(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("fields", "total", "active"),
+    [
+        (  # Mixtral-8x7B: every layer's 8 experts, 2 per token
+            dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                 vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
+            46.7e9, 12.9e9,
+        ),
+        (  # Qwen3-30B-A3B: 128 experts 768 wide, 8 per token
+            dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                 num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=6144, moe_intermediate_size=768, vocab_size=151936,
+                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[]),
+            30.5e9, 3.3e9,
+        ),
+    ],
+)  # fmt: skip
+def test_a_mixture_of_experts_holds_every_expert_and_computes_with_the_chosen(
+    tmp_path: Path, fields: dict[str, object], total: float, active: float
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    shape = ModelShape.from_config(tmp_path)
+    assert shape.params == pytest.approx(total, rel=0.01)
+    assert shape.active_params == pytest.approx(active, rel=0.02)
+    h200 = roofline(shape, GPUS["h200"])
+    dense = roofline(replace(shape, active_params=None), GPUS["h200"])
+    flops_share = shape.flop_params / shape.params  # a prompt token's FLOPs: the active params
+    assert h200.prefill[1] == pytest.approx(dense.prefill[1] * flops_share)
+    assert h200.decode[0] == dense.decode[0]  # a step reads every weight
+    del fields["num_experts_per_tok"]
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="no num_experts_per_tok"):
+        ModelShape.from_config(tmp_path)
 
 
 def test_the_roofline_scales_with_the_gpu_and_refuses_a_model_too_large() -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
+from phasefleet.engine.models.moe_shape import MOE_MODEL_TYPES, is_moe_layer, moe_shape
 from phasefleet.plan.gpus import Gpu
 
 
@@ -84,6 +86,12 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    active_params: float | None = None  # a mixture of experts': those one token runs through
+
+    @property
+    def flop_params(self) -> float:
+        """The parameters a token's FLOPs scale with (2 FLOPs each)."""
+        return self.params if self.active_params is None else self.active_params
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -91,8 +99,9 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, path: Path) -> ModelShape:
-        """A Llama-style decoder from its Hugging Face config.json (or the folder holding it);
-        ValueError naming a missing field."""
+        """A Llama-style decoder (or a mixture of experts of that shape: Mixtral, Qwen's MoE
+        models) from its Hugging Face config.json (or the folder holding it); ValueError naming
+        a missing field."""
         file = path / "config.json" if path.is_dir() else path
         config = json.loads(file.read_text())
         try:
@@ -105,19 +114,46 @@ class ModelShape:
         head_dim = int(config.get("head_dim") or hidden // heads)
         attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
         embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
-        params = layers * (attention + 3 * hidden * mlp) + embeddings
+        params = active = layers * attention + embeddings
+        moe = _moe(config, file)
+        for layer in range(layers):
+            if moe is None or not is_moe_layer(moe, layer):
+                params, active = params + 3 * hidden * mlp, active + 3 * hidden * mlp
+                continue
+            shape = moe_shape(moe)
+            assert shape is not None
+            router = hidden * shape.experts + (hidden if shape.shared_width else 0)
+            shared = 3 * hidden * shape.shared_width + router
+            params += 3 * hidden * shape.width * shape.experts + shared
+            active += 3 * hidden * shape.width * shape.top_k + shared
         dtype = 4 if str(config.get("torch_dtype", "bfloat16")) == "float32" else 2
         name = str(config.get("_name_or_path") or file.parent.name or "model")
-        return cls(name, float(params), layers, hidden, kv_heads, head_dim, dtype)
+        return cls(
+            name, float(params), layers, hidden, kv_heads, head_dim, dtype,
+            active_params=None if moe is None else float(active),
+        )  # fmt: skip
+
+
+def _moe(config: dict[str, object], file: Path) -> SimpleNamespace | None:
+    """The config as moe_shape reads it, for a mixture-of-experts model; None for a dense one."""
+    if config.get("model_type") not in MOE_MODEL_TYPES:
+        return None
+    namespace = SimpleNamespace(**config)
+    try:
+        moe_shape(namespace)
+    except AttributeError as exc:
+        raise ValueError(f"{file}: no {exc.name} (a mixture-of-experts config needs it)") from None
+    return namespace
 
 
 def roofline(model: ModelShape, gpu: Gpu, eff: Efficiency = Efficiency()) -> Curves:
-    """Prefill is compute-bound (2 x params FLOPs per token plus causal attention); a decode
-    step reads every weight and the batch's KV once (memory-bound), with the batch's FLOPs as a
-    second term that only matters for large batches of short contexts. ValueError when the
-    weights leave no room for KV."""
+    """Prefill is compute-bound (2 x params FLOPs per token plus causal attention; a mixture of
+    experts' active params); a decode step reads every weight and the batch's KV once
+    (memory-bound; pessimistic for a mixture of experts at small batches, which reads only the
+    chosen experts), with the batch's FLOPs as a second term that only matters for large
+    batches of short contexts. ValueError when the weights leave no room for KV."""
     prefill_flops = gpu.bf16_flops * eff.prefill_mfu
-    per_token = 2 * model.params / prefill_flops
+    per_token = 2 * model.flop_params / prefill_flops
     # causal attention: QK^T and PV, 2 x 2 x n^2/2 x hidden FLOPs per layer
     per_token_sq = 2 * model.layers * model.hidden / prefill_flops
     hbm = gpu.hbm_bytes_per_s * eff.decode_hbm_efficiency
@@ -130,7 +166,7 @@ def roofline(model: ModelShape, gpu: Gpu, eff: Efficiency = Efficiency()) -> Cur
         )
     # step = overhead + weights / hbm + kv bytes / hbm + 2 x params FLOPs per sequence at
     # decode_mfu: the terms are added, not overlapped (pessimistic for large batches)
-    per_seq = 2 * model.params / (gpu.bf16_flops * eff.decode_mfu)
+    per_seq = 2 * model.flop_params / (gpu.bf16_flops * eff.decode_mfu)
     kv = model.kv_bytes_per_token
     return Curves(
         name=f"{model.name} on {gpu.name} (roofline)",

@@ -8,6 +8,7 @@ from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
+MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
 
 
 @dataclass

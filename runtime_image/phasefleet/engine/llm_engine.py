@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.engine.block_pool import hash_block
-from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.config import MAX_GRAPH_BATCH, EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
 from phasefleet.engine.grammar import GrammarCompiler, GrammarMatcher
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -39,7 +39,6 @@ from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
-MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from phasefleet.engine.models.moe import SparseMoeBlock
+
 # fused linear -> the checkpoint projections whose outputs it concatenates, in order
 ADAPTED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -224,8 +226,11 @@ class LoraSet:
         weight = next(model.parameters())
         self.step = LoraStep(max_tokens, weight.device, weight.dtype)
         self.linears: dict[tuple[int, str], LoraLinear] = {}
+        self.num_layers = len(model.model.layers)  # type: ignore[union-attr,arg-type]
         for index, layer in enumerate(model.model.layers):  # type: ignore[union-attr,arg-type]
             for holder in (layer.self_attn, layer.mlp):
+                if isinstance(holder, SparseMoeBlock):
+                    continue  # experts are not adapted: an adapter's MLP parts there are refused
                 for fused, (in_features, sizes) in _shapes(model.config, holder).items():
                     wrapped = LoraLinear(
                         getattr(holder, fused), in_features, sizes, max_loras, max_rank,
@@ -255,8 +260,13 @@ class LoraSet:
         for (layer, part), (a, b) in adapter.weights.items():
             fused, index = PART_OF[part]
             linear = self.linears.get((layer, fused))
-            if linear is None:
+            if linear is None and layer >= self.num_layers:
                 raise LoraError(f"LoRA adapter {adapter.name!r}: the model has no layer {layer}")
+            if linear is None:
+                raise LoraError(
+                    f"LoRA adapter {adapter.name!r}: layer {layer} has experts, not one {part} "
+                    "(mixture-of-experts layers take adapters on attention only)"
+                )
             want = (linear.part_sizes[index], linear.lora_a.shape[1])
             if (b.shape[0], a.shape[1]) != want:
                 raise LoraError(

@@ -27,14 +27,16 @@ from phasefleet.engine.attention.metadata import (
     mask_to_bias,
 )
 from phasefleet.engine.block_table import BlockTables
+from phasefleet.engine.config import MAX_GRAPH_BATCH
 from phasefleet.engine.cuda_graphs import DecodeGraphs
 from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.lora import LoraSet
 from phasefleet.engine.models.cpu_linear import choose_cpu_linear
-from phasefleet.engine.models.llama import KVCache, head_dim
+from phasefleet.engine.models.llama import SLIDING_WINDOW_MODEL_TYPES, KVCache, head_dim
 from phasefleet.engine.models.loader import load_model
+from phasefleet.engine.models.moe_shape import activation_width
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, RankSet, RankSpec, free_address
 from phasefleet.engine.parallel.shard import Shard, unsupported
@@ -169,7 +171,7 @@ class ModelRunner:
         self.head_dim = head_dim(hf_config)
         window = getattr(hf_config, "sliding_window", None)
         self.sliding_window: int | None = (
-            window if hf_config.model_type == "mistral" and window else None
+            window if hf_config.model_type in SLIDING_WINDOW_MODEL_TYPES and window else None
         )
         self.kv_caches: KVCache = []
         self.rank_caches: list[KVCache] = []  # every rank's pool, by rank (rank 0: all of them)
@@ -244,9 +246,10 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         size = self.tp.size if self.tp is not None else 1
         qkv = (self.model.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_token = (4 * c.hidden_size + qkv + 3 * c.intermediate_size // size) * elem
+        per_token = (4 * c.hidden_size + qkv + activation_width(c) // size) * elem
         logits = 4 * max_num_seqs * self.vocab_size * 4
-        graphs = min(max_num_seqs, 256) * per_token
+        graph_token = per_token + activation_width(c, every_expert=True) // size * elem
+        graphs = min(max_num_seqs, MAX_GRAPH_BATCH) * graph_token
         return 2 * (max_num_batched_tokens * per_token + logits + graphs)
 
     def allocate_kv(self, num_blocks: int) -> None:

@@ -13,7 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Mixture-of-experts sizes, any preset: experts per layer, experts each token runs
+MOE_SIZES: dict[str, int] = dict(num_experts=8, num_experts_per_tok=2)
 
 # name -> sizes; "tiny" is for tests, the "bench" ones (~100-150M parameters) for the CPU
 # benchmark (`bench/engine_throughput.py --preset`).
@@ -102,6 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-position-embeddings", type=int, help="longest sequence, tokens")
     parser.add_argument("--init-std", type=float, help="std of the random weights")
     parser.add_argument("--sliding-window", type=int, help="Mistral sliding window, tokens")
+    parser.add_argument("--num-experts", type=int, help="experts per layer (MoE arches)")
+    parser.add_argument("--num-experts-per-tok", type=int, help="experts per token (MoE arches)")
     parser.add_argument(
         "--rope-scaling", choices=["none", "llama3"], default="none", help="RoPE scaling kind"
     )
@@ -121,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         "max_position_embeddings",
         "init_std",
         "sliding_window",
+        *MOE_SIZES,
     ]
     sizes = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     path = make_tiny(
@@ -150,10 +156,10 @@ def make_tiny(
         raise ValueError(f"arch must be one of {', '.join(ARCHES)}, got {arch!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-    unknown = set(sizes) - set(PRESETS[preset]) - {"sliding_window"}
+    unknown = set(sizes) - set(PRESETS[preset]) - {"sliding_window", *MOE_SIZES}
     if unknown:
         raise ValueError(f"unknown size argument(s): {', '.join(sorted(unknown))}")
-    s = {**PRESETS[preset], **sizes}
+    s = {**PRESETS[preset], **(MOE_SIZES if arch in MOE_ARCHES else {}), **sizes}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _write_tokenizer(out, s["vocab_size"])
@@ -193,6 +199,29 @@ def _write_tokenizer(out: Path, vocab_size: int) -> Any:
     return fast
 
 
+def _moe_config(arch: str, s: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of a mixture-of-experts `arch`; {} for a dense one. Mixtral's experts
+    are intermediate_size wide; Qwen's half of it, with Qwen2-MoE's shared expert and one dense
+    layer (the last, through mlp_only_layers) as intermediate_size."""
+    if arch == "mixtral":
+        return dict(
+            num_local_experts=s["num_experts"], num_experts_per_tok=s["num_experts_per_tok"]
+        )
+    if arch not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    out = dict(
+        num_experts=s["num_experts"],
+        num_experts_per_tok=s["num_experts_per_tok"],
+        moe_intermediate_size=s["intermediate_size"] // 2,
+        norm_topk_prob=arch == "qwen3_moe",  # as Qwen3-30B-A3B; Qwen1.5-MoE does not
+        decoder_sparse_step=1,
+        mlp_only_layers=[s["num_layers"] - 1] if arch == "qwen2_moe" else [],
+    )
+    if arch == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = s["intermediate_size"]
+    return out
+
+
 def _write_model(
     out: Path,
     arch: str,
@@ -221,10 +250,11 @@ def _write_model(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=arch in ("qwen2", "qwen3"),
     )
-    if arch == "qwen3":  # as Qwen3-0.6B: heads twice as wide as hidden_size / num_heads
+    if arch in ("qwen3", "qwen3_moe"):  # as Qwen3-0.6B: heads twice hidden_size / num_heads
         kwargs["head_dim"] = 2 * s["hidden_size"] // s["num_heads"]
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = s.get("sliding_window")
+    kwargs.update(_moe_config(arch, s))
     if rope_scaling == "llama3":
         kwargs["rope_scaling"] = {
             "rope_type": "llama3",

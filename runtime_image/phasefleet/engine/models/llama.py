@@ -1,5 +1,6 @@
 """The Llama-family decoder in torch: Llama, Qwen2 (qkv bias, tied embeddings), Qwen3 (an
-RMSNorm on each query and key head before RoPE, a head size of its own) and Mistral.
+RMSNorm on each query and key head before RoPE, a head size of its own), Mistral, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (their MLPs in moe.py).
 
 Parameter names match the Hugging Face checkpoints, so a safetensors state dict loads as is.
 Activations are flat over the batch: [T, hidden] for T tokens of all scheduled requests.
@@ -19,17 +20,19 @@ from torch import nn
 from phasefleet.engine.attention.metadata import AttentionMetadata
 from phasefleet.engine.attention.torch_paged import paged_attention
 from phasefleet.engine.models.cpu_linear import pack_linears
-from phasefleet.engine.models.meta import cat_rows, meta_linear
+from phasefleet.engine.models.fused import FUSED_PARTS, MLP, fuse_linears
+from phasefleet.engine.models.meta import meta_linear
+from phasefleet.engine.models.moe import SparseMoeBlock
+from phasefleet.engine.models.moe_shape import MOE_MODEL_TYPES, is_moe_layer
 from phasefleet.engine.models.rope import apply_rope
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.shard import Shard
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-QK_NORM_MODEL_TYPES = ("qwen3",)  # q_norm and k_norm over each head
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # q_norm and k_norm over each head
+SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral")  # config.sliding_window on every layer
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
-# fused projection -> the checkpoint's projections whose outputs it concatenates, in order
-FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def head_dim(config: Any) -> int:
@@ -38,14 +41,15 @@ def head_dim(config: Any) -> int:
     )
 
 
-def _fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """A Linear whose output is the concatenation of the parts' outputs."""
-    weight = cat_rows([p.weight for p in parts])
-    fused = meta_linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if parts[0].bias is not None:
-        fused.bias = nn.Parameter(cat_rows([p.bias for p in parts]), requires_grad=False)
-    return fused
+def attention_biases(config: Any) -> tuple[bool, bool]:
+    """(q/k/v have biases, o_proj has one): Qwen2's are on q/k/v only (Qwen2-MoE's config says
+    so in qkv_bias); Llama-style configs set both at once with attention_bias."""
+    both = bool(getattr(config, "attention_bias", False))
+    if config.model_type == "qwen2":
+        return True, False
+    if config.model_type == "qwen2_moe":
+        return bool(getattr(config, "qkv_bias", True)), False
+    return both, both
 
 
 class RMSNorm(nn.Module):
@@ -72,8 +76,7 @@ class Attention(nn.Module):
         self.num_kv_heads = len(shard.kv_heads(config))
         self.head_dim = head_dim(config)
         self.scale = self.head_dim**-0.5
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = attention_biases(config)
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -88,7 +91,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer kernel launches per layer)."""
-        self.qkv_proj = _fuse_linears([getattr(self, p) for p in FUSED_PARTS["qkv_proj"]])
+        self.qkv_proj = fuse_linears([getattr(self, p) for p in FUSED_PARTS["qkv_proj"]])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -114,35 +117,17 @@ class Attention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None) -> None:
-        super().__init__()
-        self.tp = tp
-        bias = bool(getattr(config, "mlp_bias", False))
-        hidden = config.hidden_size
-        inter = len((tp.shard if tp is not None else Shard(0, 1)).mlp(config))
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)  # row-parallel
-        self.gate_up_proj: nn.Linear | None = None  # set by fuse(), after loading
-
-    def fuse(self) -> None:
-        self.gate_up_proj = _fuse_linears([getattr(self, p) for p in FUSED_PARTS["gate_up_proj"]])
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            raise RuntimeError("MLP runs fused: call fuse() once the weights are loaded")
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
-        return out if self.tp is None else self.tp.all_reduce(out)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, tp)
-        self.mlp = MLP(config, tp)
+        self.mlp: MLP | SparseMoeBlock
+        if is_moe_layer(config, index):
+            self.mlp = SparseMoeBlock(config, tp)
+        else:
+            width = int(config.intermediate_size)
+            local = width if tp is None else len(tp.shard.split(width))
+            self.mlp = MLP(config.hidden_size, local, bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -164,7 +149,7 @@ class DecoderModel(nn.Module):
         rows = tp.shard.vocab_rows(config) if tp is not None else config.vocab_size
         self.embed_tokens = nn.Embedding(rows, config.hidden_size)  # vocabulary-parallel
         self.layers = nn.ModuleList(
-            DecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -2,13 +2,15 @@
 
 Each checkpoint tensor is read once and copied straight into its place: the fused q/k/v and
 gate/up weights are allocated on the device in the model's dtype and filled slice by slice, the
-others are moved (and cast) one at a time. The host never holds more than one tensor of the
-checkpoint, and nothing is concatenated or cast after loading. A tensor-parallel rank reads the
-same files and keeps its own slice of each tensor (parallel/shard.py).
+others are moved (and cast) one at a time; a mixture-of-experts layer's experts go into its
+stacked weights, expert by expert. The host never holds more than one tensor of the checkpoint,
+and nothing is concatenated or cast after loading. A tensor-parallel rank reads the same files
+and keeps its own slice of each tensor (parallel/shard.py).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,22 +19,27 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from phasefleet.engine.models.llama import FUSED_PARTS, CausalLM, head_dim
+from phasefleet.engine.models.fused import FUSED_PARTS
+from phasefleet.engine.models.llama import CausalLM, head_dim
 from phasefleet.engine.models.meta import no_init
+from phasefleet.engine.models.moe import checkpoint_name
 from phasefleet.engine.models.rope import rope_tables
 from phasefleet.engine.parallel.group import TPGroup
 
 IGNORED = ("rotary_emb.inv_freq",)  # old checkpoints store the rope frequencies
+# ...layers.3.mlp.experts.7.gate_proj.weight: one expert's projection
+_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
 class Place:
     """Where a checkpoint tensor goes: rows [start, start + shape[0]) of a fused parameter, or
-    a whole parameter (start None)."""
+    a whole parameter (start None); of its `expert`th matrix when the parameter stacks experts."""
 
     target: str
     shape: torch.Size
     start: int | None = None
+    expert: int | None = None
 
 
 def read_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,6 +54,15 @@ def places(unfused: dict[str, torch.Size]) -> dict[str, Place]:
     """Checkpoint name -> its Place in the fused model, from the unfused model's shapes."""
     out: dict[str, Place] = {}
     for name, shape in unfused.items():
+        expert = _EXPERT.match(name)
+        if expert is not None:  # moe.SparseMoeBlock stacks them: gate and up, then down
+            block, index, projection = expert[1], int(expert[2]), expert[3]
+            if projection == "down_proj":
+                out[name] = Place(f"{block}.experts_down", shape, None, index)
+            else:
+                start = 0 if projection == "gate_proj" else shape[0]
+                out[name] = Place(f"{block}.experts_gate_up", shape, start, index)
+            continue
         module_name, _, param = name.rpartition(".")  # model.layers.0.self_attn.q_proj, weight
         parent, _, module = module_name.rpartition(".")
         for fused, parts in FUSED_PARTS.items():
@@ -86,30 +102,35 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     unexpected: list[str] = []
-    for name, tensor in read_checkpoint(folder):
+    for stored, tensor in read_checkpoint(folder):
+        name = checkpoint_name(stored)
         place = where.get(name)
         if place is None:
             if not name.endswith(IGNORED) and not (
                 model.tie_word_embeddings and name == "lm_head.weight"
             ):
-                unexpected.append(name)
+                unexpected.append(stored)
             continue
         if tensor.shape != whole[name]:
             raise ValueError(
-                f"weights in {folder} do not match {config.model_type}: {name} has shape "
+                f"weights in {folder} do not match {config.model_type}: {stored} has shape "
                 f"{tuple(tensor.shape)}, the config makes it {tuple(whole[name])}"
             )
         if tp is not None:
             tensor = tp.shard.take(name, tensor, config, dim)
-        if place.start is None:
+        if place.start is None and place.expert is None:
             state[place.target] = _to(tensor, device, dtype)
         else:
             if place.target not in state:
                 state[place.target] = torch.empty(
                     fused_shapes[place.target], dtype=dtype, device=device
                 )
-            rows = slice(place.start, place.start + tensor.shape[0])
-            state[place.target][rows].copy_(tensor.to(device))
+            into = state[place.target]
+            if place.expert is not None:
+                into = into[place.expert]
+            if place.start is not None:
+                into = into[place.start : place.start + tensor.shape[0]]
+            into.copy_(tensor.to(device))
         seen.add(name)
     missing = sorted(set(where) - seen)
     if missing or unexpected:

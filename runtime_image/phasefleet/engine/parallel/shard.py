@@ -1,7 +1,8 @@
 """Shard: which slice of each weight, head and vocabulary row one tensor-parallel rank holds.
 
 Megatron's split of a Llama-family decoder over `size` ranks:
-- column-parallel (output rows split): q/k/v by heads, gate/up by the MLP's width; each rank
+- column-parallel (output rows split): q/k/v by heads, gate/up by the MLP's width (each
+  expert's of a mixture-of-experts model, whose router every rank holds whole); each rank
   computes its heads and its part of the MLP with no communication;
 - row-parallel (input columns split): o_proj and down_proj; each rank's partial sums are added
   by one all-reduce, after which every rank holds the whole residual stream;
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from phasefleet.engine.models.moe_shape import mlp_widths
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -40,11 +43,9 @@ def unsupported(config: Any, size: int) -> str | None:
             f"tensor_parallel_size {size} must divide the model's {kv} KV heads or be a "
             f"multiple of them"
         )
-    if int(config.intermediate_size) % size:
-        return (
-            f"tensor_parallel_size {size} must divide the model's MLP width "
-            f"{config.intermediate_size}"
-        )
+    for field, width in mlp_widths(config).items():
+        if width % size:
+            return f"tensor_parallel_size {size} must divide the model's {field} {width}"
     return None
 
 
@@ -73,9 +74,13 @@ class Shard:
         first = self.kv_shard(config) * per
         return range(first, first + per)
 
-    def mlp(self, config: Any) -> range:
-        per = int(config.intermediate_size) // self.size
+    def split(self, width: int) -> range:
+        """This rank's part of an MLP `width` wide (a dense MLP, an expert, a shared expert)."""
+        per = width // self.size
         return range(self.rank * per, (self.rank + 1) * per)
+
+    def mlp(self, config: Any) -> range:
+        return self.split(int(config.intermediate_size))
 
     def vocab_rows(self, config: Any) -> int:
         """Rows of the embedding (and the output projection) on each rank, padding included."""
@@ -102,8 +107,8 @@ class Shard:
                 units, width = self.heads(config), head_dim
             elif kind in ("k_proj", "v_proj"):
                 units, width = self.kv_heads(config), head_dim
-            else:
-                units, width = self.mlp(config), 1
+            else:  # a dense MLP's or an expert's gate/up: their own rows say how wide
+                units, width = self.split(int(tensor.shape[0])), 1
             return tensor[units.start * width : units.stop * width]
         if kind in ROW:
             if param == "bias":  # added once, after the all-reduce: rank 0 carries it
