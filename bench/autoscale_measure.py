@@ -78,9 +78,9 @@ def time_decode(
     params = SamplingParams(max_tokens=DECODE_STEPS + 4, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"d{i}-{rng.random()}", prompt(context, rng, vocab), params)
-    started = 0
-    while started < batch:  # prefill steps (each request's first token)
-        started += sum(1 for o in eng.step() if len(o.output_token_ids) == 1)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill steps (each request's first token)
+        started.update(o.request_id for o in eng.step() if o.new_token_ids)
     walls, cpus = [], []
     for _ in range(DECODE_STEPS):
         clock = Clock()

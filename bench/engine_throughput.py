@@ -157,11 +157,15 @@ def _label(batch: int, sort: bool) -> str:
 def engine_decode_rate(eng: LLMEngine, prompt: list[int], n: int) -> float:
     eng.add_request("single", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     first = last = 0.0
+    produced = 0  # outputs before the last carry only their step's tokens (new_token_ids)
     while eng.has_unfinished_requests():
         for o in eng.step():
-            if len(o.output_token_ids) == 1:
+            if produced == 0 and o.new_token_ids:
                 first = clock()
+            produced += len(o.new_token_ids)
             last = clock()
+    if produced != n:
+        raise RuntimeError(f"the engine wrote {produced} tokens, {n} were asked for")
     return (n - 1) / (last - first)
 
 

@@ -7,15 +7,16 @@ them by two stacked weights, gate/up [E, 2w, hidden] and down [E, hidden, w], wh
 fills expert by expert. Under tensor parallelism every rank holds every expert's slice of the
 width w (as the dense MLP's split) and the router whole; one all-reduce follows the sum.
 
-Three ways to run the chosen experts, by how many tokens a step brings (`choose_path`):
-- "gathered": few tokens (tokens x k <= E, a small decode batch): the chosen experts' weights are
-  gathered per token and run as one batched matmul; no host sync, and only the chosen experts
-  are read.
-- "every": on CUDA, up to MAX_GRAPH_BATCH tokens: every expert runs on every token, the unchosen
-  ones weighted 0; no host sync, so CUDA graphs capture it (a decode batch reads nearly every
-  expert anyway once tokens x k passes E).
-- "sorted": the rest (prefill): token slots sorted by expert and each expert run on its own
-  rows; one host sync for the rows per expert, and no wasted FLOPs.
+Three ways to run the chosen experts (`choose_path`); the first two have no host sync, so CUDA
+graphs capture them:
+- "gathered": on CUDA, few tokens (tokens x k <= E, a small decode batch): the chosen experts'
+  weights are gathered per token (a copy) and run as one batched matmul; only the chosen
+  experts are read.
+- "every": on CUDA, up to MAX_GRAPH_BATCH tokens: every expert runs on every token, the
+  unchosen ones weighted 0 (a decode batch reads nearly every expert anyway once tokens x k
+  passes E).
+- "sorted": prefill on CUDA, and every step on the CPU: token slots sorted by expert and each
+  expert run on its own rows; one host sync for the rows per expert, no copies, no wasted FLOPs.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def checkpoint_name(name: str) -> str:
 
 def choose_path(tokens: int, shape: MoeShape, on_cuda: bool) -> str:
     """How a step of `tokens` tokens runs its experts (see the module's docstring)."""
+    if not on_cuda:  # a host sync is free and there are no graphs: no copies, no waste
+        return "sorted"
     if tokens * shape.top_k <= shape.experts:
         return "gathered"
-    if on_cuda and tokens <= MAX_GRAPH_BATCH:
+    if tokens <= MAX_GRAPH_BATCH:
         return "every"
     return "sorted"
 
