@@ -83,22 +83,34 @@ def kv_layout_8b(ctx: CheckContext) -> Path:
     )
 
 
+def _shape_folder(ctx: CheckContext, name: str) -> tuple[Path, dict[str, Any]] | None:
+    """A folder for a model's shape alone: the tiny model's tokenizer and an empty
+    model.safetensors (load it inside `random_weights`), and the tokenizer's special token ids
+    for its config; None when it is already made."""
+    folder = ctx.work / name
+    if (folder / "config.json").is_file():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    source = tiny(ctx)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / file).is_file():
+            shutil.copy(source / file, folder / file)
+    (folder / "model.safetensors").write_bytes(b"")  # never read: random_weights replaces it
+    tok = json.loads((source / "config.json").read_text())
+    return folder, dict(bos_token_id=tok.get("bos_token_id"), eos_token_id=tok.get("eos_token_id"))
+
+
 def llama3_8b_config(ctx: CheckContext) -> Path:
     """A folder the engine loads as Llama 3 8B (config.json, the tiny model's tokenizer, an
     empty model.safetensors): load it inside `random_weights`. Two small layers with --quick."""
     from transformers import LlamaConfig
 
-    folder = ctx.work / ("llama3-8b-shape" if not ctx.quick else "llama3-8b-quick")
-    if (folder / "config.json").is_file():
-        return folder
+    name = "llama3-8b-shape" if not ctx.quick else "llama3-8b-quick"
+    made = _shape_folder(ctx, name)
+    if made is None:
+        return ctx.work / name
+    folder, tokens = made
     s = QUICK_8B if ctx.quick else LLAMA3_8B
-    folder.mkdir(parents=True, exist_ok=True)
-    source = tiny(ctx)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, folder / name)
-    (folder / "model.safetensors").write_bytes(b"")  # never read: random_weights replaces it
-    tok = json.loads((source / "config.json").read_text())
     LlamaConfig(
         hidden_size=s["hidden_size"],
         num_hidden_layers=s["num_layers"],
@@ -109,10 +121,48 @@ def llama3_8b_config(ctx: CheckContext) -> Path:
         max_position_embeddings=8192,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
-        bos_token_id=tok.get("bos_token_id"),
-        eos_token_id=tok.get("eos_token_id"),
         tie_word_embeddings=False,
         dtype="bfloat16",
+        **tokens,
+    ).save_pretrained(folder)
+    return folder
+
+
+# Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads / 4 KV heads of 128, 128 experts 768 wide,
+# 8 per token (renormalized), vocab 151936; --quick: two small layers, 8 experts, 2 per token
+QWEN3_30B_A3B = dict(
+    hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, vocab_size=151936,
+)  # fmt: skip
+QUICK_MOE = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=32, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+    num_experts_per_tok=2, vocab_size=512,
+)  # fmt: skip
+
+
+def qwen3_moe_config(ctx: CheckContext) -> Path:
+    """A folder the engine loads as Qwen3-30B-A3B (as llama3_8b_config: load it inside
+    `random_weights`); two small layers with --quick."""
+    from transformers import Qwen3MoeConfig
+
+    name = "qwen3-30b-a3b-shape" if not ctx.quick else "qwen3-moe-quick"
+    made = _shape_folder(ctx, name)
+    if made is None:
+        return ctx.work / name
+    folder, tokens = made
+    Qwen3MoeConfig(
+        **(QUICK_MOE if ctx.quick else QWEN3_30B_A3B),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=8192,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        **tokens,
     ).save_pretrained(folder)
     return folder
 

@@ -85,6 +85,12 @@ CHECKS = [
         240,
         "Llama-3-8B shape, bf16: a decode step with 4 rank-16 LoRA slots vs none",
     ),
+    Check(
+        "moe_30b",
+        "gpu_moe:moe_30b",
+        240,
+        "Qwen3-30B-A3B shape, bf16: decode vs the roofline of the experts read; prefill FLOP/s",
+    ),
     Check("engine_tests", "pytest", 360, "pytest tests/engine with the engine on the device"),
     Check("model_tests", "pytest", 360, "pytest tests/models: SmolLM2 served on the device"),
 ]

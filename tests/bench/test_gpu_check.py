@@ -40,13 +40,18 @@ def test_quick_cpu_run_gives_every_check_a_status(tmp_path: Path) -> None:
     # what a CPU can check, it checks; what is about CUDA says so
     assert statuses["greedy_bf16_tiny"] == statuses["engine_tests"] == "ok"
     cuda_only = ("triton_kernel", "cuda_graphs", "sdpa_prefill", "roofline_8b", "kv_handoff")
-    for name in (*cuda_only, "lora_8b"):
+    for name in (*cuda_only, "lora_8b", "moe_30b"):
         assert statuses[name] == "n/a", name
         assert checks[name]["summary"] and checks[name]["data"], name
     assert checks["roofline_8b"]["data"]["kv_after_load"]["free_blocks"] > 0
     assert checks["kv_handoff"]["data"]["decode_worker"]["failures"] == 0
     assert checks["engine_tests"]["data"]["passed"] == 2
     assert checks["lora_8b"]["data"]["decode"][0]["one_adapter_ms"] > 0
+    moe = checks["moe_30b"]["data"]
+    assert [r["path"] for r in moe["decode"]] == ["sorted"] * 3  # the CPU's path
+    one, many = moe["decode"][0], moe["decode"][2]  # B = 1 and 64 over 8 experts, 2 per token
+    assert one["experts_read"] == pytest.approx(2) and 7.9 < many["experts_read"] <= 8
+    assert moe["active_params"] == moe["outside_params"] + 2 * 2 * moe["expert_params"]
 
 
 def test_a_run_where_every_check_breaks_still_reports_each(tmp_path: Path) -> None:
