@@ -54,6 +54,7 @@ TINY_MODELS: dict[str, dict[str, object]] = {
     "mistral": dict(arch="mistral", seed=3),
     "llama31": dict(arch="llama", seed=4, rope_scaling="llama3"),
     "mistral_sw": dict(arch="mistral", seed=5, sliding_window=12),  # window < prompt lengths
+    "phi3": dict(arch="phi3", seed=10),  # fused qkv / gate_up in the checkpoint, 3/4 rotary
     # mixture of experts: 8 experts, 2 per token (Qwen2-MoE: a shared expert, one dense layer)
     "mixtral": dict(arch="mixtral", seed=7),
     "qwen2_moe": dict(arch="qwen2_moe", seed=8),

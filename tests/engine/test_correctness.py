@@ -138,3 +138,41 @@ def test_decodes_are_grouped_by_context_length() -> None:
     tables.host[rows[4], 3] = 7
     assert _groups(ctx, rows, tables, 4)[3].first_block is None
     assert np.array_equal(tables.host[rows[0], :3], [1, 2, 3])
+
+
+def test_longrope_is_served_up_to_its_original_length(tmp_path: Path) -> None:
+    """Phi-3's LongRoPE (128k models) turns to its long factors past
+    original_max_position_embeddings, for every position; the engine's tables hold the short
+    ones, so it serves up to that length (the default) and refuses a longer max_model_len.
+    Within it, greedy equals transformers'."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from phasefleet.engine.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "phi3-longrope", arch="phi3", seed=11)
+    config = json.loads((folder / "config.json").read_text())
+    half = int(config["hidden_size"] // config["num_attention_heads"] * 0.75) // 2
+    config["original_max_position_embeddings"] = 64
+    config["rope_scaling"] = {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.5 * i for i in range(half)],
+        "long_factor": [4.0 + i for i in range(half)],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    eng = engine(folder)
+    assert eng.max_model_len == 64
+    with pytest.raises(
+        ValueError, match="max_model_len must be <= 64 for this model: its LongRoPE"
+    ):
+        engine(folder, max_model_len=128)
+    (prompt,) = random_prompts([30], seed=4)
+    (out,) = eng.generate([prompt], GREEDY)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out.output_token_ids == ids[len(prompt) :]

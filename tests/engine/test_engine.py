@@ -375,3 +375,24 @@ def test_a_request_whose_setup_fails_is_not_queued(
     assert eng.step() == []
     eng.add_request("s", [1, 2, 3], greedy(2))  # the id is free again
     assert [o.finish_reason for o in eng.step() + eng.step()][-1] == "length"
+
+
+def test_generation_config_names_more_end_tokens(
+    eng: LLMEngine, tiny_model: ModelPath, tmp_path: Path
+) -> None:
+    """A chat model's end-of-turn token lives in generation_config.json's eos_token_id: the
+    engine stops there too; a broken file is refused naming it."""
+    import json
+    import shutil
+
+    prompt = random_prompts([12], seed=8)[0]
+    (full,) = eng.generate([prompt], greedy(20, ignore_eos=True))
+    end = full.output_token_ids[4]
+    folder = Path(shutil.copytree(tiny_model("llama"), tmp_path / "chat"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, 1]}))
+    (stopped,) = LLMEngine(engine_config(folder)).generate([prompt], greedy(20))
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_token_ids == full.output_token_ids[: full.output_token_ids.index(end) + 1]
+    (folder / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
+        LLMEngine(engine_config(folder))

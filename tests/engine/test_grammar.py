@@ -84,7 +84,7 @@ def reference(tiny_model: Callable[[str], Path]) -> Reference:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eng = LLMEngine(engine_config(folder, num_kv_blocks=8))  # for its tokenizer and eos ids
     vocab = int(eng.hf_config.vocab_size)
-    eos = eos_token_ids(eng.hf_config, eng.tokenizer)
+    eos = eos_token_ids(folder, eng.hf_config, eng.tokenizer)
     ll_tokenizer = llguidance.hf.from_tokenizer(eng.tokenizer, n_vocab=vocab, eos_token=sorted(eos))
 
     def run(prompt: list[int], grammar: Grammar) -> list[int]:

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from phasefleet.engine.lora import LoraError
 from phasefleet.engine.models import moe, moe_shape
+from phasefleet.engine.models.checkpoint import checkpoint_name
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.parallel.shard import Shard, unsupported
 from phasefleet.engine.sampling_params import SamplingParams
@@ -60,20 +61,20 @@ def test_the_path_follows_the_step_size() -> None:
 
 def test_mixtral_names_become_ours() -> None:
     assert (
-        moe.checkpoint_name("model.layers.3.block_sparse_moe.experts.11.w1.weight")
+        checkpoint_name("model.layers.3.block_sparse_moe.experts.11.w1.weight")
         == "model.layers.3.mlp.experts.11.gate_proj.weight"
     )
-    assert moe.checkpoint_name("model.layers.0.block_sparse_moe.experts.0.w2.weight").endswith(
+    assert checkpoint_name("model.layers.0.block_sparse_moe.experts.0.w2.weight").endswith(
         "mlp.experts.0.down_proj.weight"
     )
-    assert moe.checkpoint_name("model.layers.0.block_sparse_moe.experts.0.w3.weight").endswith(
+    assert checkpoint_name("model.layers.0.block_sparse_moe.experts.0.w3.weight").endswith(
         "mlp.experts.0.up_proj.weight"
     )
     assert (
-        moe.checkpoint_name("model.layers.0.block_sparse_moe.gate.weight")
+        checkpoint_name("model.layers.0.block_sparse_moe.gate.weight")
         == "model.layers.0.mlp.gate.weight"
     )
-    assert moe.checkpoint_name("model.layers.0.mlp.up_proj.weight") == (
+    assert checkpoint_name("model.layers.0.mlp.up_proj.weight") == (
         "model.layers.0.mlp.up_proj.weight"
     )
 

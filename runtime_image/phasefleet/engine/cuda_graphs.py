@@ -19,7 +19,8 @@ import torch
 
 from phasefleet.engine.attention import triton_decode
 from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup, decode_mask
-from phasefleet.engine.models.llama import CausalLM, KVCache, head_dim
+from phasefleet.engine.models.llama import CausalLM, KVCache
+from phasefleet.engine.models.rope import head_dim
 from phasefleet.engine.scheduler import SchedulerOutput
 
 

@@ -29,6 +29,7 @@ from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
 from phasefleet.engine.lora import NO_SLOT, LoadedAdapter, LoraError, read_adapter
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
+from phasefleet.engine.models.rope import longest_static
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampler import SamplingRow
@@ -82,6 +83,15 @@ class LLMEngine:
                 f"max_model_len must be <= the model's max_position_embeddings ({limit}), "
                 f"got {config.max_model_len}"
             )
+        static = longest_static(self.hf_config)
+        if static is not None and static < limit:
+            if config.max_model_len is not None and config.max_model_len > static:
+                raise ValueError(
+                    f"max_model_len must be <= {static} for this model: its LongRoPE switches to "
+                    "its long factors past original_max_position_embeddings, which the engine "
+                    f"does not do; got {config.max_model_len}"
+                )
+            limit = static
         self.max_model_len: int = config.max_model_len or limit
         self.device = resolve_device(config.device)
         checkpoint_dtype = getattr(self.hf_config, "dtype", None)  # config.json's, may be absent
@@ -119,7 +129,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_num_seqs,
             self.max_model_len,
-            eos_token_ids=eos_token_ids(self.hf_config, self.tokenizer),
+            eos_token_ids=eos_token_ids(folder, self.hf_config, self.tokenizer),
             late_after_s=config.late_after_s,
             late_limit_s=config.late_limit_s,
         )

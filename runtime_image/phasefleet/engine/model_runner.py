@@ -34,9 +34,10 @@ from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.lora import LoraSet
 from phasefleet.engine.models.cpu_linear import choose_cpu_linear
-from phasefleet.engine.models.llama import SLIDING_WINDOW_MODEL_TYPES, KVCache, head_dim
+from phasefleet.engine.models.llama import SLIDING_WINDOW_MODEL_TYPES, KVCache
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.models.moe_shape import activation_width
+from phasefleet.engine.models.rope import head_dim
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, RankSet, RankSpec, free_address
 from phasefleet.engine.parallel.shard import Shard, unsupported

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Mixture-of-experts sizes, any preset: experts per layer, experts each token runs
 MOE_SIZES: dict[str, int] = dict(num_experts=8, num_experts_per_tok=2)
@@ -252,8 +252,10 @@ def _write_model(
     )
     if arch in ("qwen3", "qwen3_moe"):  # as Qwen3-0.6B: heads twice hidden_size / num_heads
         kwargs["head_dim"] = 2 * s["hidden_size"] // s["num_heads"]
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = s.get("sliding_window")
+    if arch == "phi3":  # as Phi-4-mini: RoPE turns the first 3/4 of each head
+        kwargs["partial_rotary_factor"] = 0.75
     kwargs.update(_moe_config(arch, s))
     if rope_scaling == "llama3":
         kwargs["rope_scaling"] = {

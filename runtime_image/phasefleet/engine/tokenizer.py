@@ -47,11 +47,21 @@ def load_tokenizer(folder: str | Path) -> Any:
     return cls.from_pretrained(folder)
 
 
-def eos_token_ids(hf_config: Any, tokenizer: Any) -> set[int]:
-    """The tokens that end a sequence: the model config's eos_token_id (one or a list) and the
+def eos_token_ids(folder: str | Path, hf_config: Any, tokenizer: Any) -> set[int]:
+    """The tokens that end a sequence: the eos_token_id (one or a list) of the model's config,
+    of its generation_config.json (where chat models name their end-of-turn tokens: Llama 3's
+    <|eot_id|>, Phi-3's <|end|>, as transformers' generate and vLLM read it) and the
     tokenizer's."""
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    generation = Path(folder) / "generation_config.json"
+    try:
+        from_generation = json.loads(generation.read_text()).get("eos_token_id")
+    except FileNotFoundError:
+        from_generation = None
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{generation} is not a JSON object: {exc}") from None
+    sources = (getattr(hf_config, "eos_token_id", None), from_generation, tokenizer.eos_token_id)
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, list):

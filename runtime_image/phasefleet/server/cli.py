@@ -420,7 +420,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     tokenizer = load_tokenizer(args.model)
     hf_config = AutoConfig.from_pretrained(args.model)
     vocab_size = int(hf_config.vocab_size)
-    grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids(hf_config, tokenizer))
+    eos = eos_token_ids(args.model, hf_config, tokenizer)
+    grammars = GrammarCompiler(tokenizer, vocab_size, eos)
     engine = AsyncEngine(
         lambda: LLMEngine(config, startup=startup, grammars=grammars),
         args.max_queue_len,

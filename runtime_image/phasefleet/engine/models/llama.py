@@ -1,5 +1,6 @@
 """The Llama-family decoder in torch: Llama, Qwen2 (qkv bias, tied embeddings), Qwen3 (an
-RMSNorm on each query and key head before RoPE, a head size of its own), Mistral, and the
+RMSNorm on each query and key head before RoPE, a head size of its own), Mistral, Phi-3 (fused
+projections in its checkpoints, RoPE on part of each head for Phi-4-mini), and the
 mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (their MLPs in moe.py).
 
 Parameter names match the Hugging Face checkpoints, so a safetensors state dict loads as is.
@@ -24,21 +25,15 @@ from phasefleet.engine.models.fused import FUSED_PARTS, MLP, fuse_linears
 from phasefleet.engine.models.meta import meta_linear
 from phasefleet.engine.models.moe import SparseMoeBlock
 from phasefleet.engine.models.moe_shape import MOE_MODEL_TYPES, is_moe_layer
-from phasefleet.engine.models.rope import apply_rope
+from phasefleet.engine.models.rope import apply_rope, head_dim, rotary_dim
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.shard import Shard
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *MOE_MODEL_TYPES)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # q_norm and k_norm over each head
-SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral")  # config.sliding_window on every layer
+SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral", "phi3")  # sliding_window on every layer
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
-
-
-def head_dim(config: Any) -> int:
-    return int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
 
 
 def attention_biases(config: Any) -> tuple[bool, bool]:
@@ -75,6 +70,7 @@ class Attention(nn.Module):
         self.num_heads = len(shard.heads(config))  # this rank's
         self.num_kv_heads = len(shard.kv_heads(config))
         self.head_dim = head_dim(config)
+        self.rotary_dim = rotary_dim(config)
         self.scale = self.head_dim**-0.5
         qkv_bias, o_bias = attention_biases(config)
         hidden = config.hidden_size
@@ -110,7 +106,11 @@ class Attention(nn.Module):
         qk = qkv[:, : heads + kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads in one pass
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rope(qk, cos, sin)  # q and k heads in one pass
+        else:  # the tables cover the rotary part only
+            rotated = apply_rope(qk[..., : self.rotary_dim], cos, sin)
+            qk = torch.cat([rotated, qk[..., self.rotary_dim :]], dim=-1)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         out = self.o_proj(o.reshape(t, heads * self.head_dim))
@@ -178,7 +178,7 @@ class CausalLM(nn.Module):
             rows = self.model.embed_tokens.weight.shape[0]  # vocabulary-parallel, as the embedding
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.linear_backend = "torch"  # or pack_for_cpu()'s summary of the paths
-        self.rope_cos: torch.Tensor | None = None  # [max_positions, head_dim], set by the loader
+        self.rope_cos: torch.Tensor | None = None  # [max_positions, rotary_dim], set by the loader
         self.rope_sin: torch.Tensor | None = None  # sin with its first half negated (rope.py)
 
     def forward(

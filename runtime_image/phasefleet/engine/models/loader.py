@@ -3,7 +3,8 @@
 Each checkpoint tensor is read once and copied straight into its place: the fused q/k/v and
 gate/up weights are allocated on the device in the model's dtype and filled slice by slice, the
 others are moved (and cast) one at a time; a mixture-of-experts layer's experts go into its
-stacked weights, expert by expert. The host never holds more than one tensor of the checkpoint,
+stacked weights, expert by expert; checkpoints that name or fuse tensors otherwise (Mixtral,
+Phi-3) are read through checkpoint.py. The host never holds more than one tensor of the checkpoint,
 and nothing is concatenated or cast after loading. A tensor-parallel rank reads the same files
 and keeps its own slice of each tensor (parallel/shard.py).
 """
@@ -19,11 +20,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from phasefleet.engine.models.checkpoint import our_tensors
 from phasefleet.engine.models.fused import FUSED_PARTS
-from phasefleet.engine.models.llama import CausalLM, head_dim
+from phasefleet.engine.models.llama import CausalLM
 from phasefleet.engine.models.meta import no_init
-from phasefleet.engine.models.moe import checkpoint_name
-from phasefleet.engine.models.rope import rope_tables
+from phasefleet.engine.models.rope import head_dim, rope_tables
 from phasefleet.engine.parallel.group import TPGroup
 
 IGNORED = ("rotary_emb.inv_freq",)  # old checkpoints store the rope frequencies
@@ -102,36 +103,25 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     unexpected: list[str] = []
-    for stored, tensor in read_checkpoint(folder):
-        name = checkpoint_name(stored)
-        place = where.get(name)
-        if place is None:
-            if not name.endswith(IGNORED) and not (
-                model.tie_word_embeddings and name == "lm_head.weight"
-            ):
-                unexpected.append(stored)
-            continue
-        if tensor.shape != whole[name]:
-            raise ValueError(
-                f"weights in {folder} do not match {config.model_type}: {stored} has shape "
-                f"{tuple(tensor.shape)}, the config makes it {tuple(whole[name])}"
-            )
-        if tp is not None:
-            tensor = tp.shard.take(name, tensor, config, dim)
-        if place.start is None and place.expert is None:
-            state[place.target] = _to(tensor, device, dtype)
-        else:
-            if place.target not in state:
-                state[place.target] = torch.empty(
-                    fused_shapes[place.target], dtype=dtype, device=device
+    mismatch = f"weights in {folder} do not match {config.model_type}"
+    for stored, tensors in _our_tensors(read_checkpoint(folder), config, mismatch):
+        for name, tensor in tensors:
+            place = where.get(name)
+            if place is None:
+                if not name.endswith(IGNORED) and not (
+                    model.tie_word_embeddings and name == "lm_head.weight"
+                ):
+                    unexpected.append(stored)
+                continue
+            if tensor.shape != whole[name]:
+                raise ValueError(
+                    f"{mismatch}: {name} has shape {tuple(tensor.shape)}, the config makes it "
+                    f"{tuple(whole[name])}"
                 )
-            into = state[place.target]
-            if place.expert is not None:
-                into = into[place.expert]
-            if place.start is not None:
-                into = into[place.start : place.start + tensor.shape[0]]
-            into.copy_(tensor.to(device))
-        seen.add(name)
+            if tp is not None:
+                tensor = tp.shard.take(name, tensor, config, dim)
+            _put(state, place, tensor, fused_shapes, device, dtype)
+            seen.add(name)
     missing = sorted(set(where) - seen)
     if missing or unexpected:
         raise ValueError(
@@ -146,6 +136,40 @@ def load_model(
     model.rope_cos = cos.to(device=device, dtype=dtype)
     model.rope_sin = sin.to(device=device, dtype=dtype)
     return model
+
+
+def _our_tensors(
+    checkpoint: Iterator[tuple[str, torch.Tensor]], config: Any, mismatch: str
+) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Each checkpoint tensor's name, with the tensors it holds in our names (checkpoint.py)."""
+    for stored, tensor in checkpoint:
+        try:
+            yield stored, list(our_tensors(stored, tensor, config))
+        except ValueError as exc:
+            raise ValueError(f"{mismatch}: {exc}") from None
+
+
+def _put(
+    state: dict[str, torch.Tensor],
+    place: Place,
+    tensor: torch.Tensor,
+    fused_shapes: dict[str, torch.Size],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Puts a checkpoint tensor (this rank's part) in its place: a whole parameter moved and
+    cast, or rows of a fused parameter (of one expert of a stacked one), allocated on first use."""
+    if place.start is None and place.expert is None:
+        state[place.target] = _to(tensor, device, dtype)
+        return
+    if place.target not in state:
+        state[place.target] = torch.empty(fused_shapes[place.target], dtype=dtype, device=device)
+    into = state[place.target]
+    if place.expert is not None:
+        into = into[place.expert]
+    if place.start is not None:
+        into = into[place.start : place.start + tensor.shape[0]]
+    into.copy_(tensor.to(device))
 
 
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

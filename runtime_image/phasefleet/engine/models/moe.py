@@ -2,10 +2,11 @@
 
 A router (`gate`) scores every expert for each token; the top k run, their outputs weighted by
 the routing softmax (renormalized over the k chosen where the model says so). While loading,
-the experts are the checkpoint's gated MLPs (`experts.<e>.gate_proj` ...); `fuse()` replaces
-them by two stacked weights, gate/up [E, 2w, hidden] and down [E, hidden, w], which the loader
-fills expert by expert. Under tensor parallelism every rank holds every expert's slice of the
-width w (as the dense MLP's split) and the router whole; one all-reduce follows the sum.
+the experts are the checkpoint's gated MLPs (`experts.<e>.gate_proj` ...; checkpoint.py reads
+Mixtral's names as these); `fuse()` replaces them by two stacked weights, gate/up
+[E, 2w, hidden] and down [E, hidden, w], which the loader fills expert by expert. Under tensor
+parallelism every rank holds every expert's slice of the width w (as the dense MLP's split)
+and the router whole; one all-reduce follows the sum.
 
 Three ways to run the chosen experts (`choose_path`); the first two have no host sync, so CUDA
 graphs capture them:
@@ -21,7 +22,6 @@ graphs capture them:
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -36,18 +36,6 @@ if TYPE_CHECKING:
     from phasefleet.engine.parallel.group import TPGroup
 
 PATHS = ("gathered", "every", "sorted")
-
-# Mixtral's checkpoint names -> ours (the Qwen MoE models already use ours)
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
-_MIXTRAL_PROJECTION = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
-
-
-def checkpoint_name(name: str) -> str:
-    """A checkpoint tensor's name as our model calls it (Mixtral's experts are renamed)."""
-    if ".block_sparse_moe." not in name:
-        return name
-    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJECTION[m[2]]}.", name)
-    return name.replace(".block_sparse_moe.", ".mlp.")
 
 
 def choose_path(tokens: int, shape: MoeShape, on_cuda: bool) -> str:

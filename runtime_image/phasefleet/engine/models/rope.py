@@ -11,6 +11,17 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
+def head_dim(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+def rotary_dim(config: Any) -> int:
+    """The leading part of each head RoPE turns (all of it unless partial_rotary_factor says)."""
+    return int(head_dim(config) * float(getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+
+
 def rope_type(config: Any) -> str:
     scaling = getattr(config, "rope_scaling", None)
     if isinstance(scaling, dict):
@@ -18,9 +29,24 @@ def rope_type(config: Any) -> str:
     return "default"
 
 
+def longest_static(config: Any) -> int | None:
+    """The longest sequence whose RoPE the tables match, when shorter than the model's
+    max_position_embeddings: LongRoPE (Phi-3's 128k models) turns to its long factors, for every
+    position, once a sequence passes original_max_position_embeddings; the tables hold the short
+    ones. None: any length the model takes."""
+    if rope_type(config) != "longrope":
+        return None
+    scaling = getattr(config, "rope_scaling", None) or {}
+    original = getattr(config, "original_max_position_embeddings", None) or scaling.get(
+        "original_max_position_embeddings"
+    )
+    return int(original) if original else None
+
+
 def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin_rot: [max_positions, head_dim] float32 on CPU, scaled like transformers does;
-    sin_rot is sin with its first half negated, as apply_rope() takes it."""
+    """cos, sin_rot: [max_positions, rotary dim] float32 on CPU (the head, or the part of it
+    partial_rotary_factor gives), scaled like transformers does; sin_rot is sin with its first
+    half negated, as apply_rope() takes it."""
     kind = rope_type(config)
     if kind not in STATIC_ROPE_TYPES:
         raise ValueError(
@@ -28,16 +54,14 @@ def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Te
             f"supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
     if kind == "default":  # plain RoPE; transformers 5 dropped it from ROPE_INIT_FUNCTIONS
-        dim = int(
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+        dim = rotary_dim(config)
         base = config.rope_theta
         inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         attention_scaling = 1.0
     else:
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, head_dim / 2]
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, rotary dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     sin = emb.sin() * attention_scaling
     half = sin.shape[-1] // 2

@@ -1,0 +1,49 @@
+"""A checkpoint's tensors as our model names them: Mixtral's experts renamed, Phi-3's fused
+projections split into the separate ones the loader places (and tensor parallelism slices)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJECTION = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor's name as our model calls it (Mixtral's experts are renamed)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJECTION[m[2]]}.", name)
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def our_tensors(name: str, tensor: torch.Tensor, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs one checkpoint tensor holds, in our model's names. Phi-3 stores
+    q/k/v as one qkv_proj and gate/up as one gate_up_proj: they come out as their parts (views,
+    no copy), in the order the config's head counts and MLP width give."""
+    module, _, param = name.rpartition(".")
+    parent, _, kind = module.rpartition(".")
+    if config.model_type == "phi3" and kind in ("qkv_proj", "gate_up_proj"):
+        if kind == "qkv_proj":
+            dim = int(getattr(config, "head_dim", None) or 0) or (
+                config.hidden_size // config.num_attention_heads
+            )
+            kv = int(config.num_key_value_heads or config.num_attention_heads) * dim
+            sizes = {"q_proj": config.num_attention_heads * dim, "k_proj": kv, "v_proj": kv}
+        else:
+            width = int(config.intermediate_size)
+            sizes = {"gate_proj": width, "up_proj": width}
+        start = 0
+        for part, rows in sizes.items():
+            yield f"{parent}.{part}.{param}", tensor[start : start + rows]
+            start += rows
+        if start != tensor.shape[0]:
+            raise ValueError(
+                f"{name} has {tensor.shape[0]} rows, the config makes {start} ({', '.join(sizes)})"
+            )
+        return
+    yield checkpoint_name(name), tensor
