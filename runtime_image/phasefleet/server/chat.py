@@ -120,7 +120,9 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [
-        sampling_params(req, budget, i, logprobs, req.prompt_logprobs, grammar)
+        sampling_params(
+            req, budget, i, state.sampling_defaults, logprobs, req.prompt_logprobs, grammar
+        )
         for i in range(req.n)
     ]
     gen = Generation(

@@ -30,6 +30,11 @@ from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 from phasefleet.server.reasoning import REASONING_PARSERS  # no heavy imports
+from phasefleet.server.sampling_defaults import (  # no heavy imports
+    GENERATION_CONFIG_FILE,
+    GENERATION_CONFIGS,
+    SamplingDefaults,
+)
 from phasefleet.server.tool_parsers import TOOL_CALL_PARSERS  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 
@@ -170,6 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model's format of tool calls in free text, for chat's tool_choice 'auto': "
         "hermes (<tool_call>{...}</tool_call>, as Hermes and Qwen2.5) or llama3_json (an answer "
         "of JSON calls, as Llama 3.1-3.3); without it 'auto' is a 400",
+    )
+    server.add_argument(
+        "--generation-config",
+        choices=GENERATION_CONFIGS,
+        default="auto",
+        help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
+        "min_p, repetition_penalty): auto, the model's generation_config.json where it sets them "
+        "(as vLLM); vllm, the OpenAI API's (temperature 1, no cuts)",
     )
     server.add_argument(
         "--reasoning-parser",
@@ -421,6 +434,12 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     hf_config = AutoConfig.from_pretrained(args.model)
     vocab_size = int(hf_config.vocab_size)
     eos = eos_token_ids(args.model, hf_config, tokenizer)
+    defaults = SamplingDefaults()
+    if args.generation_config == "auto":
+        defaults = SamplingDefaults.of_model(args.model)
+        if defaults.overridden():
+            logger.info("sampling defaults from the model's %s: %s", GENERATION_CONFIG_FILE,
+                        defaults.overridden())  # fmt: skip
     grammars = GrammarCompiler(tokenizer, vocab_size, eos)
     engine = AsyncEngine(
         lambda: LLMEngine(config, startup=startup, grammars=grammars),
@@ -443,6 +462,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        sampling_defaults=defaults,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,
         api_keys=api_keys(os.environ),

@@ -108,7 +108,15 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
         for sample in range(req.n):
             choice_prompts.append(prompt)
             params.append(
-                sampling_params(req, budget, sample, req.logprobs, prompt_logprobs, grammar)
+                sampling_params(
+                    req,
+                    budget,
+                    sample,
+                    state.sampling_defaults,
+                    req.logprobs,
+                    prompt_logprobs,
+                    grammar,
+                )  # fmt: skip
             )
             echoes.append(Echo(texts[p], prompt) if req.echo else None)
     gen = Generation(

@@ -44,6 +44,7 @@ from phasefleet.server.handoff import (
 )
 from phasefleet.server.metrics import WorkerMetrics
 from phasefleet.server.openai_protocol import SamplingFields
+from phasefleet.server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from phasefleet.engine.sampling_params import Grammar, SamplingParams
@@ -55,11 +56,13 @@ def sampling_params(
     req: SamplingFields,
     max_tokens: int,
     choice: int,
+    defaults: SamplingDefaults,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     grammar: Grammar | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for choice `choice`; a choice's seed is `seed + choice`.
+    `defaults`: for the sampling fields the request leaves out (the model's, or the API's).
     `logprobs`, `prompt_logprobs`: alternatives per token, None for no logprobs. `grammar`: the
     request's structured output (server/structured.py)."""
     from phasefleet.engine.sampling_params import SamplingParams
@@ -67,9 +70,9 @@ def sampling_params(
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        top_k=defaults.top_k if req.top_k is None else req.top_k,
         seed=None if req.seed is None else req.seed + choice,
         stop=stop,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -81,8 +84,12 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0,
+        repetition_penalty=(
+            defaults.repetition_penalty
+            if req.repetition_penalty is None
+            else req.repetition_penalty
+        ),
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
         logit_bias=req.logit_bias_ids(),
         grammar=grammar,
     )

@@ -26,6 +26,7 @@ from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
 from phasefleet.server.handoff import HandoffClient, RemotePrefill
 from phasefleet.server.metrics import WorkerMetrics
+from phasefleet.server.sampling_defaults import SamplingDefaults
 
 ROLES = ("both", "prefill", "decode")
 
@@ -78,6 +79,8 @@ class WorkerState:
     runtime_lora: bool = False
     # keys a client must send as `Authorization: Bearer <key>` (server/auth.py); (): none
     api_keys: tuple[str, ...] = ()
+    # for the sampling fields a request leaves out (server/sampling_defaults.py)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @functools.cached_property
     def decoders(self) -> dict[bool, Callable[[list[int]], str]]:
