@@ -53,11 +53,14 @@ def test_out_of_bounds_defaults_are_refused_naming_the_file(
 
 def test_a_request_field_wins_over_the_default() -> None:
     defaults = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.1)
-    left_out = sampling_params(CompletionRequest(model="m", prompt="x"), 8, 0, defaults)
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    left_out = sampling_params(request, 8, 0, defaults)
     assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p) == (
         0.6, 0.95, 20, 0.1,
     )  # fmt: skip
-    given = CompletionRequest(model="m", prompt="x", temperature=1.0, top_k=-1, min_p=0.0)
+    given = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "temperature": 1.0, "top_k": -1, "min_p": 0.0}
+    )
     params = sampling_params(given, 8, 0, defaults)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (1.0, 0.95, -1, 0.0)
 
