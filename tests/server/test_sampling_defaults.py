@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import openai
 import pytest
 
 from phasefleet.engine.tiny import make_tiny
@@ -74,10 +75,11 @@ def test_a_worker_samples_with_the_models_defaults(tmp_path: Path) -> None:
     with run_worker(folder) as worker:
         client = worker.client()
 
-        def answer(**kw: object) -> str:
+        def answer(temperature: float | None = None, seed: int | None = None) -> str:
             reply = client.completions.create(
                 model="tiny", prompt="The sea", max_tokens=12, extra_body={"ignore_eos": True},
-                **kw,  # type: ignore[arg-type]
+                temperature=openai.omit if temperature is None else temperature,
+                seed=openai.omit if seed is None else seed,
             )  # fmt: skip
             return reply.choices[0].text
 
