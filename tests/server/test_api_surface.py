@@ -396,6 +396,39 @@ STRUCTURED_SCHEMA = {
 }
 
 
+def test_responses_text_format_shapes_the_answer(client: openai.OpenAI) -> None:
+    """The Responses API's text.format: a json_schema (whole, and streamed) and json_object
+    shape the output text as chat's response_format does; another type is a 400."""
+    fmt: Any = {
+        "type": "json_schema",
+        "name": "answer",
+        "schema": STRUCTURED_SCHEMA,
+        "strict": True,
+    }
+    whole = client.responses.create(
+        model="tiny", input="Say something about tides.", max_output_tokens=40, temperature=0,
+        text={"format": fmt},
+    )  # fmt: skip
+    assert whole.status == "completed"
+    assert whole.model_dump()["text"]["format"]["type"] == "json_schema"
+    jsonschema.validate(json.loads(whole.output_text), STRUCTURED_SCHEMA)
+    stream = client.responses.create(
+        model="tiny", input="Say something about tides.", max_output_tokens=40, temperature=0,
+        text={"format": fmt}, stream=True,
+    )  # fmt: skip
+    deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    anything = client.responses.create(
+        model="tiny", input="Say something about tides.", max_output_tokens=200, temperature=0,
+        text={"format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert anything.status == "completed", anything.output_text
+    assert isinstance(json.loads(anything.output_text), dict)
+    xml: Any = {"format": {"type": "xml"}}
+    with pytest.raises(openai.BadRequestError, match="text.format.type must be text"):
+        client.responses.create(model="tiny", input="Tides?", text=xml)
+
+
 def test_structured_output_is_served(client: openai.OpenAI) -> None:
     """OpenAI's response_format (json_schema, json_object; chat and completions, streamed and
     not) and vLLM's structured_outputs and guided_* fields constrain what a random model says

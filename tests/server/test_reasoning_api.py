@@ -111,7 +111,7 @@ def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> Non
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )

@@ -436,12 +436,6 @@ class ResponsesRequest(BaseModel):
             )
         if self.tools:
             raise bad_request("tools are served on /v1/chat/completions", "tools")
-        fmt = (self.text or {}).get("format") or {"type": "text"}
-        if fmt.get("type") != "text":
-            raise bad_request(
-                "only text output is served here; structured output is on /v1/chat/completions",
-                "text",
-            )
         messages: list[dict[str, str]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
@@ -457,5 +451,26 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature,
                 "top_p": self.top_p,
                 "stream": self.stream,
+                "response_format": self.response_format(),
             }
+        )
+
+    def text_format(self) -> dict[str, Any]:
+        return dict((self.text or {}).get("format") or {"type": "text"})
+
+    def response_format(self) -> dict[str, Any] | None:
+        """`text.format` as chat's response_format: free text (None), any JSON object, or JSON
+        a schema accepts (the Responses API holds the schema's fields in the format itself)."""
+        fmt = self.text_format()
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind == "json_schema":
+            keys = ("name", "description", "schema", "strict")
+            return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+        raise bad_request(
+            f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+            "text.format.type",
         )

@@ -2,15 +2,15 @@
 
 `instructions` become a system message and `input` (a string, or messages whose content is a
 string or `input_text` / `output_text` parts) the conversation; `max_output_tokens`,
-`temperature` and `top_p` sample it. The answer is one `message` output item with one
-`output_text` part (and, with --reasoning-parser, a `reasoning` item before it); streamed, it is
-OpenAI's event sequence (`response.created` ... `response.output_text.delta` ...
-`response.completed`, or `response.incomplete` when cut short), each event named in an `event:`
-line and numbered by `sequence_number`.
+`temperature` and `top_p` sample it; `text.format` (`json_object`, or `json_schema` with the
+schema in the format) shapes it as chat's `response_format` does. The answer is one `message`
+output item with one `output_text` part (and, with --reasoning-parser, a `reasoning` item before
+it); streamed, it is OpenAI's event sequence (`response.created` ...
+`response.output_text.delta` ... `response.completed`, or `response.incomplete` when cut short),
+each event named in an `event:` line and numbered by `sequence_number`.
 
 Stateless: responses are not stored (`store` is accepted, nothing can be retrieved), so
-`previous_response_id` is a 400, as are `tools` (served on /v1/chat/completions) and a `text`
-format other than plain text.
+`previous_response_id` is a 400, as are `tools` (served on /v1/chat/completions).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class _Answer:
             "metadata": self.req.metadata or {},
             "previous_response_id": None,
             "store": False,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.req.text_format()},
             "tools": [],
             "tool_choice": "auto",
             "parallel_tool_calls": True,
