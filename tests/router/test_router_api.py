@@ -158,6 +158,29 @@ def test_responses_equal_direct_whole_and_streamed(
     assert router.counter("phasefleet_time_to_first_token_seconds_count") == first + 1
 
 
+def test_a_responses_function_call_through_the_router(
+    router: Router, via_router: openai.OpenAI, direct: openai.OpenAI
+) -> None:
+    """An answer of a function call alone (no text): relayed whole and streamed, its arguments'
+    delta the first token the router times."""
+    tool: Any = {"type": "function", "name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"], "additionalProperties": False,
+    }}  # fmt: skip
+    kw: Any = {"model": "tiny", "input": PROMPT, "tools": [tool], "max_output_tokens": 20,
+               "temperature": 0, "tool_choice": {"type": "function", "name": "pick"}}  # fmt: skip
+    routed, straight = via_router.responses.create(**kw), direct.responses.create(**kw)
+    assert routed.status == "completed" and routed.output[0].type == "function_call"
+    assert [(i.type, i.arguments) for i in routed.output] == [
+        (i.type, i.arguments) for i in straight.output
+    ]
+    first = router.counter("phasefleet_time_to_first_token_seconds_count")
+    events = list(via_router.responses.create(**kw, stream=True))
+    assert events[-1].type == "response.completed"
+    assert "response.function_call_arguments.delta" in [e.type for e in events]
+    assert router.counter("phasefleet_time_to_first_token_seconds_count") == first + 1
+
+
 def test_bad_request_passes_through_unchanged(router: Router, workers: tuple[Worker, ...]) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "top_p": 1.5}
     routed = httpx.post(f"{router.base_url}/v1/completions", json=body)

@@ -581,6 +581,63 @@ def test_a_conversation_with_tool_calls_and_results_is_rendered(client: openai.O
     assert answer.usage is not None and answer.usage.prompt_tokens > 20
 
 
+def flat(tool: Any) -> Any:
+    """A chat tool as the Responses API sends it: the function's fields in the tool itself."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_function_tools(client: openai.OpenAI) -> None:
+    """The Responses API's function tools: a named or required call comes back as
+    function_call items (no message), whole or streamed (each call whole: added, its arguments,
+    done); 'none' is a message; earlier calls and their outputs in `input` are rendered as chat
+    renders them; a hosted tool is a 400 naming it."""
+    kw: Any = {"model": "tiny", "input": "Weather?", "tools": [flat(WEATHER), flat(CLOCK)],
+               "max_output_tokens": 60, "temperature": 0}  # fmt: skip
+    named: Any = {"type": "function", "name": "get_weather"}
+    whole = client.responses.create(**kw, tool_choice=named)
+    assert whole.status == "completed"
+    [call] = whole.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), TOOLS["get_weather"])
+    events: list[Any] = list(client.responses.create(**kw, tool_choice=named, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["function_call"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments and done.output_index == 0
+    assert events[-1].type == "response.completed"
+    assert [i.type for i in events[-1].response.output] == ["function_call"]
+
+    required = client.responses.create(**kw | {"max_output_tokens": 300}, tool_choice="required")
+    assert required.output and all(i.type == "function_call" for i in required.output)
+    for item in required.output:
+        jsonschema.validate(json.loads(item.arguments), TOOLS[item.name])
+    text = client.responses.create(**kw, tool_choice="none")
+    assert [i.type for i in text.output] == ["message"] and text.output_text
+
+    conversation: Any = [
+        {"role": "user", "content": "What time is it?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_time",
+         "arguments": '{"zone":"utc"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+    ]  # fmt: skip
+    after = client.responses.create(
+        model="tiny", input=conversation, tools=[flat(CLOCK)], tool_choice="none",
+        max_output_tokens=4,
+    )  # fmt: skip
+    plain = client.responses.create(
+        model="tiny", input=conversation[:1], tools=[flat(CLOCK)], tool_choice="none",
+        max_output_tokens=4,
+    )  # fmt: skip
+    assert after.status in ("completed", "incomplete") and after.output_text
+    assert after.usage is not None and plain.usage is not None
+    assert after.usage.input_tokens > plain.usage.input_tokens + 10  # the call and its output
+    hosted: Any = [{"type": "web_search"}]
+    with pytest.raises(openai.BadRequestError, match="only function tools") as bad:
+        client.responses.create(model="tiny", input="hi", tools=hosted)
+    assert bad.value.param == "tools[0].type"
+
+
 def test_tool_choice_auto_finds_the_calls_in_the_text(client: openai.OpenAI) -> None:
     """With --tool-call-parser hermes, 'auto' answers in free text and the calls written in it
     come back as tool_calls, the rest as content, whole or streamed. The random model is made to

@@ -28,7 +28,11 @@ MAX_KEEPALIVE = 256  # idle connections kept open across all workers
 
 _DONE = b"data: [DONE]"
 # The Responses API names each event in an `event:` line and ends without [DONE].
-_RESPONSE_TOKEN = b"event: response.output_text.delta\n"
+# Output: text, or a function call's arguments (an answer of calls alone has no text).
+_RESPONSE_TOKENS = (
+    b"event: response.output_text.delta\n",
+    b"event: response.function_call_arguments.delta\n",
+)
 _RESPONSE_ENDS = tuple(
     f"event: response.{end}\n".encode() for end in ("completed", "incomplete", "failed")
 )
@@ -60,7 +64,7 @@ class Event(enum.Enum):
 
 def classify(event: bytes) -> Event:
     if event.startswith(b"event:"):  # the Responses API's
-        if event.startswith(_RESPONSE_TOKEN):
+        if event.startswith(_RESPONSE_TOKENS):
             return Event.TOKEN
         if event.startswith(_RESPONSE_ENDS):
             return Event.DONE

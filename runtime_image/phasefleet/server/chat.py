@@ -153,7 +153,7 @@ async def create_chat_completion(
     ids = req.return_token_ids
     choices = []
     for i, out in enumerate(finals):
-        message, reason = _message(req, state, thinks, out.text, out.finish_reason)
+        message, reason = message_of(req, state, thinks, out.text, out.finish_reason)
         content_logprobs = None
         if req.logprobs:
             content_logprobs = await state.off_loop(chat_logprobs, state.tokenizer, gen.logprobs[i])
@@ -189,7 +189,7 @@ def _reasoning_parser(state: WorkerState, grammar: Grammar | None) -> str | None
     return state.reasoning_parser if grammar is None else None
 
 
-def _message(
+def message_of(
     req: ChatCompletionRequest,
     state: WorkerState,
     thinks: str | None,

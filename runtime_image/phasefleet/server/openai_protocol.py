@@ -411,11 +411,44 @@ class InputMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionCallInput(BaseModel):
+    """A call the model made earlier, sent back as part of the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(BaseModel):
+    """What a call returned: the tool's message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningInput(BaseModel):
+    """An earlier reasoning item sent back: not shown to the model again (as chat templates
+    drop earlier turns' thoughts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning"]
+
+
+InputItem = InputMessage | FunctionCallInput | FunctionCallOutput | ReasoningInput
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
@@ -424,6 +457,8 @@ class ResponsesRequest(BaseModel):
     store: bool = True  # accepted; nothing is stored
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # accepted: a parser finds as many calls as there are
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
 
@@ -434,25 +469,52 @@ class ResponsesRequest(BaseModel):
                 "responses are not stored here: send the whole conversation as input",
                 "previous_response_id",
             )
-        if self.tools:
-            raise bad_request("tools are served on /v1/chat/completions", "tools")
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [{"role": m.role, "content": m.text()} for m in self.input]
+            messages += _chat_messages(self.input)
         return ChatCompletionRequest.model_validate(
             {
                 "model": self.model,
                 "messages": messages,
+                "tools": self.chat_tools(),
+                "tool_choice": self.chat_tool_choice(),
                 "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature,
                 "top_p": self.top_p,
                 "stream": self.stream,
                 "response_format": self.response_format(),
             }
+        )
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The function tools in chat's shape (the Responses API holds a function's fields in
+        the tool itself); OpenAI's hosted tools (web search, files, ...) are a 400."""
+        if not self.tools:
+            return None
+        tools = []
+        for i, tool in enumerate(self.tools):
+            if tool.get("type") != "function":
+                raise bad_request(
+                    f"only function tools are served, got {tool.get('type')!r}",
+                    f"tools[{i}].type",
+                )
+            keys = ("name", "description", "parameters", "strict")
+            tools.append({"type": "function", "function": {k: tool[k] for k in keys if k in tool}})
+        return tools
+
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") == "function" and "name" in choice:
+            return {"type": "function", "function": {"name": choice["name"]}}
+        raise bad_request(
+            'tool_choice must be none, auto, required or {"type": "function", "name": ...}',
+            "tool_choice",
         )
 
     def text_format(self) -> dict[str, Any]:
@@ -474,3 +536,26 @@ class ResponsesRequest(BaseModel):
             f"text.format.type must be text, json_object or json_schema, got {kind!r}",
             "text.format.type",
         )
+
+
+def _chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as chat messages: a run of function calls becomes one assistant message with
+    those tool_calls, each output a tool message; reasoning items are left out."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallInput):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutput):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages

@@ -1,4 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API for text, as a chat underneath.
+"""POST /v1/responses: OpenAI's Responses API for text and function tools, as a chat underneath.
 
 `instructions` become a system message and `input` (a string, or messages whose content is a
 string or `input_text` / `output_text` parts) the conversation; `max_output_tokens`,
@@ -9,8 +9,12 @@ it); streamed, it is OpenAI's event sequence (`response.created` ...
 `response.output_text.delta` ... `response.completed`, or `response.incomplete` when cut short),
 each event named in an `event:` line and numbered by `sequence_number`.
 
+Function tools are chat's (server/tools.py): a call comes back as a `function_call` item after
+the message (none when the answer is calls alone), streamed whole once the answer is done;
+earlier calls and their outputs in `input` become chat's tool calls and tool messages.
+
 Stateless: responses are not stored (`store` is accepted, nothing can be retrieved), so
-`previous_response_id` is a 400, as are `tools` (served on /v1/chat/completions).
+`previous_response_id` is a 400.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from phasefleet.server.chat import StartedChat, StreamedChoice, start_chat
+from phasefleet.server.chat import StartedChat, StreamedChoice, message_of, start_chat
 from phasefleet.server.errors import APIError
-from phasefleet.server.openai_protocol import ChatCompletionRequest, ResponsesRequest
-from phasefleet.server.reasoning import split_reasoning
+from phasefleet.server.openai_protocol import (
+    ChatCompletionRequest,
+    FunctionCall,
+    ResponsesRequest,
+    ToolCall,
+    ToolCallDelta,
+)
 from phasefleet.server.responses import GenerationStream, collect_or_abort
 from phasefleet.server.state import WorkerState
 
@@ -49,7 +58,25 @@ class _Answer:
         self.output_tokens = 0
         self.text = ""
         self.reasoning: str | None = None
+        self.calls: list[ToolCall] = []  # function calls, after the message (if any)
         self.cut_short = False  # finished at max_output_tokens
+        self.streamed_items = 0  # output items a stream has opened
+
+    def next_index(self) -> int:
+        """The output_index of the next item a stream opens."""
+        self.streamed_items += 1
+        return self.streamed_items - 1
+
+    def has_message(self) -> bool:
+        """An answer of calls alone has no message item."""
+        return bool(self.text) or not self.calls
+
+    def call_item(self, call: ToolCall) -> dict[str, Any]:
+        return {
+            "type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}",
+            "call_id": call.id, "name": call.function.name,
+            "arguments": call.function.arguments, "status": "completed",
+        }  # fmt: skip
 
     def message(self, done: bool) -> dict[str, Any]:
         content = [self.part()] if done else []
@@ -71,7 +98,9 @@ class _Answer:
 
     def output(self) -> list[dict[str, Any]]:
         items = [self.reasoning_item()] if self.reasoning is not None else []
-        return [*items, self.message(done=True)]
+        if self.has_message():
+            items.append(self.message(done=True))
+        return items + [self.call_item(c) for c in self.calls]
 
     def body(self, status: str) -> dict[str, Any]:
         finished = status in ("completed", "incomplete")
@@ -90,9 +119,9 @@ class _Answer:
             "previous_response_id": None,
             "store": False,
             "text": {"format": self.req.text_format()},
-            "tools": [],
-            "tool_choice": "auto",
-            "parallel_tool_calls": True,
+            "tools": self.req.tools or [],
+            "tool_choice": self.req.tool_choice or "auto",
+            "parallel_tool_calls": self.req.parallel_tool_calls,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if self.cut_short else None,
             "usage": self.usage() if finished else None,
@@ -123,41 +152,39 @@ async def create_response(req: ResponsesRequest, raw: Request, state: WorkerStat
     (final,) = await collect_or_abort(started.gen, raw)
     answer.output_tokens = len(final.output_token_ids)
     answer.cut_short = final.finish_reason == "length"
-    answer.text = final.text
-    if started.thinks is not None:
-        split = split_reasoning(started.thinks, final.text)
-        answer.reasoning, answer.text = split.reasoning, split.content or ""
+    message, _ = message_of(chat, state, started.thinks, final.text, final.finish_reason)
+    answer.reasoning = message.reasoning_content
+    answer.text = message.content or ""
+    answer.calls = message.tool_calls or []
     return Response(json.dumps(answer.body(answer.status())), media_type="application/json")
 
 
 async def _events(
     answer: _Answer, started: StartedChat, chat: ChatCompletionRequest, state: WorkerState
 ) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI's event sequence for one streamed response (without sequence numbers)."""
+    """OpenAI's event sequence for one streamed response (without sequence numbers): the
+    reasoning item, the message as its text comes, then each function call whole."""
     yield {"type": "response.created", "response": answer.body("in_progress")}
     yield {"type": "response.in_progress", "response": answer.body("in_progress")}
     streamed = StreamedChoice(chat, state.tool_call_parser, started.thinks)
     at = {"item_id": answer.message_id, "content_index": 0}
     opened = False
     thought = ""
+    calls: dict[int, ToolCall] = {}  # by the chat stream's index, pieces joined
     async for event in started.gen.events():
         out = event.output
         delta = out.text[len(streamed.sent) :]
         streamed.sent = out.text
         piece = streamed.delta(delta, out.finished)
         thought += piece.reasoning_content or ""
-        if (piece.content or out.finished) and not opened:
+        _gather(calls, piece.tool_calls or [])
+        if piece.content and not opened:
             opened = True
-            if thought or started.thinks == "deepseek_r1":
-                answer.reasoning = thought
-                item = answer.reasoning_item()
-                yield {"type": "response.output_item.added", "output_index": 0, "item": item}
-                yield {"type": "response.output_item.done", "output_index": 0, "item": item}
-            index = 1 if answer.reasoning is not None else 0
-            at["output_index"] = index
-            message = answer.message(done=False)
-            yield {"type": "response.output_item.added", "output_index": index, "item": message}
-            yield {"type": "response.content_part.added", **at, "part": answer.part("")}
+            for e in _reasoning_events(answer, thought, started.thinks):
+                yield e
+            at["output_index"] = answer.next_index()
+            for e in _message_start(answer, at):
+                yield e
         if piece.content:
             answer.text += piece.content
             yield {"type": "response.output_text.delta", **at, "delta": piece.content,
@@ -165,11 +192,67 @@ async def _events(
         if out.finished:
             answer.output_tokens = len(out.output_token_ids)
             answer.cut_short = out.finish_reason == "length"
-    yield {"type": "response.output_text.done", **at, "text": answer.text, "logprobs": []}
-    yield {"type": "response.content_part.done", **at, "part": answer.part()}
-    done = answer.message(done=True)
-    yield {"type": "response.output_item.done", "output_index": at["output_index"], "item": done}
+    answer.calls = [calls[i] for i in sorted(calls)]
+    if not opened:
+        for e in _reasoning_events(answer, thought, started.thinks):
+            yield e
+        if answer.has_message():  # an empty answer: its message all the same
+            opened = True
+            at["output_index"] = answer.next_index()
+            for e in _message_start(answer, at):
+                yield e
+    if opened:
+        yield {"type": "response.output_text.done", **at, "text": answer.text, "logprobs": []}
+        yield {"type": "response.content_part.done", **at, "part": answer.part()}
+        done = answer.message(done=True)
+        yield {"type": "response.output_item.done", "output_index": at["output_index"],
+               "item": done}  # fmt: skip
+    for call in answer.calls:
+        item = answer.call_item(call)
+        index = {"output_index": answer.next_index(), "item_id": item["id"]}
+        yield {"type": "response.output_item.added", "output_index": index["output_index"],
+               "item": {**item, "arguments": "", "status": "in_progress"}}  # fmt: skip
+        yield {"type": "response.function_call_arguments.delta", **index,
+               "delta": item["arguments"]}  # fmt: skip
+        yield {"type": "response.function_call_arguments.done", **index,
+               "arguments": item["arguments"]}  # fmt: skip
+        yield {"type": "response.output_item.done", "output_index": index["output_index"],
+               "item": item}  # fmt: skip
     yield {"type": f"response.{answer.status()}", "response": answer.body(answer.status())}
+
+
+def _gather(calls: dict[int, ToolCall], deltas: list[ToolCallDelta]) -> None:
+    """Joins the chat stream's call pieces: the first has the id and name, all some arguments."""
+    for d in deltas:
+        call = calls.setdefault(
+            d.index, ToolCall(id="", function=FunctionCall(name="", arguments=""))
+        )
+        call.id = d.id or call.id
+        if d.function is not None:
+            call.function.name = d.function.name or call.function.name
+            call.function.arguments += d.function.arguments or ""
+
+
+def _message_start(answer: _Answer, at: dict[str, Any]) -> list[dict[str, Any]]:
+    message = answer.message(done=False)
+    return [
+        {"type": "response.output_item.added", "output_index": at["output_index"],
+         "item": message},
+        {"type": "response.content_part.added", **at, "part": answer.part("")},
+    ]  # fmt: skip
+
+
+def _reasoning_events(answer: _Answer, thought: str, thinks: str | None) -> list[dict[str, Any]]:
+    """The reasoning item, when the answer had a thought (or its template opened one)."""
+    if not thought and thinks != "deepseek_r1":
+        return []
+    answer.reasoning = thought
+    item = answer.reasoning_item()
+    index = answer.next_index()
+    return [
+        {"type": "response.output_item.added", "output_index": index, "item": item},
+        {"type": "response.output_item.done", "output_index": index, "item": item},
+    ]
 
 
 async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[str, None]:
