@@ -289,3 +289,38 @@ def test_the_masks_are_computed_once_the_forward_is_launched(
     out = eng.generate(random_prompts([9], seed=12), params)[0]
     assert obeys("regex", out.text)
     assert calls == ["forward", "masks"] * len(out.output_token_ids)
+
+
+def test_a_grammar_after_a_thought_lets_everything_through_until_it_is_written(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Grammar.after (a reasoning model's end of thought): every token is allowed, and none is
+    checked, until those tokens are written (or were in the prompt); then the grammar's mask,
+    alone or filled in parallel beside others."""
+    eng = _engine(tiny_model(MODEL), num_kv_blocks=16)
+    end = tuple(eng.tokenizer.encode("</think>", add_special_tokens=False))
+    grammar = Grammar("choice", GRAMMARS["choice"].spec, after=end)
+    matcher = eng.grammars.matcher(grammar)
+    width = mask_words(eng.grammars.vocab_size)
+    words = np.zeros(width, dtype=np.int32)
+    matcher.fill(words)
+    assert (words == -1).all() and not matcher.done
+    thought = eng.tokenizer.encode("x </thi", add_special_tokens=False)
+    for token in thought:
+        matcher.accept(token)  # nothing is refused while thinking
+    twin = matcher.copy()
+    for token in end:
+        matcher.accept(token)
+    assert matcher.active and not twin.active
+    both = np.zeros((2, width), dtype=np.int32)
+    fill_masks([twin, matcher], both, parallel=True)
+    plain = eng.grammars.matcher(GRAMMARS["choice"])
+    alone = np.zeros(width, dtype=np.int32)
+    plain.fill(alone)
+    assert (both[0] == -1).all() and np.array_equal(both[1], alone)
+    for token in eng.tokenizer.encode("red", add_special_tokens=False):
+        matcher.accept(token)
+    assert matcher.done
+    opened = eng.grammars.matcher(grammar)
+    opened.open_if_in([5, *end, 7])  # a prompt that closed the thought already
+    assert opened.active

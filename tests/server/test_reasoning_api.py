@@ -1,6 +1,6 @@
 """--reasoning-parser over real HTTP with the official openai client: a model that writes a
 <think> block (a tiny one trained to) gets its thought back as `reasoning_content` and the rest
-as `content`, whole or streamed; an answer a grammar shapes is not split."""
+as `content`, whole or streamed; a grammar shapes the content after the thought."""
 
 from __future__ import annotations
 
@@ -70,11 +70,28 @@ def test_a_stream_sends_the_thought_first_then_the_answer(worker: Worker) -> Non
     assert all("<" not in text for _, text in parts)  # no tag reaches the client
 
 
-def test_an_answer_a_grammar_shapes_is_all_content(worker: Worker) -> None:
-    chat = ask(worker.client(), extra_body={"structured_outputs": {"regex": "Paris|Rome"}})
+def test_a_grammar_shapes_the_answer_after_the_thought(worker: Worker) -> None:
+    """Structured output starts once the thought ends (as vLLM's): the model thinks freely,
+    then its content matches the grammar, whole or streamed; when the prompt closes the thought
+    already (enable_thinking false), from the first token."""
+    regex = {"structured_outputs": {"regex": "Paris|Rome"}}
+    chat = ask(worker.client(), extra_body=regex)
     message = chat.choices[0].message
-    assert message.content in ("Paris", "Rome")
-    assert "reasoning_content" not in (message.model_extra or {})
+    assert message.content == "Paris" and chat.choices[0].finish_reason == "stop"
+    assert (message.model_extra or {})["reasoning_content"] == "\nIt is Paris.\n"
+    pieces = {"reasoning_content": "", "content": ""}
+    for chunk in ask(worker.client(), extra_body=regex, stream=True):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            for key in pieces:
+                pieces[key] += delta.get(key) or ""
+    assert pieces == {"reasoning_content": "\nIt is Paris.\n", "content": "Paris"}
+    closed = ask(
+        worker.client(),
+        extra_body={**regex, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert closed.choices[0].message.content in ("Paris", "Rome")
+    assert not (closed.choices[0].message.model_extra or {}).get("reasoning_content")
 
 
 def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> None:

@@ -88,8 +88,14 @@ def fill_masks(
         return
     if not words.flags.c_contiguous or words.dtype != np.int32:
         raise ValueError("the masks must be one C-contiguous int32 array")
-    targets = [(matcher._inner, k) for k, matcher in enumerate(matchers)]
-    _executor().unsafe_compute_mask_ptr(targets, words.ctypes.data, words.shape[1] * 4, len(words))
+    targets = [(matcher._inner, k) for k, matcher in enumerate(matchers) if matcher.active]
+    for k, matcher in enumerate(matchers):
+        if not matcher.active:
+            matcher.fill(words[k])
+    if targets:
+        _executor().unsafe_compute_mask_ptr(
+            targets, words.ctypes.data, words.shape[1] * 4, len(words)
+        )
 
 
 @functools.cache
@@ -100,13 +106,29 @@ def _executor() -> Any:
 
 
 class GrammarMatcher:
-    """One request's place in its grammar."""
+    """One request's place in its grammar. A grammar with `after` tokens (Grammar.after) lets
+    every token through until they have been written (`open` with the prompt first: they may
+    be there already), then its own."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, after: tuple[int, ...] = ()) -> None:
         self._inner = inner  # an llguidance LLMatcher
+        self.after = after
+        self.active = not after  # the grammar shapes the next token
+        self._recent: list[int] = []  # the last len(after) tokens while not yet active
+
+    def open_if_in(self, tokens: list[int]) -> None:
+        """Opens the grammar when `tokens` (the prompt) hold its `after` tokens."""
+        n = len(self.after)
+        if not self.active and any(
+            tuple(tokens[i : i + n]) == self.after for i in range(len(tokens) - n + 1)
+        ):
+            self.active = True
 
     def fill(self, words: np.ndarray) -> None:
         """Writes the tokens allowed next into `words` ([mask_words(V)] int32, contiguous)."""
+        if not self.active:
+            words.fill(-1)  # every bit: any token
+            return
         self._inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
     @property
@@ -117,6 +139,10 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """Moves past `token`; ValueError, the matcher unchanged, when the grammar does not allow
         it there."""
+        if not self.active:
+            self._recent = [*self._recent, token][-len(self.after) :]
+            self.active = tuple(self._recent) == self.after
+            return
         if self._inner.validate_tokens([token]) != 1:
             raise ValueError(f"token {token} does not follow the response's grammar")
         self._inner.consume_token(token)
@@ -124,10 +150,12 @@ class GrammarMatcher:
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (but the end of the sequence)."""
-        return bool(self._inner.is_stopped()) and not self._inner.is_error()
+        return self.active and bool(self._inner.is_stopped()) and not self._inner.is_error()
 
     def copy(self) -> GrammarMatcher:
-        return GrammarMatcher(self._inner.deep_copy())
+        twin = GrammarMatcher(self._inner.deep_copy(), self.after)
+        twin.active, twin._recent = self.active, list(self._recent)
+        return twin
 
 
 class GrammarCompiler:
@@ -163,7 +191,7 @@ class GrammarCompiler:
         inner = LLMatcher(self.prepare(), grammar_text(grammar), log_level=0)
         if inner.is_error():
             raise ValueError(inner.get_error())
-        return GrammarMatcher(inner)
+        return GrammarMatcher(inner, grammar.after)
 
     @property
     def prepared(self) -> bool:

@@ -228,6 +228,8 @@ class LLMEngine:
         # Everything that can fail comes before the scheduler sees the request: a request it
         # holds without a sampling row would fail every later step.
         matcher = None if params.grammar is None else self.grammars.matcher(params.grammar)
+        if matcher is not None:
+            matcher.open_if_in(prompt_token_ids)  # a template that closed the thought already
         if matcher is not None and first_token_id is not None:
             matcher.accept(first_token_id)
         decode = self._decoders[params.skip_special_tokens]

@@ -41,6 +41,7 @@ MAX_LOGIT_BIAS_TOKENS = 300
 GrammarKind = Literal["json", "regex", "choice", "grammar"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 MAX_GRAMMAR_CHARS = 100_000
+MAX_GRAMMAR_AFTER = 16  # tokens of the sequence that opens a grammar (Grammar.after)
 """The longest grammar text (a JSON schema, a regex, the choices as JSON) a request may send."""
 
 
@@ -56,6 +57,10 @@ class Grammar:
     """json: the JSON schema as JSON text ('{"type": "object"}' for any object); regex: the
     pattern; choice: the allowed strings as a JSON list; grammar: its text. At most
     MAX_GRAMMAR_CHARS characters."""
+    after: tuple[int, ...] = ()
+    """The tokens that open the grammar (a reasoning model's end of thought, as its tokenizer
+    writes it): until the prompt or the output holds them, any token goes. (): from the first
+    token. At most MAX_GRAMMAR_AFTER."""
 
 
 @dataclass
@@ -189,10 +194,14 @@ class SamplingParams:
             and grammar.kind in GRAMMAR_KINDS
             and isinstance(grammar.spec, str)
             and 0 < len(grammar.spec) <= MAX_GRAMMAR_CHARS
+            and isinstance(grammar.after, tuple)
+            and len(grammar.after) <= MAX_GRAMMAR_AFTER
+            and all(isinstance(t, int) and t >= 0 for t in grammar.after)
         ):
             raise ValueError(
                 f"grammar must be None or a Grammar of kind {' / '.join(GRAMMAR_KINDS)} with a "
-                f"spec of 1 to {MAX_GRAMMAR_CHARS} characters, got {_short(grammar)}"
+                f"spec of 1 to {MAX_GRAMMAR_CHARS} characters (after: at most "
+                f"{MAX_GRAMMAR_AFTER} token ids), got {_short(grammar)}"
             )
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -41,7 +41,6 @@ from phasefleet.server.structured import checked_grammar
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
-    from phasefleet.engine.sampling_params import Grammar
 
 
 def render(req: ChatCompletionRequest, state: WorkerState) -> list[int]:
@@ -92,8 +91,7 @@ class StartedChat:
 
     gen: Generation
     prompt: list[int]  # the rendered prompt's token ids
-    grammar: Grammar | None  # the answer's grammar (structured output, a forced tool call)
-    thinks: str | None  # the reasoning parser that splits the answer (none under a grammar)
+    thinks: str | None  # the reasoning parser that splits the answer
 
 
 async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerState) -> StartedChat:
@@ -113,6 +111,8 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
     state.check_accepting()
     check_queue_room(1, req.n, state.engine.max_queue_len, "messages")
     grammar = await checked_grammar(req, state)
+    if grammar is not None and state.reasoning_parser is not None:  # the thought goes first
+        grammar = replace(grammar, after=state.thought_end_ids)
     prompt = await state.off_loop(render, req, state)
     prompt = truncated(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)
     budget = output_budget(
@@ -137,18 +137,18 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
         lora=lora,
     )
     await gen.start()
-    return StartedChat(gen, prompt, grammar, _reasoning_parser(state, grammar))
+    return StartedChat(gen, prompt, state.reasoning_parser)
 
 
 async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, state: WorkerState
 ) -> Response:
     started = await start_chat(req, raw, state)
-    gen, prompt, grammar, thinks = started.gen, started.prompt, started.grammar, started.thinks
+    gen, prompt, thinks = started.gen, started.prompt, started.thinks
     response_id = f"chatcmpl-{gen.request_id}"
     if req.stream:
         created = int(time.time())
-        return sse_response(gen, _chunks(gen, req, state, prompt, grammar, response_id, created))
+        return sse_response(gen, _chunks(gen, req, state, prompt, thinks, response_id, created))
     finals = await collect_or_abort(gen, raw)
     ids = req.return_token_ids
     choices = []
@@ -181,12 +181,6 @@ async def create_chat_completion(
         prompt_logprobs=prompt_part,
     )
     return Response(body.model_dump_json(), media_type="application/json")
-
-
-def _reasoning_parser(state: WorkerState, grammar: Grammar | None) -> str | None:
-    """The worker's reasoning parser, unless a grammar (structured output, a forced tool call)
-    shapes the answer: it leaves no room for a thought."""
-    return state.reasoning_parser if grammar is None else None
 
 
 def message_of(
@@ -234,7 +228,7 @@ async def _chunks(
     req: ChatCompletionRequest,
     state: WorkerState,
     prompt: list[int],
-    grammar: Grammar | None,
+    thinks: str | None,
     response_id: str,
     created: int,
 ) -> AsyncIterator[str]:
@@ -258,7 +252,6 @@ async def _chunks(
         ]
     )
     finals: list[RequestOutput] = []
-    thinks = _reasoning_parser(state, grammar)
     choices = [StreamedChoice(req, state.tool_call_parser, thinks) for _ in range(req.n)]
     async for event in gen.events():
         out, i = event.output, event.index

@@ -415,6 +415,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     from phasefleet.server.drain import DrainingServer
     from phasefleet.server.handoff import HandoffClient
     from phasefleet.server.metrics import WorkerMetrics
+    from phasefleet.server.reasoning import thought_end_ids
     from phasefleet.server.state import WorkerState
 
     served_name = args.served_model_name or args.model
@@ -462,6 +463,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         tpot_target_s=args.tpot_target_ms / 1000 if args.tpot_target_ms else None,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        thought_end_ids=thought_end_ids(tokenizer) if args.reasoning_parser else (),
         sampling_defaults=defaults,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,

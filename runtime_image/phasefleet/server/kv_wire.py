@@ -36,7 +36,9 @@ and a prefill worker of different releases talk. Two rules keep that working:
 Versions: 1, the first; 2 adds the sampling fields that change the first token
 (`repetition_penalty`, `min_p`, `logit_bias`), which a prefill worker of version 1 would
 ignore; 3 adds `grammar` (structured output), which a prefill worker of version 2 would ignore;
-4 adds `lora` (the request's LoRA adapter), which a prefill worker of version 3 would ignore.
+4 adds `lora` (the request's LoRA adapter), which a prefill worker of version 3 would ignore;
+5 adds the grammar's `after` (structured output after a reasoning model's thought), which a
+prefill worker of version 4 would ignore, shaping the first token.
 A request goes as the lowest version that carries what it sets (`lowest_version`); the
 penalties on the output (`presence_penalty`, `frequency_penalty`) travel as hints in any, as
 they change nothing before the second token.
@@ -53,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.sampling_params import (
+    MAX_GRAMMAR_AFTER,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -68,11 +71,12 @@ from phasefleet.engine.sampling_params import (
 
 PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 MIN_WIRE_VERSION = 1  # the oldest version this release still answers
 BIAS_WIRE_VERSION = 2  # the version that added the bias, repetition penalty and min-p
 GRAMMAR_WIRE_VERSION = 3  # the version that added the grammar
 LORA_WIRE_VERSION = 4  # the version that added the LoRA adapter
+AFTER_WIRE_VERSION = 5  # the version that added the grammar's `after` tokens
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -85,6 +89,8 @@ class _Wire(BaseModel):
 def lowest_version(params: SamplingParams, lora: str | None = None) -> int:
     """The lowest wire version that carries every setting of `params` (and the adapter) that
     changes the first token."""
+    if params.grammar is not None and params.grammar.after:
+        return AFTER_WIRE_VERSION
     if lora is not None:
         return LORA_WIRE_VERSION
     if params.grammar is not None:
@@ -97,6 +103,10 @@ def lowest_version(params: SamplingParams, lora: str | None = None) -> int:
 class GrammarWire(_Wire):
     kind: GrammarKind
     spec: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # AFTER_WIRE_VERSION
+    after: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=MAX_GRAMMAR_AFTER
+    )
 
 
 class PrefillRequest(_Wire):
@@ -162,7 +172,11 @@ class PrefillRequest(_Wire):
             repetition_penalty=params.repetition_penalty,
             min_p=params.min_p,
             logit_bias=dict(params.logit_bias),
-            grammar=None if params.grammar is None else GrammarWire(**asdict(params.grammar)),
+            grammar=None
+            if params.grammar is None
+            else GrammarWire(
+                kind=params.grammar.kind, spec=params.grammar.spec, after=list(params.grammar.after)
+            ),
             skip_tokens=skip_tokens,
             late_after_s=late_after_s,
             lora=lora,
@@ -184,7 +198,9 @@ class PrefillRequest(_Wire):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             logit_bias=dict(self.logit_bias),
-            grammar=None if self.grammar is None else Grammar(self.grammar.kind, self.grammar.spec),
+            grammar=None
+            if self.grammar is None
+            else Grammar(self.grammar.kind, self.grammar.spec, tuple(self.grammar.after)),
         )
 
 

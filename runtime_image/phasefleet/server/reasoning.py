@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from phasefleet.api.contract import REASONING_PARSERS  # the worker's --reasoning-parser
 
 START, END = "<think>", "</think>"
+
+
+def thought_end_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens of END as the tokenizer writes it (one special token in Qwen3's and
+    DeepSeek-R1's): a grammar (structured output, a forced tool call) starts after them."""
+    return tuple(tokenizer.encode(END, add_special_tokens=False))
 
 
 class _Part(enum.Enum):

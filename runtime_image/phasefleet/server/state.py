@@ -73,6 +73,9 @@ class WorkerState:
     tool_call_parser: str | None = None
     # splits a chat answer's thought (reasoning_content) from its content (server/reasoning.py)
     reasoning_parser: str | None = None
+    # the tokens of the thought's end (</think>) as the tokenizer writes it: a grammar starts
+    # after them when a reasoning parser is set
+    thought_end_ids: tuple[int, ...] = ()
     # the LoRA adapters the engine loaded: a request names one as its `model`
     lora_names: tuple[str, ...] = ()
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (server/lora_admin.py)
