@@ -77,21 +77,31 @@ def test_router_and_workers_get_the_internal_token_from_the_secret() -> None:
     assert internal_token_secret(make_owner())["stringData"] != secret["stringData"]  # random
 
 
-def test_api_keys_reach_the_router_and_every_worker_by_reference_only() -> None:
+def test_api_keys_reach_the_router_and_every_worker_as_a_mounted_secret() -> None:
+    """The Secret's key is a read-only file in each pod (the kubelet keeps it up to date, the
+    processes re-read it: rotation without a restart), named by $PHASEFLEET_API_KEY_FILE; the
+    value itself is never in a pod spec."""
     spec = make_spec(auth={"apiKeySecret": {"name": "llm-keys", "key": "keys"}})
     children = _by_key(desired_children(make_owner(), spec))
-    want = {
-        "name": "PHASEFLEET_API_KEY",
-        "valueFrom": {"secretKeyRef": {"name": "llm-keys", "key": "keys"}},
+    env_var = {"name": "PHASEFLEET_API_KEY_FILE", "value": "/etc/phasefleet/api-keys/keys"}
+    volume = {
+        "name": "api-keys",
+        "secret": {"secretName": "llm-keys", "items": [{"key": "keys", "path": "keys"}]},
     }
+    mount = {"name": "api-keys", "mountPath": "/etc/phasefleet/api-keys", "readOnly": True}
     for role in ("prefill", "decode", "router"):
-        env = _pod(children[("Deployment", f"llm-{role}")])["containers"][0]["env"]
-        assert want in env, role
+        pod = _pod(children[("Deployment", f"llm-{role}")])
+        container = pod["containers"][0]
+        assert env_var in container["env"] and volume in pod["volumes"], role
+        assert mount in container["volumeMounts"], role
+        assert "PHASEFLEET_API_KEY" not in {e["name"] for e in container["env"]}
     for role in ("prefill", "decode", "router"):  # none without spec.auth
-        env = _pod(
+        pod = _pod(
             _by_key(desired_children(make_owner(), make_spec()))[("Deployment", f"llm-{role}")]
-        )["containers"][0]["env"]
-        assert "PHASEFLEET_API_KEY" not in {e["name"] for e in env}
+        )
+        names = {e["name"] for e in pod["containers"][0]["env"]}
+        assert not names & {"PHASEFLEET_API_KEY", "PHASEFLEET_API_KEY_FILE"}
+        assert "api-keys" not in {v["name"] for v in pod["volumes"]}
 
 
 def test_aggregated_has_one_worker_pool():

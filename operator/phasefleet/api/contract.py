@@ -22,8 +22,13 @@ INTERNAL_TOKEN_ENV = "PHASEFLEET_INTERNAL_TOKEN"
 INTERNAL_TOKEN_KEY = "token"
 INTERNAL_TOKEN_HEADER = "X-PhaseFleet-Internal-Token"
 # API keys clients must send (`Authorization: Bearer <key>`) to the router and the workers,
-# comma-separated; unset: none needed. The operator fills it from spec.auth.apiKeySecret.
+# comma-separated; unset: none needed.
 API_KEY_ENV = "PHASEFLEET_API_KEY"
+# A file of keys (comma- or line-separated), re-read when it changes: the operator mounts
+# spec.auth.apiKeySecret there, so a Secret edit reaches running pods (the kubelet's sync).
+API_KEY_FILE_ENV = "PHASEFLEET_API_KEY_FILE"
+API_KEY_MOUNT = "/etc/phasefleet/api-keys"
+API_KEY_FILE = "keys"
 # Set by the router (with the token) on a request to a decode worker: the prefill worker it
 # picked. The decode worker prefills there, or locally when the uncached prompt is short.
 PREFILL_URL_HEADER = "X-PhaseFleet-Prefill-Url"

@@ -8,7 +8,9 @@ import math
 from typing import Any
 
 from phasefleet.api.contract import (
-    API_KEY_ENV,
+    API_KEY_FILE,
+    API_KEY_FILE_ENV,
+    API_KEY_MOUNT,
     CPU_LINEAR_CACHE_ENV,
     HEALTH_PATH,
     INTERNAL_TOKEN_ENV,
@@ -77,6 +79,7 @@ CONTAINER_SECURITY_CONTEXT = {
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
 }
+API_KEY_VOLUME = "api-keys"  # spec.auth.apiKeySecret, mounted at API_KEY_MOUNT
 
 
 def spec_hash(*parts: Any) -> str:
@@ -154,11 +157,22 @@ def internal_token_env(owner_name: str) -> dict[str, Any]:
 
 
 def api_key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The service's API keys, by reference to the user's Secret (router and workers)."""
+    """Where the router and the workers read the service's API keys: the user's Secret,
+    mounted (api_key_volume), so an edit reaches running pods without a restart."""
     if spec.auth is None:
         return []
-    ref = {"name": spec.auth.api_key_secret.name, "key": spec.auth.api_key_secret.key}
-    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}]
+    return [{"name": API_KEY_FILE_ENV, "value": f"{API_KEY_MOUNT}/{API_KEY_FILE}"}]
+
+
+def api_key_volume(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): the Secret's one key as the file API_KEY_FILE, read-only; none
+    without spec.auth."""
+    if spec.auth is None:
+        return [], []
+    secret = spec.auth.api_key_secret
+    items = [{"key": secret.key, "path": API_KEY_FILE}]
+    volume = {"name": API_KEY_VOLUME, "secret": {"secretName": secret.name, "items": items}}
+    return [volume], [{"name": API_KEY_VOLUME, "mountPath": API_KEY_MOUNT, "readOnly": True}]
 
 
 def _hub_env(spec: InferenceServiceSpec, token: bool) -> list[dict[str, Any]]:
@@ -237,7 +251,8 @@ def _volumes(
         mounts.append(cache_mount(read_only=True))
     if _shared_plans(spec, pool):
         mounts.append(plans_mount())
-    return volumes, mounts
+    key_volumes, key_mounts = api_key_volume(spec)
+    return volumes + key_volumes, mounts + key_mounts
 
 
 def fetch_container(owner_name: str, spec: InferenceServiceSpec, pool: PoolSpec) -> dict[str, Any]:
@@ -450,6 +465,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
 
 
 def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    key_volumes, key_mounts = api_key_volume(spec)
     container = {
         "name": "router",
         "image": spec.runtime.image,
@@ -465,13 +481,13 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "1Gi"},
         },
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *key_mounts],
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         **_probes(ROUTER_STARTUP_SECONDS),
     }
     pod_spec = {
         "terminationGracePeriodSeconds": ROUTER_GRACE_SECONDS,
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *key_volumes],
         # The router reads its pools' EndpointSlices with this account's token (and only it).
         "serviceAccountName": child_name(owner.name, ROUTER),
         "automountServiceAccountToken": True,

@@ -157,7 +157,7 @@ def discoveries(args: argparse.Namespace) -> dict[str, Discovery]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phasefleet.server.auth import api_keys
+    from phasefleet.server.api_keys import ApiKeys
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -173,9 +173,9 @@ def run(args: argparse.Namespace) -> int:
         max_held_requests=args.max_held_requests,
         late_after_ms=args.late_after_ms,
         tpot_target_ms=args.tpot_target_ms,
-        api_keys=api_keys(os.environ),
     )
     try:
+        config.api_keys = ApiKeys.from_env(os.environ)
         config.validate()
         sources = discoveries(args)
     except ValueError as exc:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from phasefleet.router.hold import DEFAULT_HOLD_SECONDS, DEFAULT_MAX_HELD
 from phasefleet.router.policy import POLICIES
+from phasefleet.server.api_keys import ApiKeys
 
 DEFAULT_MAX_ATTEMPTS = 3  # workers tried per request
 DEFAULT_REFRESH_INTERVAL = 1.0  # seconds; pool changes are seen within two of these
@@ -22,13 +23,14 @@ class RouterConfig:
     max_held_requests: int = DEFAULT_MAX_HELD  # requests held per pool at once
     late_after_ms: int | None = None  # the TTFT target sent with each request: late prompts last
     tpot_target_ms: int | None = None  # the TPOT target sent to decode workers: phase boundary
-    # keys a client must send (`Authorization: Bearer`, server/auth.py); (): none. A relayed
+    # keys a client must send (`Authorization: Bearer`, server/auth.py); none: open. A relayed
     # request carries the client's header; the router's own loads onto workers, the first key.
-    api_keys: tuple[str, ...] = ()
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
 
     def own_authorization(self) -> dict[str, str]:
         """The header of the router's own requests to workers (none without keys)."""
-        return {"authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
+        keys = self.api_keys.current()
+        return {"authorization": f"Bearer {keys[0]}"} if keys else {}
 
     def validate(self) -> None:
         if self.policy not in POLICIES:

@@ -1,8 +1,10 @@
 """API keys for the OpenAI surface of a worker and of the router (vLLM's `--api-key`).
 
 With keys in $PHASEFLEET_API_KEY (comma-separated, so a new key can be added before the old one
-is dropped), every request needs `Authorization: Bearer <one of them>`, OpenAI's header; without
-it, 401 in OpenAI's shape (code `invalid_api_key`). Open to all: the probes, /metrics (the
+is dropped) or in the file $PHASEFLEET_API_KEY_FILE names (comma- or line-separated; re-read
+when it changes, at most once a second: a mounted Secret the kubelet updates rotates the keys
+without a restart), every request needs `Authorization: Bearer <one of them>`, OpenAI's header;
+without it, 401 in OpenAI's shape (code `invalid_api_key`). Open to all: the probes, /metrics (the
 autoscaler and Prometheus), /version, the API description, and /internal/* (the hand-off, which
 checks its own token). A key is never logged nor echoed.
 """
@@ -10,23 +12,24 @@ checks its own token). A key is never logged nor echoed.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from phasefleet.api.contract import API_KEY_ENV, HEALTH_PATH, LIVENESS_PATH, METRICS_PATH
+from phasefleet.api.contract import (
+    API_KEY_ENV,
+    API_KEY_FILE_ENV,
+    HEALTH_PATH,
+    LIVENESS_PATH,
+    METRICS_PATH,
+)
+from phasefleet.server.api_keys import ApiKeys
 from phasefleet.server.errors import APIError
 
 OPEN_PATHS = frozenset(
     {HEALTH_PATH, LIVENESS_PATH, METRICS_PATH, "/version", "/openapi.json", "/docs", "/redoc"}
 )
 OPEN_PREFIXES = ("/internal/",)
-
-
-def api_keys(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """The keys in $PHASEFLEET_API_KEY; () when unset or blank: no key needed."""
-    return tuple(key.strip() for key in environ.get(API_KEY_ENV, "").split(",") if key.strip())
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -53,21 +56,21 @@ def unauthorized(message: str) -> APIError:
 class ApiKeyAuth:
     """ASGI middleware: requests outside the open paths need one of `keys`."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         if not keys:
             raise ValueError("ApiKeyAuth needs at least one key")
         self.app = app
-        self.keys = [key.encode() for key in keys]
+        self.keys = keys
 
     def refusal(self, headers: Headers) -> APIError | None:
         given = bearer(headers.get("authorization"))
         if given is None:
             return unauthorized(
                 f"missing API key: send it as 'Authorization: Bearer <key>' (the keys are in"
-                f" ${API_KEY_ENV})"
+                f" ${API_KEY_ENV} or ${API_KEY_FILE_ENV})"
             )
         # every key compared in full: the time taken says nothing about which one was close
-        matches = [hmac.compare_digest(given.encode(), key) for key in self.keys]
+        matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.keys.current()]
         if not any(matches):
             return unauthorized("incorrect API key provided")
         return None

@@ -28,6 +28,7 @@ from phasefleet.api.contract import (
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
+from phasefleet.server.api_keys import ApiKeys  # no heavy imports
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 from phasefleet.server.reasoning import REASONING_PARSERS  # no heavy imports
 from phasefleet.server.sampling_defaults import (  # no heavy imports
@@ -318,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {args.stall_timeout}")
         dtype = engine_dtype(args.dtype, args.device)
+        keys = ApiKeys.from_env(os.environ)
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
     from phasefleet.server.adapters import resolve_adapters
@@ -338,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(PROGRAM, str(exc), code=2)
     try:
-        return _serve(args, config, startup)
+        return _serve(args, config, startup, keys)
     except Exception as exc:  # anything before serving: its one line goes where Kubernetes reads
         write_termination_message(engine_failure(args.model, exc, loaded=False))
         raise
@@ -402,7 +404,9 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
     )
 
 
-def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes) -> int:
+def _serve(
+    args: argparse.Namespace, config: EngineConfig, startup: StartupTimes, keys: ApiKeys
+) -> int:
     import uvicorn
     from transformers import AutoConfig
 
@@ -411,7 +415,6 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
     from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
     from phasefleet.server.app import build_app
     from phasefleet.server.async_engine import AsyncEngine
-    from phasefleet.server.auth import api_keys
     from phasefleet.server.drain import DrainingServer
     from phasefleet.server.handoff import HandoffClient
     from phasefleet.server.metrics import WorkerMetrics
@@ -467,7 +470,7 @@ def _serve(args: argparse.Namespace, config: EngineConfig, startup: StartupTimes
         sampling_defaults=defaults,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,
-        api_keys=api_keys(os.environ),
+        api_keys=keys,
     )
     uv_config = uvicorn.Config(
         build_app(state),

@@ -22,6 +22,7 @@ from phasefleet.api.contract import (
 )
 from phasefleet.engine.grammar import GrammarCompiler
 from phasefleet.engine.sampling_params import Grammar, SamplingParams
+from phasefleet.server.api_keys import ApiKeys
 from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
 from phasefleet.server.handoff import HandoffClient, RemotePrefill
@@ -80,8 +81,8 @@ class WorkerState:
     lora_names: tuple[str, ...] = ()
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (server/lora_admin.py)
     runtime_lora: bool = False
-    # keys a client must send as `Authorization: Bearer <key>` (server/auth.py); (): none
-    api_keys: tuple[str, ...] = ()
+    # keys a client must send as `Authorization: Bearer <key>` (server/auth.py); none: open
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
     # for the sampling fields a request leaves out (server/sampling_defaults.py)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
