@@ -223,7 +223,9 @@ def test_a_service_with_api_keys_answers_only_clients_holding_one(
     cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any
 ) -> None:
     """The keys reach the router and the worker from the user's Secret: with either key the
-    answer is the reference's; without one, or with another, 401 from both; probes pass."""
+    answer is the reference's; without one, or with another, 401 from both; probes pass. An
+    edit of the Secret reaches the running pods (the mounted file, re-read): the new key is
+    taken and the dropped one refused, with no pod restarted."""
     serve(API_KEYS)
     (ip,) = ready_ips(cluster, run_namespace, "router")
     wait_router_sees(ip, {"worker": 1})  # /health needs no key
@@ -236,6 +238,34 @@ def test_a_service_with_api_keys_answers_only_clients_holding_one(
             complete(client(*address, api_key="guess"), PROMPTS[0], stream=False)
         assert httpx.get(f"http://{address[0]}:{address[1]}/metrics", timeout=5).status_code == 200
     assert complete(client(worker, WORKER_PORT, "and-me"), PROMPTS[0], stream=False) == want
+
+    before = {
+        p["metadata"]["uid"] for r in ("router", "worker") for p in pods(cluster, run_namespace, r)
+    }
+    rotated = '{"stringData": {"keys": "and-me,rotated"}}'  # replace-me dropped, rotated added
+    cluster.kubectl("patch", "secret", "tiny-keys", "-n", run_namespace, "-p", rotated)
+
+    def answers(address: tuple[str, int], key: str) -> bool:
+        try:
+            complete(client(*address, api_key=key), PROMPTS[0], stream=False)
+        except openai.AuthenticationError:
+            return False
+        return True
+
+    for address in ((ip, ROUTER_PORT), (worker, WORKER_PORT)):
+        wait_for(lambda a=address: answers(a, "rotated"), timeout=60, what="the rotated key")  # type: ignore[misc]
+        assert not answers(address, "replace-me") and answers(address, "and-me")
+    after = {
+        p["metadata"]["uid"] for r in ("router", "worker") for p in pods(cluster, run_namespace, r)
+    }
+    assert after == before  # no pod replaced
+    restarts = [
+        s["restartCount"]
+        for r in ("router", "worker")
+        for p in pods(cluster, run_namespace, r)
+        for s in p["status"]["containerStatuses"]
+    ]
+    assert restarts == [0, 0]
 
 
 def rolled_out(cluster: ControlPlane, namespace: str, name: str) -> bool:

@@ -19,13 +19,16 @@ from e2e.harness.kubeapi import MERGE_PATCH, ApiError, KubeApi
 from e2e.harness.memcg import memory_limit
 from e2e.harness.podnet import is_local, not_local_message
 from e2e.harness.podspec import ContainerConfigError, container_env, launch_plan
-from e2e.harness.volumes import lookup_key, path_map
+from e2e.harness.volumes import lookup_key, path_map, refresh_objects
 from phasefleet.termination import TERMINATION_LOG_ENV
 
 if TYPE_CHECKING:
     from e2e.harness.podrunner import PodRunner
 
 TICK_SECONDS = 0.2  # between a pod's container checks
+# between looks at the pod's Secret and ConfigMap volumes (a kubelet's sync is about a minute;
+# shorter here, so that a test of a change does not wait that long)
+VOLUME_SYNC_SECONDS = 2.0
 CONFIG_RETRY_SECONDS = 2.0  # a CreateContainerConfigError is retried this often
 ERR_IMAGE_PULL_SECONDS = 1.0  # a failed pull shows as ErrImagePull this long, then back-off
 
@@ -136,11 +139,15 @@ class PodLife(threading.Thread):
                 time.sleep(TICK_SECONDS)
             if (init.last_terminated or {}).get("exitCode") != 0:
                 break  # stopping, or failed under restartPolicy Never: the rest never start
+        synced = time.monotonic()
         while not self.ending:
             if self.initialized:
                 for container in self.containers:
                     container.step(terminating=False)
             self._report()
+            if time.monotonic() - synced >= VOLUME_SYNC_SECONDS:
+                synced = time.monotonic()
+                refresh_objects(self.runner.api, self.pod, self.folder / "volumes")
             time.sleep(TICK_SECONDS)
         if self.runner.stopping.is_set():
             return  # the runner stops every pod itself

@@ -1,7 +1,9 @@
 """A pod's volumes as local folders, made the way a kubelet makes them: emptyDirs under the
 pod's folder, a PVC's bound PersistentVolume (hostPath or local), and the files of projected,
 Secret and ConfigMap volumes (a ServiceAccount token comes from the TokenRequest API, bound to
-the pod). Returns the container path -> local folder table (podspec.PathMap)."""
+the pod). Returns the container path -> local folder table (podspec.PathMap). While the pod
+runs, `refresh_objects` rewrites its Secret and ConfigMap volumes' files that changed, each
+replaced whole (a new file, renamed over the old), as the kubelet's sync does."""
 
 from __future__ import annotations
 
@@ -130,6 +132,29 @@ def volume_folder(api: KubeApi, pod: dict[str, Any], volume: dict[str, Any], roo
         path.write_text(text)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def refresh_objects(api: KubeApi, pod: dict[str, Any], root: Path) -> int:
+    """Rewrites the files of the pod's Secret and ConfigMap volumes whose content changed (a
+    missing object or key leaves them as they are); returns how many."""
+    namespace, changed = pod["metadata"]["namespace"], 0
+    for volume in pod["spec"].get("volumes") or []:
+        kind = "Secret" if "secret" in volume else "ConfigMap" if "configMap" in volume else None
+        if kind is None or not (root / volume["name"]).is_dir():
+            continue
+        try:
+            files = _object_files(api, namespace, kind, volume[kind[0].lower() + kind[1:]])
+        except (ContainerConfigError, ApiError):
+            continue
+        for relative, text in files.items():
+            path = root / volume["name"] / relative
+            if path.is_file() and path.read_text() == text:
+                continue
+            fresh = path.with_name(f".{path.name}.new")
+            fresh.write_text(text)
+            fresh.replace(path)
+            changed += 1
+    return changed
 
 
 def path_map(
