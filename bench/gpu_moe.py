@@ -13,22 +13,16 @@ is compared with the FLOP/s of a large bf16 matmul, counting the active paramete
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
-from unittest import mock
 
-import torch
-from gpu_models import qwen3_moe_config, random_weights
+from gpu_models import qwen3_moe_config
 from gpu_report import CheckContext, Status
-from gpu_roofline import GIB, decode_batch, device_peaks, prefill
+from gpu_roofline import BATCHES, GIB, decode_batch, device_peaks, load_random, prefill
 
-from phasefleet.engine.config import MAX_GRAPH_BATCH, EngineConfig
-from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.config import MAX_GRAPH_BATCH
 from phasefleet.engine.models.moe import choose_path
 from phasefleet.engine.models.moe_shape import MoeShape, moe_shape
-
-BATCHES = (1, 8, 64)
 
 
 def expected_experts(shape: MoeShape, tokens: int) -> float:
@@ -52,19 +46,9 @@ def parameter_counts(config: Any, shape: MoeShape) -> tuple[int, int, int]:
 
 def moe_30b(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
     cuda = ctx.device == "cuda"
-    device = torch.device(ctx.device)
     peaks = device_peaks(ctx.device, ctx.quick)
     data["peaks"] = peaks
-    folder = qwen3_moe_config(ctx)
-    started = time.perf_counter()
-    with random_weights(device), mock.patch.dict(os.environ, {"PHASEFLEET_CUDA_GRAPHS": "0"}):
-        eng = LLMEngine(
-            EngineConfig(
-                model=str(folder), device=ctx.device, dtype="bfloat16", max_model_len=4096,
-                max_num_seqs=max(BATCHES), max_num_batched_tokens=2048,
-            )
-        )  # fmt: skip
-    data["load_seconds"] = time.perf_counter() - started
+    eng = load_random(ctx, qwen3_moe_config(ctx), data)
     runner, config = eng.runner, eng.hf_config
     shape = moe_shape(config)
     assert shape is not None

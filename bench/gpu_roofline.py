@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -165,28 +166,31 @@ def prefill(eng: LLMEngine, tokens: int, cuda: bool) -> float:
     return min(times[1:])
 
 
+def load_random(ctx: CheckContext, folder: Path, data: dict[str, Any]) -> LLMEngine:
+    """The engine on `folder`'s shape with random bf16 weights made on the device, decode
+    graphs off (the caller captures them, timed); data["load_seconds"]: how long it took."""
+    started = time.perf_counter()
+    device = torch.device(ctx.device)
+    with random_weights(device), mock.patch.dict(os.environ, {"PHASEFLEET_CUDA_GRAPHS": "0"}):
+        eng = LLMEngine(
+            EngineConfig(
+                model=str(folder), device=ctx.device, dtype="bfloat16", max_model_len=4096,
+                max_num_seqs=max(BATCHES), max_num_batched_tokens=2048,
+            )
+        )  # fmt: skip
+    data["load_seconds"] = time.perf_counter() - started
+    return eng
+
+
 def roofline(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:
     cuda = ctx.device == "cuda"
-    device = torch.device(ctx.device)
     peaks = device_peaks(ctx.device, ctx.quick)
     data["peaks"] = peaks
     folder = llama3_8b_config(ctx)
     if cuda:
         free, total = torch.cuda.mem_get_info()
         data["device_memory_before_load_gib"] = {"free": free / GIB, "total": total / GIB}
-    started = time.perf_counter()
-    with random_weights(device), mock.patch.dict(os.environ, {"PHASEFLEET_CUDA_GRAPHS": "0"}):
-        eng = LLMEngine(
-            EngineConfig(
-                model=str(folder),
-                device=ctx.device,
-                dtype="bfloat16",
-                max_model_len=4096,
-                max_num_seqs=max(BATCHES),
-                max_num_batched_tokens=2048,
-            )
-        )
-    data["load_seconds"] = time.perf_counter() - started
+    eng = load_random(ctx, folder, data)
     runner, config = eng.runner, eng.hf_config
     data["decode_backend"] = runner.decode_backend
     stats = eng.stats()
