@@ -31,6 +31,11 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def local_width(width: int, tp: TPGroup | None) -> int:
+    """This rank's part of an MLP `width` wide (all of it without tensor parallelism)."""
+    return width if tp is None else len(tp.shard.split(width))
+
+
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)), `width` wide on this rank; with `tp`, the rank's partial
     sums are all-reduced (row-parallel down_proj)."""

@@ -21,7 +21,7 @@ from torch import nn
 from phasefleet.engine.attention.metadata import AttentionMetadata
 from phasefleet.engine.attention.torch_paged import paged_attention
 from phasefleet.engine.models.cpu_linear import pack_linears
-from phasefleet.engine.models.fused import FUSED_PARTS, MLP, fuse_linears
+from phasefleet.engine.models.fused import FUSED_PARTS, MLP, fuse_linears, local_width
 from phasefleet.engine.models.meta import meta_linear
 from phasefleet.engine.models.moe import SparseMoeBlock
 from phasefleet.engine.models.moe_shape import MOE_MODEL_TYPES, is_moe_layer
@@ -125,9 +125,8 @@ class DecoderLayer(nn.Module):
         if is_moe_layer(config, index):
             self.mlp = SparseMoeBlock(config, tp)
         else:
-            width = int(config.intermediate_size)
-            local = width if tp is None else len(tp.shard.split(width))
-            self.mlp = MLP(config.hidden_size, local, bool(getattr(config, "mlp_bias", False)), tp)
+            width = local_width(int(config.intermediate_size), tp)
+            self.mlp = MLP(config.hidden_size, width, bool(getattr(config, "mlp_bias", False)), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

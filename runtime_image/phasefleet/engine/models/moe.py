@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasefleet.engine.config import MAX_GRAPH_BATCH
-from phasefleet.engine.models.fused import MLP
+from phasefleet.engine.models.fused import MLP, local_width
 from phasefleet.engine.models.moe_shape import MoeShape, moe_shape
 
 if TYPE_CHECKING:
@@ -49,10 +49,6 @@ def choose_path(tokens: int, shape: MoeShape, on_cuda: bool) -> str:
     return "sorted"
 
 
-def _local(width: int, tp: TPGroup | None) -> int:
-    return width if tp is None else len(tp.shard.split(width))
-
-
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: Any, tp: TPGroup | None) -> None:
         super().__init__()
@@ -64,7 +60,7 @@ class SparseMoeBlock(nn.Module):
         self.shape = shape
         self.tp = tp
         hidden = int(config.hidden_size)
-        width = _local(shape.width, tp)  # this rank's slice of each expert
+        width = local_width(shape.width, tp)  # this rank's slice of each expert
         self.gate = nn.Linear(hidden, shape.experts, bias=False)  # the router, whole everywhere
         # The checkpoint's layout until fuse() stacks them; no all-reduce inside (done once).
         self.experts: nn.ModuleList | None = nn.ModuleList(
@@ -75,7 +71,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shape.shared_width:
-            self.shared_expert = MLP(hidden, _local(shape.shared_width, tp), bias=False, tp=None)
+            self.shared_expert = MLP(
+                hidden, local_width(shape.shared_width, tp), bias=False, tp=None
+            )
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def fuse(self) -> None:
