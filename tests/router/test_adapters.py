@@ -13,7 +13,7 @@ import pytest
 
 from phasefleet.router.adapters import RETRY_S, FleetAdapters
 from phasefleet.router.pool import WorkerState
-from phasefleet.router.upstream import Upstream, parse_adapters
+from phasefleet.router.upstream import Upstream, parse_metrics
 from phasefleet.server.openai_protocol import LoadLoraAdapter, UnloadLoraAdapter
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
@@ -229,4 +229,4 @@ def test_a_failed_load_onto_a_joining_worker_waits_before_the_next_try() -> None
     ],
 )  # fmt: skip
 def test_a_workers_metrics_say_which_adapters_it_has(text: str, found: set[str]) -> None:
-    assert parse_adapters(text) == found
+    assert parse_metrics(text)[1] == found

@@ -16,7 +16,8 @@ from phasefleet.router.upstream import (
     classify,
     error_message,
     event_data,
-    parse_load,
+    load_of,
+    parse_metrics,
     sse_events,
 )
 
@@ -90,7 +91,11 @@ def test_an_in_band_errors_message_is_read_from_either_api() -> None:
     assert error_message(b"<html>bad gateway") == "<html>bad gateway"
 
 
-def test_parse_load_reads_the_gauges_and_the_throughput_counters() -> None:
+def load_of_text(text: str) -> WorkerLoad:
+    return load_of(parse_metrics(text)[0])
+
+
+def test_the_load_is_read_from_the_gauges_and_the_throughput_counters() -> None:
     text = "\n".join(
         [
             "# HELP phasefleet_num_requests_running Requests in the running batch.",
@@ -100,18 +105,18 @@ def test_parse_load_reads_the_gauges_and_the_throughput_counters() -> None:
             'phasefleet_prompt_tokens_total{model_name="m",role="both"} 99.0',
         ]
     )
-    assert parse_load(text) == WorkerLoad(
+    assert load_of_text(text) == WorkerLoad(
         running=3, waiting=1, kv_usage=0.25, prompt_tokens_total=99
     )
     backlog = 'phasefleet_prefill_tokens_pending{role="prefill"} 700.0'
     queued = 'phasefleet_prefill_tokens_waiting{role="prefill"} 4096.0'
     busy = 'phasefleet_engine_busy_seconds_total{role="prefill"} 1.5'
-    assert parse_load("\n".join([text, backlog, queued, busy])) == WorkerLoad(
+    assert load_of_text("\n".join([text, backlog, queued, busy])) == WorkerLoad(
         running=3, waiting=1, kv_usage=0.25, prefill_pending=700, prefill_waiting=4096,
         prompt_tokens_total=99, busy_seconds_total=1.5,
     )  # fmt: skip
     with pytest.raises(ValueError, match="phasefleet_kv_cache_usage_perc"):
-        parse_load(text.replace("kv_cache_usage_perc", "something_else"))
+        load_of_text(text.replace("kv_cache_usage_perc", "something_else"))
 
 
 def test_static_and_dns_discovery() -> None:

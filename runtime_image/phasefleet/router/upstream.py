@@ -115,14 +115,23 @@ def error_message(content: bytes) -> str:
         return content[:200].decode(errors="replace")
 
 
-def parse_load(text: str) -> WorkerLoad:
-    """A worker's /metrics text -> its load; ValueError if a gauge is missing."""
+def parse_metrics(text: str) -> tuple[dict[str, float], frozenset[str]]:
+    """A worker's /metrics text, read once: the load series' values, and the LoRA adapters it
+    says are loaded (none without that series)."""
     values: dict[str, float] = {}
+    adapters: set[str] = set()
     for line in text.splitlines():
         if line.startswith("phasefleet_"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
             if name in LOAD_SERIES:
                 values[name] = float(line.rsplit(" ", 1)[1])
+            elif (adapter := _ADAPTER.match(line)) is not None:
+                adapters.add(adapter[1])
+    return values, frozenset(adapters)
+
+
+def load_of(values: dict[str, float]) -> WorkerLoad:
+    """The load series' values -> the worker's load; ValueError if a gauge is missing."""
     missing = {RUNNING, WAITING, KV_USAGE} - values.keys()
     if missing:
         raise ValueError(f"the worker's /metrics lacks {', '.join(sorted(missing))}")
@@ -135,12 +144,6 @@ def parse_load(text: str) -> WorkerLoad:
         prompt_tokens_total=values.get(PROMPT_TOKENS),
         busy_seconds_total=values.get(BUSY_SECONDS),
     )
-
-
-def parse_adapters(text: str) -> frozenset[str]:
-    """The LoRA adapters a worker's /metrics text says are loaded (none without the series)."""
-    found = (_ADAPTER.match(line) for line in text.splitlines())
-    return frozenset(match[1] for match in found if match)
 
 
 @dataclass(frozen=True)
@@ -182,8 +185,8 @@ class Upstream:
             return Poll(healthy=False)
         if not isinstance(metrics, httpx.Response) or metrics.status_code != 200:
             return Poll(healthy=True)
-        adapters = parse_adapters(metrics.text)
+        values, adapters = parse_metrics(metrics.text)
         try:
-            return Poll(True, parse_load(metrics.text), adapters)
+            return Poll(True, load_of(values), adapters)
         except ValueError:
             return Poll(True, None, adapters)
