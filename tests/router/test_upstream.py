@@ -76,7 +76,8 @@ def test_classify_reads_the_responses_apis_named_events() -> None:
     assert classify(event("response.created", response={})) is Event.OTHER
     assert classify(event("response.output_text.delta", delta="event: error")) is Event.TOKEN
     calls = event("response.function_call_arguments.delta", delta="{}")  # an answer of calls
-    assert classify(calls) is Event.TOKEN
+    thought = event("response.reasoning_text.delta", delta="hm")  # the thought comes first
+    assert classify(calls) is Event.TOKEN and classify(thought) is Event.TOKEN
     for end in ("completed", "incomplete", "failed"):
         assert classify(event(f"response.{end}", response={})) is Event.DONE
     assert classify(event("error", message="boom")) is Event.ERROR

@@ -96,7 +96,8 @@ def test_a_grammar_shapes_the_answer_after_the_thought(worker: Worker) -> None:
 
 def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> None:
     """OpenAI's Responses API on the same model: a reasoning item, then the message; the
-    answer ended on its own (status completed); streamed, the same items in the same order."""
+    answer ended on its own (status completed); streamed, the same items in the same order,
+    the thought as it comes (reasoning_text deltas), closed before the answer's text."""
     client = worker.client()
     whole = client.responses.create(model="tiny", input=MESSAGES[0]["content"], temperature=0)
     assert whole.status == "completed" and whole.incomplete_details is None
@@ -121,6 +122,11 @@ def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> Non
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == "Paris." and events[-1].type == "response.completed"
     assert events[-1].response.output_text == "Paris."
+    kinds = [e.type for e in events]
+    thought = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(thought) > 1 and "".join(e.delta for e in thought) == "\nIt is Paris.\n"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert events[-1].response.output[0].content[0].text == "\nIt is Paris.\n"
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,10 @@ MAX_KEEPALIVE = 256  # idle connections kept open across all workers
 
 _DONE = b"data: [DONE]"
 # The Responses API names each event in an `event:` line and ends without [DONE].
-# Output: text, or a function call's arguments (an answer of calls alone has no text).
+# Output: the thought, text, or a function call's arguments (an answer of calls alone has no
+# text), as a chat stream's reasoning_content, content and tool_calls deltas are.
 _RESPONSE_TOKENS = (
+    b"event: response.reasoning_text.delta\n",
     b"event: response.output_text.delta\n",
     b"event: response.function_call_arguments.delta\n",
 )

@@ -6,8 +6,9 @@ string or `input_text` / `output_text` parts) the conversation; `max_output_toke
 schema in the format) shapes it as chat's `response_format` does. The answer is one `message`
 output item with one `output_text` part (and, with --reasoning-parser, a `reasoning` item before
 it); streamed, it is OpenAI's event sequence (`response.created` ...
-`response.output_text.delta` ... `response.completed`, or `response.incomplete` when cut short),
-each event named in an `event:` line and numbered by `sequence_number`.
+`response.reasoning_text.delta` ... `response.output_text.delta` ... `response.completed`, or
+`response.incomplete` when cut short), each event named in an `event:` line and numbered by
+`sequence_number`.
 
 Function tools are chat's (server/tools.py): a call comes back as a `function_call` item after
 the message (none when the answer is calls alone), streamed whole once the answer is done;
@@ -163,24 +164,25 @@ async def _events(
     answer: _Answer, started: StartedChat, chat: ChatCompletionRequest, state: WorkerState
 ) -> AsyncIterator[dict[str, Any]]:
     """OpenAI's event sequence for one streamed response (without sequence numbers): the
-    reasoning item, the message as its text comes, then each function call whole."""
+    reasoning item and the message as their text comes, then each function call whole."""
     yield {"type": "response.created", "response": answer.body("in_progress")}
     yield {"type": "response.in_progress", "response": answer.body("in_progress")}
     streamed = StreamedChoice(chat, state.tool_call_parser, started.thinks)
     at = {"item_id": answer.message_id, "content_index": 0}
     opened = False
-    thought = ""
+    thought = _Thought(answer, started.thinks)
     calls: dict[int, ToolCall] = {}  # by the chat stream's index, pieces joined
     async for event in started.gen.events():
         out = event.output
         delta = out.text[len(streamed.sent) :]
         streamed.sent = out.text
         piece = streamed.delta(delta, out.finished)
-        thought += piece.reasoning_content or ""
+        for e in thought.piece(piece.reasoning_content or ""):
+            yield e
         _gather(calls, piece.tool_calls or [])
         if piece.content and not opened:
             opened = True
-            for e in _reasoning_events(answer, thought, started.thinks):
+            for e in thought.close():
                 yield e
             at["output_index"] = answer.next_index()
             for e in _message_start(answer, at):
@@ -194,7 +196,7 @@ async def _events(
             answer.cut_short = out.finish_reason == "length"
     answer.calls = [calls[i] for i in sorted(calls)]
     if not opened:
-        for e in _reasoning_events(answer, thought, started.thinks):
+        for e in thought.close():
             yield e
         if answer.has_message():  # an empty answer: its message all the same
             opened = True
@@ -242,17 +244,46 @@ def _message_start(answer: _Answer, at: dict[str, Any]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def _reasoning_events(answer: _Answer, thought: str, thinks: str | None) -> list[dict[str, Any]]:
-    """The reasoning item, when the answer had a thought (or its template opened one)."""
-    if not thought and thinks != "deepseek_r1":
-        return []
-    answer.reasoning = thought
-    item = answer.reasoning_item()
-    index = answer.next_index()
-    return [
-        {"type": "response.output_item.added", "output_index": index, "item": item},
-        {"type": "response.output_item.done", "output_index": index, "item": item},
-    ]
+class _Thought:
+    """A stream's reasoning item: opened at the thought's first piece, its text streamed as
+    `response.reasoning_text.delta`, closed before the message (or at the end)."""
+
+    def __init__(self, answer: _Answer, thinks: str | None) -> None:
+        self.answer, self.thinks = answer, thinks
+        self.at: dict[str, Any] | None = None  # item_id, output_index, content_index once open
+        self.closed = False
+
+    def _open(self) -> dict[str, Any]:
+        self.answer.reasoning = ""
+        self.at = {"item_id": self.answer.reasoning_id, "output_index": self.answer.next_index(),
+                   "content_index": 0}  # fmt: skip
+        item = {**self.answer.reasoning_item(), "status": "in_progress", "content": []}
+        return {"type": "response.output_item.added", "output_index": self.at["output_index"],
+                "item": item}  # fmt: skip
+
+    def piece(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = [self._open()] if self.at is None else []
+        assert self.at is not None and self.answer.reasoning is not None
+        self.answer.reasoning += text
+        events.append({"type": "response.reasoning_text.delta", **self.at, "delta": text})
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        """The item's end; for a thought the template opened that stayed empty (deepseek_r1),
+        the whole item all the same."""
+        if self.closed or (self.at is None and self.thinks != "deepseek_r1"):
+            return []
+        self.closed = True
+        events = [self._open()] if self.at is None else []
+        assert self.at is not None
+        item = self.answer.reasoning_item()
+        events.append({"type": "response.reasoning_text.done", **self.at,
+                       "text": self.answer.reasoning or ""})  # fmt: skip
+        events.append({"type": "response.output_item.done", "output_index": self.at["output_index"],
+                       "item": item})  # fmt: skip
+        return events
 
 
 async def _framed(events: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[str, None]:
