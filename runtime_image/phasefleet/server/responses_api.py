@@ -31,13 +31,7 @@ from fastapi.responses import Response
 
 from phasefleet.server.chat import StartedChat, StreamedChoice, message_of, start_chat
 from phasefleet.server.errors import APIError
-from phasefleet.server.openai_protocol import (
-    ChatCompletionRequest,
-    FunctionCall,
-    ResponsesRequest,
-    ToolCall,
-    ToolCallDelta,
-)
+from phasefleet.server.openai_protocol import ChatCompletionRequest, ResponsesRequest, ToolCall
 from phasefleet.server.responses import GenerationStream, collect_or_abort
 from phasefleet.server.state import WorkerState
 
@@ -171,7 +165,7 @@ async def _events(
     at = {"item_id": answer.message_id, "content_index": 0}
     opened = False
     thought = _Thought(answer, started.thinks)
-    calls: dict[int, ToolCall] = {}  # by the chat stream's index, pieces joined
+    text, reason = "", None  # the whole answer, once finished: its calls are read from it
     async for event in started.gen.events():
         out = event.output
         delta = out.text[len(streamed.sent) :]
@@ -179,7 +173,6 @@ async def _events(
         piece = streamed.delta(delta, out.finished)
         for e in thought.piece(piece.reasoning_content or ""):
             yield e
-        _gather(calls, piece.tool_calls or [])
         if piece.content and not opened:
             opened = True
             for e in thought.close():
@@ -194,7 +187,9 @@ async def _events(
         if out.finished:
             answer.output_tokens = len(out.output_token_ids)
             answer.cut_short = out.finish_reason == "length"
-    answer.calls = [calls[i] for i in sorted(calls)]
+            text, reason = out.text, out.finish_reason
+    message, _ = message_of(chat, state, started.thinks, text, reason)  # as a whole response's
+    answer.calls = message.tool_calls or []
     if not opened:
         for e in thought.close():
             yield e
@@ -221,18 +216,6 @@ async def _events(
         yield {"type": "response.output_item.done", "output_index": index["output_index"],
                "item": item}  # fmt: skip
     yield {"type": f"response.{answer.status()}", "response": answer.body(answer.status())}
-
-
-def _gather(calls: dict[int, ToolCall], deltas: list[ToolCallDelta]) -> None:
-    """Joins the chat stream's call pieces: the first has the id and name, all some arguments."""
-    for d in deltas:
-        call = calls.setdefault(
-            d.index, ToolCall(id="", function=FunctionCall(name="", arguments=""))
-        )
-        call.id = d.id or call.id
-        if d.function is not None:
-            call.function.name = d.function.name or call.function.name
-            call.function.arguments += d.function.arguments or ""
 
 
 def _message_start(answer: _Answer, at: dict[str, Any]) -> list[dict[str, Any]]:
