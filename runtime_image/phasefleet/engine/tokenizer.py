@@ -47,19 +47,31 @@ def load_tokenizer(folder: str | Path) -> Any:
     return cls.from_pretrained(folder)
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def generation_config(folder: str | Path) -> dict[str, Any]:
+    """The model's generation_config.json ({} when it has none); ValueError when it is not a
+    JSON object."""
+    path = Path(folder) / GENERATION_CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a JSON object: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
 def eos_token_ids(folder: str | Path, hf_config: Any, tokenizer: Any) -> set[int]:
     """The tokens that end a sequence: the eos_token_id (one or a list) of the model's config,
     of its generation_config.json (where chat models name their end-of-turn tokens: Llama 3's
     <|eot_id|>, Phi-3's <|end|>, as transformers' generate and vLLM read it) and the
     tokenizer's."""
     ids: set[int] = set()
-    generation = Path(folder) / "generation_config.json"
-    try:
-        from_generation = json.loads(generation.read_text()).get("eos_token_id")
-    except FileNotFoundError:
-        from_generation = None
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise ValueError(f"{generation} is not a JSON object: {exc}") from None
+    from_generation = generation_config(folder).get("eos_token_id")
     sources = (getattr(hf_config, "eos_token_id", None), from_generation, tokenizer.eos_token_id)
     for source in sources:
         if isinstance(source, int):

@@ -27,15 +27,12 @@ from phasefleet.api.contract import (
 )
 from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
+from phasefleet.engine.tokenizer import GENERATION_CONFIG_FILE  # no heavy imports
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
 from phasefleet.server.api_keys import ApiKeys  # no heavy imports
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
 from phasefleet.server.reasoning import REASONING_PARSERS  # no heavy imports
-from phasefleet.server.sampling_defaults import (  # no heavy imports
-    GENERATION_CONFIG_FILE,
-    GENERATION_CONFIGS,
-    SamplingDefaults,
-)
+from phasefleet.server.sampling_defaults import GENERATION_CONFIGS, SamplingDefaults
 from phasefleet.server.tool_parsers import TOOL_CALL_PARSERS  # no heavy imports
 from phasefleet.termination import fail, write_termination_message
 

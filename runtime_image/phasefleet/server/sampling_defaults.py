@@ -6,13 +6,13 @@ Only the fields the file sets are taken; `do_sample` is not read (as vLLM)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from phasefleet.engine.tokenizer import GENERATION_CONFIG_FILE, generation_config
+
 GENERATION_CONFIGS = ("auto", "vllm")  # --generation-config: the model's defaults, or the API's
-GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -28,20 +28,12 @@ class SamplingDefaults:
         """The defaults folder/generation_config.json sets (the API's where it sets none, or
         has no such file). ValueError naming the file and the field when a value is out of the
         engine's bounds."""
-        path = Path(folder) / GENERATION_CONFIG_FILE
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError:
-            return cls()
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not a JSON object: {exc}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{path} is not a JSON object")
+        config = generation_config(folder)
         given = {f.name: config[f.name] for f in fields(cls) if config.get(f.name) is not None}
         if given.get("top_k") == 0:  # transformers' "no cut"
             given["top_k"] = -1
         defaults = replace(cls(), **given)
-        defaults.check(str(path))
+        defaults.check(str(Path(folder) / GENERATION_CONFIG_FILE))
         return defaults
 
     def check(self, source: str) -> None:
