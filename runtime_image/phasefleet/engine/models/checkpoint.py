@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from phasefleet.engine.models.rope import head_dim
+
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTION = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
@@ -29,9 +31,7 @@ def our_tensors(name: str, tensor: torch.Tensor, config: Any) -> Iterator[tuple[
     parent, _, kind = module.rpartition(".")
     if config.model_type == "phi3" and kind in ("qkv_proj", "gate_up_proj"):
         if kind == "qkv_proj":
-            dim = int(getattr(config, "head_dim", None) or 0) or (
-                config.hidden_size // config.num_attention_heads
-            )
+            dim = head_dim(config)
             kv = int(config.num_key_value_heads or config.num_attention_heads) * dim
             sizes = {"q_proj": config.num_attention_heads * dim, "k_proj": kv, "v_proj": kv}
         else:
