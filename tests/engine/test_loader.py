@@ -122,3 +122,22 @@ def test_places_offsets_follow_the_parts_order() -> None:
     assert where["l.mlp.up_proj.weight"].start == 6
     assert where["l.mlp.up_proj.weight"].target == "l.mlp.gate_up_proj.weight"
     assert where["l.attn.o_proj.weight"].start is None
+
+
+def test_a_phi3_fused_projection_of_another_size_is_refused_naming_it() -> None:
+    """Phi-3's qkv_proj / gate_up_proj are split by the config's sizes; rows that do not add
+    up are a ValueError naming the tensor, not a silent misplacement."""
+    from types import SimpleNamespace
+
+    from phasefleet.engine.models.checkpoint import our_tensors
+
+    config = SimpleNamespace(
+        model_type="phi3", hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=6,
+    )  # fmt: skip
+    qkv = torch.arange(16 * 8.0).view(16, 8)  # q 8 rows, k 4, v 4
+    parts = dict(our_tensors("model.layers.0.self_attn.qkv_proj.weight", qkv, config))
+    assert [p.shape[0] for p in parts.values()] == [8, 4, 4]
+    assert torch.equal(parts["model.layers.0.self_attn.k_proj.weight"], qkv[8:12])
+    with pytest.raises(ValueError, match="gate_up_proj.weight has 10 rows, the config makes 12"):
+        list(our_tensors("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(10, 8), config))

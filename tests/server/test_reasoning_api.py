@@ -134,6 +134,7 @@ def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> Non
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tools": [{"type": "file_search"}]}, "tools[0].type"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
