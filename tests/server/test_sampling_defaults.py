@@ -30,6 +30,7 @@ def test_only_the_fields_the_file_sets_are_taken(tmp_path: Path) -> None:
     assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
     assert defaults.overridden() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert SamplingDefaults.of_model(write(tmp_path, {"top_k": 0})).top_k == -1  # no cut
+    assert SamplingDefaults.of_model(write(tmp_path, {"max_new_tokens": 64})).max_tokens == 64
     both = {"repetition_penalty": 1.1, "min_p": 0.05, "temperature": None}
     assert SamplingDefaults.of_model(write(tmp_path, both)) == SamplingDefaults(
         min_p=0.05, repetition_penalty=1.1
@@ -42,6 +43,8 @@ def test_only_the_fields_the_file_sets_are_taken(tmp_path: Path) -> None:
         ({"temperature": -1}, "generation_config.json: temperature must be"),
         ({"top_p": 0}, "generation_config.json: top_p must be in"),
         ({"top_k": "many"}, "generation_config.json: top_k must be"),
+        ({"max_new_tokens": 0}, "generation_config.json: max_new_tokens must be an integer"),
+        ({"max_new_tokens": 2.5}, "generation_config.json: max_new_tokens must be an integer"),
         ([1, 2], "generation_config.json is not a JSON object"),
     ],
 )
@@ -66,12 +69,21 @@ def test_a_request_field_wins_over_the_default() -> None:
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (1.0, 0.95, -1, 0.0)
 
 
+def test_the_models_max_new_tokens_is_a_default_not_a_cap() -> None:
+    assert SamplingDefaults().max_tokens_or(16) == 16  # completions: the API's 16
+    assert SamplingDefaults().max_tokens_or(None) is None  # chat: up to the context
+    assert SamplingDefaults(max_tokens=8).max_tokens_or(16) == 8
+    assert SamplingDefaults(max_tokens=512).max_tokens_or(16) == 16
+    assert SamplingDefaults(max_tokens=512).max_tokens_or(None) == 512
+
+
 def test_a_worker_samples_with_the_models_defaults(tmp_path: Path) -> None:
     """A model whose generation_config.json says temperature 0 answers a request that leaves
-    temperature out greedily, whatever its seed; a request that asks temperature 1 samples."""
+    temperature out greedily, whatever its seed; a request that asks temperature 1 samples.
+    Its max_new_tokens bounds a chat answer that names no max_tokens."""
     folder = make_tiny(tmp_path / "flat", arch="llama", seed=3, init_std=0.02)  # flat logits
     config = json.loads((folder / "generation_config.json").read_text())
-    write(folder, {**config, "temperature": 0.0})
+    write(folder, {**config, "temperature": 0.0, "max_new_tokens": 7})
     with run_worker(folder) as worker:
         client = worker.client()
 
@@ -83,6 +95,12 @@ def test_a_worker_samples_with_the_models_defaults(tmp_path: Path) -> None:
             )  # fmt: skip
             return reply.choices[0].text
 
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert chat.usage is not None and chat.usage.completion_tokens == 7
+        assert chat.choices[0].finish_reason == "length"
         greedy = answer(temperature=0)
         assert answer(seed=1) == answer(seed=2) == greedy
         sampled = {answer(temperature=1.0, seed=s) for s in (1, 2, 3)}

@@ -116,7 +116,11 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
     prompt = await state.off_loop(render, req, state)
     prompt = truncated(prompt, req.truncate_prompt_tokens, state.engine.max_model_len)
     budget = output_budget(
-        len(prompt), req.requested_max_tokens(), None, state.engine.max_model_len, "messages"
+        len(prompt),
+        req.requested_max_tokens(),
+        state.sampling_defaults.max_tokens_or(None),
+        state.engine.max_model_len,
+        "messages",
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [

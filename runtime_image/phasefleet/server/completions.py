@@ -102,9 +102,10 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     # the engine's count: echo's logprobs, vLLM's prompt_logprobs, or the larger of the two
     asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
     prompt_logprobs = max(asked) if asked else None
+    default = state.sampling_defaults.max_tokens_or(DEFAULT_MAX_TOKENS)
     choice_prompts, params, echoes = [], [], []
     for p, prompt in enumerate(prompts):
-        budget = output_budget(len(prompt), requested, DEFAULT_MAX_TOKENS, max_len, "prompt")
+        budget = output_budget(len(prompt), requested, default, max_len, "prompt")
         for sample in range(req.n):
             choice_prompts.append(prompt)
             params.append(
