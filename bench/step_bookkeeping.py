@@ -33,6 +33,7 @@ import torch
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.model_runner import Executed
 from phasefleet.engine.outputs import RequestOutput
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
@@ -76,7 +77,7 @@ def bookkeeping_ms(eng: LLMEngine, batch: int, out: int, steps: int) -> float:
     execute = eng.runner.execute
     in_runner = [0.0]
 
-    def timed_execute(*args: Any, **kwargs: Any) -> dict[str, int]:
+    def timed_execute(*args: Any, **kwargs: Any) -> Executed:
         start = time.thread_time()
         try:
             return execute(*args, **kwargs)

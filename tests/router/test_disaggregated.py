@@ -92,6 +92,20 @@ def test_chat_through_the_router_equals_an_aggregated_worker(fleet: Fleet) -> No
     assert answers[0] == answers[1]
 
 
+def test_embeddings_go_to_the_prefill_worker(fleet: Fleet) -> None:
+    """An embedding is a prompt alone: the router sends it to a prefill worker, no hand-off;
+    the vectors are the aggregated worker's."""
+    texts = [f"embed {i}: the harbour at dawn" for i in range(4)]
+    decode_tokens = fleet.decode.counter("phasefleet_prompt_tokens_total")
+    prefill_tokens = fleet.prefill.counter("phasefleet_prompt_tokens_total")
+    got = fleet.router.client().embeddings.create(model="tiny", input=texts)
+    want = fleet.reference.client().embeddings.create(model="tiny", input=texts)
+    for mine, theirs in zip(got.data, want.data, strict=True):
+        assert mine.embedding == pytest.approx(theirs.embedding, abs=1e-6)
+    assert fleet.prefill.counter("phasefleet_prompt_tokens_total") >= prefill_tokens + 4 * 5
+    assert fleet.decode.counter("phasefleet_prompt_tokens_total") == decode_tokens
+
+
 def test_a_seeded_sample_through_the_hand_off_equals_one_worker(fleet: Fleet) -> None:
     """The first token is drawn on the prefill worker, the rest on the decode worker: a seeded
     draw depends on the seed, the token's position and the logits only."""

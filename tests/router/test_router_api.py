@@ -356,7 +356,10 @@ def test_openapi_declares_the_workers_request_bodies(
 ) -> None:
     mine = httpx.get(f"{router.base_url}/openapi.json").json()
     theirs = httpx.get(f"{workers[0].base_url}/openapi.json").json()
-    paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
+    paths = (
+        "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+        "/detokenize",
+    )  # fmt: skip
     bodies = [theirs["paths"][path]["post"]["requestBody"] for path in paths]
     assert [mine["paths"][path]["post"].get("requestBody") for path in paths] == bodies
     assert bodies[0]["content"]["application/json"]["schema"] == {

@@ -64,8 +64,9 @@ def served_model_schema(worker: Worker, vocab_size: int) -> Any:
         properties = component.get("properties", {})
         if "model" in properties and name.endswith("Request"):
             properties["model"] = {"type": "string", "enum": [worker.model]}
-        if "prompt" in properties:
-            _cap_token_ids(properties["prompt"], vocab_size - 1)
+        for field in ("prompt", "input"):  # completions' prompt, embeddings' input
+            if field in properties:
+                _cap_token_ids(properties[field], vocab_size - 1)
     return schemathesis.openapi.from_dict(raw)
 
 

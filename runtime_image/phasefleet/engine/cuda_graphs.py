@@ -71,9 +71,10 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}  # batch size -> its logits [b, vocab]
 
     def fits(self, out: SchedulerOutput) -> bool:
-        """Whether this step is decode-only (one sampled token each) and small enough."""
+        """Whether this step is decode-only (one sampled token each, no embedding) and small
+        enough."""
         return 0 < len(out.scheduled) <= self.sizes[-1] and all(
-            s.num_tokens == 1 and s.sample for s in out.scheduled
+            s.num_tokens == 1 and s.sample and not s.request.embed for s in out.scheduled
         )
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -172,23 +172,8 @@ class LLMEngine:
         block, until `end_import`; the request is computed only then, and its first token may
         come with `end_import` instead."""
         params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must contain at least one token, got an empty prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) must fit "
-                f"max_model_len ({self.max_model_len}), got {n + params.max_tokens}"
-            )
-        needed = self.kv.blocks_needed(n + params.max_tokens)
-        if needed > self.kv.pool.num_usable_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens needs {needed} KV blocks, more than the whole pool "
-                f"({self.kv.pool.num_usable_blocks}); lower max_tokens or raise num_kv_blocks"
-            )
+        self._check_prompt(prompt_token_ids, params.max_tokens)
         vocab = self.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {prompt_token_ids}")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(
                 f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}"
@@ -209,7 +194,7 @@ class LLMEngine:
         first_block = imported_kv[0].first_block if imported_kv else importing_from or 0
         if importing_from is not None and first_block != importing_from:
             raise ValueError(f"imported_kv must start at block {importing_from}")
-        imported_tokens = self.imports.check(imported_kv, first_block, n)
+        imported_tokens = self.imports.check(imported_kv, first_block, len(prompt_token_ids))
         adapter = None if lora is None else self._adapter(lora)
         request = Request(
             request_id=request_id,
@@ -245,6 +230,54 @@ class LLMEngine:
         self._live[request_id] = _Live(row, detok)
         if imported_kv or importing_from is not None:
             self.imports.add(request_id, imported_kv)
+
+    def add_embedding_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        arrival_time: float | None = None,
+        *,
+        late_after_s: float | None = None,
+        lora: str | None = None,
+    ) -> None:
+        """Queues an embedding: the prompt is computed like any other (prefix-cache hits
+        included), then the request finishes with 'embedded' and its output carries the last
+        token's final hidden state (`RequestOutput.embedding`), sampling nothing."""
+        self._check_prompt(prompt_token_ids, 0)
+        if late_after_s is not None and late_after_s <= 0:
+            raise ValueError(f"late_after_s must be > 0 seconds, got {late_after_s}")
+        adapter = None if lora is None else self._adapter(lora)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=SamplingParams(max_tokens=1),  # never sampled
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            embed=True,
+            late_after_s=late_after_s,
+            lora_slot=NO_SLOT if adapter is None else adapter.slot,
+            prefix_salt=None if adapter is None else adapter.salt,
+        )
+        self.scheduler.add_request(request)
+
+    def _check_prompt(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """ValueError when the prompt and max_tokens cannot run here."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token, got an empty prompt")
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) must fit "
+                f"max_model_len ({self.max_model_len}), got {n + max_tokens}"
+            )
+        needed = self.kv.blocks_needed(n + max_tokens)
+        if needed > self.kv.pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {needed} KV blocks, more than the whole pool "
+                f"({self.kv.pool.num_usable_blocks}); lower max_tokens or raise num_kv_blocks"
+            )
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {prompt_token_ids}")
 
     def _load_adapters(self, config: EngineConfig) -> None:
         tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -427,14 +460,17 @@ class LLMEngine:
         self._load_imports(out)
         if not out.scheduled:  # only admissions of importers, or preemptions
             return outputs
-        sampled = self.runner.execute(out, self._row_of)
+        executed = self.runner.execute(out, self._row_of)
         for s in out.scheduled:
             live = self._live.get(s.request.request_id)
             if s.sample and live is not None and live.row.error is not None:
                 outputs.append(self._fail(s.request, live.row.error))
-        changed = self.scheduler.update_from_output(out, sampled)
+        changed = self.scheduler.update_from_output(out, executed.sampled)
         outputs += self._prefill_progress(out)
         for req in changed:
+            if req.embed:
+                outputs.append(self._embedded(req, executed.embeddings[req.request_id]))
+                continue
             try:
                 outputs.append(self._advance(req))
             except Exception as exc:  # a fault of this request alone (detokenizer, stop strings)
@@ -483,6 +519,12 @@ class LLMEngine:
         if req.is_finished:
             output.kv_blocks = self._settle_held_kv(req)
             self._forget(req.request_id)
+        return output
+
+    def _embedded(self, req: Request, embedding: np.ndarray) -> RequestOutput:
+        output = self._output(req, [], "")
+        output.embedding = embedding
+        self._forget(req.request_id)
         return output
 
     def _follow_grammar(self, req: Request, matcher: GrammarMatcher) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -347,9 +347,10 @@ class ModelRunner:
         self.tables.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, row_of: Callable[[str], SamplingRow]) -> dict[str, int]:
-        """One forward pass over the scheduled tokens; returns request_id -> sampled token for
-        the requests whose `sample` flag is set. `row_of(request_id)`: its sampling row."""
+    def execute(self, out: SchedulerOutput, row_of: Callable[[str], SamplingRow]) -> Executed:
+        """One forward pass over the scheduled tokens: the tokens sampled for the requests whose
+        `sample` flag is set, and the embeddings of the embedding requests among them.
+        `row_of(request_id)`: its sampling row."""
         graph = self.graphs is not None and self.graphs.fits(out)
         group = self.decode_backend == "torch" and not graph
         plan = plan_step(out.scheduled, self.tables, self.block_size, group)
@@ -363,26 +364,31 @@ class ModelRunner:
         )
         if self.ranks is not None:
             self.ranks.call("run_step", step)
-        logits, span_logits, settings = self.run_step(step, sampling)
-        for (_, _, row, targets), span in zip(spans, span_logits, strict=True):
+        forward = self.run_step(step, sampling)
+        for (_, _, row, targets), span in zip(spans, forward.span_logits, strict=True):
             counts = [row.params.prompt_logprobs or 0] * len(targets)
             row.prompt_logprobs.extend(token_logprobs(span, targets, counts, ranked=True))
-        if logits is None or settings is None:
-            return {}
+        embeddings = {}
+        if forward.pooled is not None:
+            vectors = forward.pooled.cpu().numpy()
+            embeddings = {
+                s.request.request_id: v for s, v in zip(plan.pooled, vectors, strict=True)
+            }
+        if forward.logits is None or forward.sampling is None:
+            return Executed({}, embeddings)
+        settings = forward.sampling
         if sampling.grammar:  # on the host while the device runs the forward
             words = grammar_masks(sampled_rows, self.vocab_size)
             self.mask_staging.add(words)
             settings.grammar_words = self.mask_staging.upload()[0].view(words.shape)
-        tokens = sample(logits, sampled_rows, settings)
-        return {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
+        tokens = sample(forward.logits, sampled_rows, settings)
+        sampled = {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
+        return Executed(sampled, embeddings)
 
     @torch.inference_mode()
-    def run_step(
-        self, step: RankStep, sampling: SamplingBatch | None = None
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor], DeviceSampling | None]:
-        """The forward pass of a step, as every rank runs it: (the sampled rows' logits, or None
-        when nothing samples; the logits of each logit span; the sampling settings on the
-        device, rank 0 only). The other ranks run it for the collectives and drop the result."""
+    def run_step(self, step: RankStep, sampling: SamplingBatch | None = None) -> Forward:
+        """The forward pass of a step, as every rank runs it. The other ranks run it for the
+        collectives and drop the result."""
         a = step.arrays
         t = self._upload(a, step.table_updates, sampling)
         if self.lora is not None:  # a graph always runs every slot's deltas
@@ -391,14 +397,15 @@ class ModelRunner:
             self.lora.step.set(t.lora_slots, used, uniform=len(adapted) == len(a.lora_slots))
         if step.graph and self.graphs is not None:
             logits = self.graphs.run(t.input_ids, t.positions, t.slots, t.decode_rows, t.decode_ctx)
-            return logits, [], t.sampling
+            return Forward(logits, [], t.sampling, None)
         meta = self._metadata(a, t)
         hidden = self.model(t.input_ids, t.positions, self.kv_caches, meta)
         spans = [self.model.compute_logits(hidden[s:e]) for s, e in step.logit_spans]
+        pooled = hidden.index_select(0, t.pool_index).float() if len(a.pool_index) else None
         if not len(a.sample_index):
-            return None, spans, t.sampling
+            return Forward(None, spans, t.sampling, pooled)
         logits = self.model.compute_logits(hidden.index_select(0, t.sample_index))
-        return logits, spans, t.sampling
+        return Forward(logits, spans, t.sampling, pooled)
 
     def _upload(
         self,
@@ -408,10 +415,8 @@ class ModelRunner:
     ) -> StepTensors:
         """The step's arrays, the sampling settings and the block-table updates on the device,
         in one copy; the updates applied to the device tables."""
-        inputs = [
-            arrays.input_ids, arrays.positions, arrays.slots, arrays.decode_rows,
-            arrays.decode_ctx, arrays.sample_index, arrays.lora_slots,
-        ]  # fmt: skip
+        names = [f.name for f in fields(StepTensors) if f.name != "sampling"]
+        inputs = [getattr(arrays, name) for name in names]
         settings = sampling.arrays() if sampling is not None else []
         for array in [*inputs, *settings, *(updates or ())]:
             self.staging.add(array)
@@ -419,21 +424,10 @@ class ModelRunner:
         k = len(inputs) + len(settings)
         if updates is not None:
             self.tables.apply(t[k], t[k + 1])
-        input_ids, positions, slots, decode_rows, decode_ctx, sample_index, lora_slots = t[
-            : len(inputs)
-        ]
-        return StepTensors(
-            input_ids=input_ids,
-            positions=positions,
-            slots=slots,
-            decode_rows=decode_rows,
-            decode_ctx=decode_ctx,
-            sample_index=sample_index,
-            lora_slots=lora_slots,
-            sampling=(
-                DeviceSampling.take(sampling, t[len(inputs) : k]) if sampling is not None else None
-            ),
+        on_device = (
+            DeviceSampling.take(sampling, t[len(inputs) : k]) if sampling is not None else None
         )
+        return StepTensors(**dict(zip(names, t, strict=False)), sampling=on_device)
 
     def _metadata(self, plan: StepArrays, step: StepTensors) -> AttentionMetadata:
         """Attention metadata for the eager path: device ops on the uploaded inputs only."""
@@ -516,5 +510,25 @@ class StepTensors:
     decode_rows: torch.Tensor
     decode_ctx: torch.Tensor
     sample_index: torch.Tensor
+    pool_index: torch.Tensor
     lora_slots: torch.Tensor
     sampling: DeviceSampling | None  # rank 0's
+
+
+@dataclass
+class Forward:
+    """What a step's forward pass gives rank 0."""
+
+    logits: torch.Tensor | None  # [S, vocab] float32: the sampled rows'; None: nothing samples
+    span_logits: list[torch.Tensor]  # each logit span's [end - start, vocab] (prompt logprobs)
+    sampling: DeviceSampling | None  # the sampling settings on the device
+    pooled: torch.Tensor | None  # [P, hidden] float32: the embedding requests' last final
+    # hidden states; None: none this step
+
+
+@dataclass
+class Executed:
+    """A step's results, by request id."""
+
+    sampled: dict[str, int]  # the token each sampling request drew
+    embeddings: dict[str, np.ndarray]  # [hidden] float32: each finished embedding request's

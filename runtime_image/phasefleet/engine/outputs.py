@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the router reads these outputs' shape without numpy
+    import numpy as np
 
 
 @dataclass
@@ -33,7 +37,8 @@ class RequestOutput:
     finish_reason: str | None
     """'stop' (eos, stop string or stop token) | 'length' | 'abort' | 'error' (this request alone
     failed; see `error`) | 'handoff' (a prefill-only request has its first token; its KV is held
-    under a lease for a decode worker); None while running."""
+    under a lease for a decode worker) | 'embedded' (an embedding request: see `embedding`);
+    None while running."""
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
@@ -51,6 +56,9 @@ class RequestOutput:
     of this step (full blocks while it runs, then every block once finished with 'handoff'), so
     the hand-off can send each chunk's KV as soon as it is computed. Its steps that sample no
     token give an output too, with no new tokens."""
+    embedding: np.ndarray | None = None
+    """An embedding request's last output: [hidden] float32, the final hidden state (after the
+    model's last norm) of its last prompt token, not normalized."""
 
 
 @dataclass

@@ -45,6 +45,8 @@ class Request:
     """Its LoRA adapter's slot (engine/lora.py); -1: the base model."""
     prefix_salt: int | None = None
     """The root of its prefix-cache block hashes (its adapter's); None: the base model's."""
+    embed: bool = False
+    """An embedding: finish with 'embedded' once the prompt is computed, sampling nothing."""
     late_after_s: float | None = None
     """This prompt's TTFT target for late prompts last (the router's); None: the scheduler's."""
 

@@ -269,6 +269,10 @@ class Scheduler:
             self.kv.cache_computed(req)
             if not s.sample:
                 continue
+            if req.embed:
+                self.finish_request(req.request_id, "embedded")
+                changed.append(req)
+                continue
             token = sampled[req.request_id]
             req.output_token_ids.append(token)
             self.generation_tokens_total += 1

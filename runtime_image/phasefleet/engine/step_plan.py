@@ -47,6 +47,7 @@ class StepArrays:
     groups: list[DecodeGroupPlan]  # torch decode path only (else empty)
     prefills: list[PrefillPlan]
     sample_index: np.ndarray  # [S] int64: flat index of each sampling request's last token
+    pool_index: np.ndarray  # [P] int64: flat index of each embedding request's last token
     lora_slots: np.ndarray  # [T] int64: each token's LoRA slot, -1 for none (engine/lora.py)
 
     @property
@@ -62,6 +63,7 @@ class StepArrays:
 class StepPlan(StepArrays):
     batch: list[ScheduledRequest]  # flat order: decodes (shortest context first), then prefills
     sampled: list[ScheduledRequest]  # the sampling requests, in sample_index's order
+    pooled: list[ScheduledRequest]  # the embedding requests done this step, in pool_index's
 
 
 @dataclass
@@ -110,10 +112,13 @@ def plan_step(
         plans.append(PrefillPlan(offset, s.num_tokens, end, row, nb))
         offset += s.num_tokens
     batch = decodes + prefills
-    sample_index, sampled, end = [], [], 0
+    sample_index, sampled, pool_index, pooled, end = [], [], [], [], 0
     for s in batch:
         end += s.num_tokens
-        if s.sample:
+        if s.sample and s.request.embed:
+            pool_index.append(end - 1)
+            pooled.append(s)
+        elif s.sample:
             sample_index.append(end - 1)
             sampled.append(s)
     ctx = [p + 1 for p in pos]
@@ -127,8 +132,10 @@ def plan_step(
         groups=_groups(ctx, rows, tables, bs) if group else [],
         prefills=plans,
         sample_index=np.array(sample_index, np.int64),
+        pool_index=np.array(pool_index, np.int64),
         lora_slots=np.concatenate(adapters),
         sampled=sampled,
+        pooled=pooled,
     )
 
 

@@ -20,6 +20,9 @@ on /metrics), and its prompt to a prefill worker that has it, or to none (the de
 prefills it); an adapter no worker of the pool has goes anywhere, and the worker's 404 names what
 it serves.
 
+An embedding (/v1/embeddings) is a prompt and nothing after it: in disaggregated mode it goes to
+a prefill worker (a decode worker where none is ready), with no hand-off.
+
 A request that finds no ready worker in the generation pool (a pool scaled to zero, waking) is
 held until one is ready, within the bounds of `phasefleet.router.hold`; past them it gets 503
 with Retry-After.
@@ -72,7 +75,9 @@ from phasefleet.server.errors import APIError
 logger = logging.getLogger(__name__)
 
 RESPONSES_PATH = "/v1/responses"
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", RESPONSES_PATH)  # generate()'s
+EMBEDDINGS_PATH = "/v1/embeddings"
+# generate()'s
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", RESPONSES_PATH, EMBEDDINGS_PATH)
 DEFAULT_RETRY_AFTER = 1  # seconds, when a worker's 429 says nothing
 HELD_RETRY_AFTER = 5  # seconds, after a hold that no worker ended (the pool is still waking)
 PASSED_HEADERS = ("content-type", "retry-after")  # kept from a worker's error answer
@@ -241,7 +246,7 @@ class Router:
         if not candidates:
             return None
         matched = (
-            self.prefix_index.match(chunks)
+            self._index(pool).match(chunks)
             if chunks and self.config.policy == "prefix-aware"
             else None
         )
@@ -251,9 +256,10 @@ class Router:
     async def generate(
         self, path: str, body: bytes, arrival: float, authorization: dict[str, str] | None = None
     ) -> Response:
-        """POST `path` (/v1/completions, /v1/chat/completions or /v1/responses) with the
-        client's raw body and `authorization` header."""
-        pool = self.generation_pool
+        """POST `path` (GENERATION_PATHS) with the client's raw body and `authorization`
+        header."""
+        embedding = path == EMBEDDINGS_PATH
+        pool = self._embedding_pool() if embedding else self.generation_pool
         if not pool.candidates(self.clock()):
             held = await self.held.wait(pool.name)
             if held is Held.FULL or held is Held.TIMED_OUT:
@@ -261,7 +267,8 @@ class Router:
         key = request_key(body)
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(key.prompt) if affinity else []
-        headers = forward_headers(self.config, self.choose_prefill(chunks, key.model))
+        prefill = None if embedding else self.choose_prefill(chunks, key.model)
+        headers = forward_headers(self.config, prefill)
         headers.update(authorization or {})
         # A LoRA adapter's requests go only to the workers that have it; where none does, to
         # any (its 404 names what the worker serves).
@@ -282,6 +289,17 @@ class Router:
                 logger.info("worker %s failed before the first token: %s", url, retry)
                 retries.append(retry)
         return self._give_up(pool, retries)
+
+    def _index(self, pool: WorkerPool) -> PrefixIndex:
+        """Where `pool`'s prompts are remembered: the prefill pool keeps its own."""
+        return self.prefill_index if pool.name == "prefill" else self.prefix_index
+
+    def _embedding_pool(self) -> WorkerPool:
+        """The prefill pool while it has a worker to take one, else the generation pool."""
+        prefill = self.pools.get("prefill")
+        if prefill is not None and prefill.candidates(self.clock()):
+            return prefill
+        return self.generation_pool
 
     def _not_woken(self, pool: WorkerPool, held: Held) -> Response:
         if held is Held.FULL:
@@ -344,7 +362,7 @@ class Router:
                 if resp.status_code != 200:
                     return await self._not_ok(pool, url, resp)
                 if chunks and self.config.policy == "prefix-aware":
-                    self.prefix_index.record(chunks, url)
+                    self._index(pool).record(chunks, url)
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
                     relay = await self._open_stream(pool, url, resp, arrival, path)
                     handed_off = True

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from phasefleet.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     ResponsesRequest,
 )
 from phasefleet.server.tokenize import DetokenizeRequest, TokenizeRequest
@@ -36,6 +37,9 @@ def _worker_bodies() -> FastAPI:
 
     @shape.post("/v1/responses")
     async def responses(req: ResponsesRequest) -> None: ...
+
+    @shape.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest) -> None: ...
 
     @shape.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> None: ...

@@ -21,6 +21,7 @@ from phasefleet.server.auth import ApiKeyAuth
 from phasefleet.server.body_limit import BodyLimit
 from phasefleet.server.chat import create_chat_completion
 from phasefleet.server.completions import create_completion
+from phasefleet.server.embeddings import EmbeddingRequest, create_embeddings
 from phasefleet.server.errors import install_error_handlers
 from phasefleet.server.internal import internal_routes
 from phasefleet.server.lora_admin import lora_admin_routes
@@ -111,6 +112,10 @@ def build_app(state: WorkerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(req, raw, state)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embeddings(req, raw, state)
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request) -> Response:

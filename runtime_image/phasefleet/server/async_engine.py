@@ -83,6 +83,7 @@ class EngineOptions:
     first_token_id: int | None = None  # decode role: continue from this first token
     imported_kv: list[KVChunk] | None = None  # decode role: the prompt's KV that arrived
     importing_from: int | None = None  # decode role: more KV follows (import_kv), from block
+    embed: bool = False  # an embedding (LLMEngine.add_embedding_request): its params unused
 
 
 @dataclass
@@ -478,18 +479,27 @@ class AsyncEngine:
                 request_id = stream.request_ids[index]
                 options = command.options[index] if command.options else EngineOptions()
                 try:
-                    engine.add_request(
-                        request_id,
-                        prompt,
-                        params,
-                        arrival_time=stream.arrival_time,
-                        prefill_only=options.prefill_only,
-                        first_token_id=options.first_token_id,
-                        imported_kv=options.imported_kv,
-                        importing_from=options.importing_from,
-                        late_after_s=command.late_after_s,
-                        lora=command.lora,
-                    )
+                    if options.embed:
+                        engine.add_embedding_request(
+                            request_id,
+                            prompt,
+                            stream.arrival_time,
+                            late_after_s=command.late_after_s,
+                            lora=command.lora,
+                        )
+                    else:
+                        engine.add_request(
+                            request_id,
+                            prompt,
+                            params,
+                            arrival_time=stream.arrival_time,
+                            prefill_only=options.prefill_only,
+                            first_token_id=options.first_token_id,
+                            imported_kv=options.imported_kv,
+                            importing_from=options.importing_from,
+                            late_after_s=command.late_after_s,
+                            lora=command.lora,
+                        )
                 except ValueError as exc:
                     error = exc
                     break

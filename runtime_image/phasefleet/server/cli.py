@@ -31,6 +31,7 @@ from phasefleet.engine.tokenizer import GENERATION_CONFIG_FILE  # no heavy impor
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
 from phasefleet.server.api_keys import ApiKeys  # no heavy imports
 from phasefleet.server.async_engine import DEFAULT_STALL_TIMEOUT  # no heavy imports
+from phasefleet.server.pooling import Pooling
 from phasefleet.server.reasoning import REASONING_PARSERS  # no heavy imports
 from phasefleet.server.sampling_defaults import GENERATION_CONFIGS, SamplingDefaults
 from phasefleet.server.tool_parsers import TOOL_CALL_PARSERS  # no heavy imports
@@ -441,6 +442,7 @@ def _serve(
         if defaults.overridden():
             logger.info("sampling defaults from the model's %s: %s", GENERATION_CONFIG_FILE,
                         defaults.overridden())  # fmt: skip
+    pooling = Pooling.of_model(args.model, int(hf_config.hidden_size))
     grammars = GrammarCompiler(tokenizer, vocab_size, eos)
     engine = AsyncEngine(
         lambda: LLMEngine(config, startup=startup, grammars=grammars),
@@ -465,6 +467,7 @@ def _serve(
         reasoning_parser=args.reasoning_parser,
         thought_end_ids=thought_end_ids(tokenizer) if args.reasoning_parser else (),
         sampling_defaults=defaults,
+        pooling=pooling,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,
         api_keys=keys,

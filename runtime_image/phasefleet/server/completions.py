@@ -42,26 +42,29 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def num_prompts(req: CompletionRequest) -> int:
-    prompt = req.prompt
+def num_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
+    """How many prompts a `prompt` (or embeddings' `input`) holds: a text, token ids, or a
+    list of either."""
     if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
         return 1
     return len(prompt)
 
 
-def prompts_of(req: CompletionRequest, state: WorkerState) -> list[list[int]]:
-    """Token ids of every prompt; tokenizes, so it runs on the tokenizer thread."""
-    prompt = req.prompt
+def prompts_of(
+    prompt: str | list[int] | list[str] | list[list[int]], state: WorkerState, field: str
+) -> list[list[int]]:
+    """Token ids of every prompt in `prompt` (request field `field`); tokenizes, so it runs on
+    the tokenizer thread."""
     if isinstance(prompt, str):
-        return [state.check_token_ids(state.encode(prompt), "prompt")]
+        return [state.check_token_ids(state.encode(prompt), field)]
     if not prompt:
-        return [state.check_token_ids([], "prompt")]
+        return [state.check_token_ids([], field)]
     if all(isinstance(p, int) for p in prompt):
-        return [state.check_token_ids([int(p) for p in prompt], "prompt")]  # type: ignore[arg-type]
+        return [state.check_token_ids([int(p) for p in prompt], field)]  # type: ignore[arg-type]
     batch: list[list[int]] = []
     for item in prompt:
         ids = state.encode(item) if isinstance(item, str) else list(item)  # type: ignore[arg-type]
-        batch.append(state.check_token_ids(ids, "prompt"))
+        batch.append(state.check_token_ids(ids, field))
     return batch
 
 
@@ -92,9 +95,9 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     check_supported(req)
     state.check_logit_bias(req.logit_bias_ids())
     state.check_accepting()
-    check_queue_room(num_prompts(req), req.n, state.engine.max_queue_len, "prompt")
+    check_queue_room(num_prompts(req.prompt), req.n, state.engine.max_queue_len, "prompt")
     grammar = await checked_grammar(req, state)
-    prompts = await state.off_loop(prompts_of, req, state)
+    prompts = await state.off_loop(prompts_of, req.prompt, state, "prompt")
     max_len = state.engine.max_model_len
     prompts = [truncated(p, req.truncate_prompt_tokens, max_len) for p in prompts]
     texts = await state.off_loop(echo_texts, req, prompts, state) if req.echo else []

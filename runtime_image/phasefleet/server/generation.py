@@ -408,7 +408,8 @@ class Generation:
             timing.num_tokens += len(out.new_token_ids)
         if out.finished and out.finish_reason not in ("abort", "error"):
             m.e2e_request_latency.observe(event.time - self.arrival_time)
-            m.observe_answer(timing.num_tokens)
+            if out.finish_reason != "embedded":  # an embedding is no answer of 0 tokens
+                m.observe_answer(timing.num_tokens)
             first, last = timing.first_token_time, timing.last_token_time
             if first is not None and last is not None and timing.num_tokens > 1:
                 m.time_per_output_token.observe((last - first) / (timing.num_tokens - 1))

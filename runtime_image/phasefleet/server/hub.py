@@ -36,7 +36,8 @@ logger = logging.getLogger("phasefleet.hub")
 
 WEIGHTS = "*.safetensors"
 WEIGHT_INDEX = "model.safetensors.index.json"
-# config, generation defaults, every tokenizer format transformers reads, chat templates, weights.
+# config, generation defaults, every tokenizer format transformers reads, chat templates, weights,
+# and a sentence-transformers model's pooling (server/pooling.py).
 ENGINE_FILES = [
     "config.json",
     "generation_config.json",
@@ -51,6 +52,8 @@ ENGINE_FILES = [
     "chat_template.json",
     WEIGHTS,
     WEIGHT_INDEX,
+    "modules.json",
+    "*Pooling/config.json",
 ]
 TRUE = ("1", "ON", "YES", "TRUE")  # how huggingface_hub reads a boolean variable
 

@@ -51,6 +51,10 @@ def _not_zero(value: int) -> int:
     return value
 
 
+# vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the model's length)
+TruncatePromptTokens = Annotated[int, Field(ge=-1), AfterValidator(_not_zero)]
+
+
 def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     taken = sorted(set(kwargs or {}) & TEMPLATE_PARAMETERS)
     if taken:
@@ -130,7 +134,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's: the stop string found ends the text
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
     # vLLM's: only the prompt's last k tokens are used (-1: the model's maximum length)
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
     # vLLM's: each prompt token's logprob, rank and the k most likely in its place (not streamed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # token id (as a string, as OpenAI's) -> bias
@@ -559,3 +563,34 @@ def _chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallOutput):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | TokenIds | list[str] | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # the first this many, normalized again
+    user: str | None = None
+    # vLLM's: keep each input's last k tokens (-1: the model's length)
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    normalize: bool | None = None  # vLLM's: None: as the model says (server/pooling.py)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # a base64 string of little-endian float32 with "base64"
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -27,6 +27,7 @@ from phasefleet.server.async_engine import AsyncEngine
 from phasefleet.server.errors import APIError, bad_request, unavailable
 from phasefleet.server.handoff import HandoffClient, RemotePrefill
 from phasefleet.server.metrics import WorkerMetrics
+from phasefleet.server.pooling import Pooling
 from phasefleet.server.sampling_defaults import SamplingDefaults
 
 ROLES = ("both", "prefill", "decode")
@@ -85,6 +86,8 @@ class WorkerState:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     # for the sampling fields a request leaves out (server/sampling_defaults.py)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # how /v1/embeddings pools this model (server/pooling.py)
+    pooling: Pooling = field(default_factory=Pooling)
 
     @functools.cached_property
     def decoders(self) -> dict[bool, Callable[[list[int]], str]]:
