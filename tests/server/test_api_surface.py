@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from phasefleet.server.openai_protocol import ResponsesRequest
 from tests.server.worker_proc import Worker, run_worker
 
 PROMPT = "Evaluation harnesses read the logprobs of every token"
@@ -561,6 +562,25 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(client: openai.OpenAI) -> N
 
     text = client.chat.completions.create(**kw, tool_choice="none", temperature=0)
     assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+
+
+def test_parallel_tool_calls_false_answers_with_one_call(client: openai.OpenAI) -> None:
+    """'required' with parallel_tool_calls false: exactly one call in every choice, where the
+    same seeds make lists of several without it; the Responses API passes it on."""
+    kw: Any = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER, CLOCK], "n": 6,
+               "max_tokens": 300, "tool_choice": "required", "temperature": 1.0,
+               "seed": 3}  # fmt: skip
+
+    def counts(**more: Any) -> list[int]:
+        answer = client.chat.completions.create(**kw, **more)
+        return [len(c.message.tool_calls or []) for c in answer.choices]
+
+    assert max(counts()) > 1
+    assert counts(parallel_tool_calls=False) == [1] * 6
+    request = ResponsesRequest.model_validate(
+        {"model": "tiny", "input": "?", "tools": [flat(WEATHER)], "parallel_tool_calls": False}
+    )
+    assert request.as_chat().parallel_tool_calls is False
 
 
 def test_a_conversation_with_tool_calls_and_results_is_rendered(client: openai.OpenAI) -> None:

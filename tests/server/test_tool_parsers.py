@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+from phasefleet.server.openai_protocol import ChatCompletionRequest
 from phasefleet.server.tool_parsers import Call, HermesSplitter, Splitter, split_calls, splitter
+from phasefleet.server.tools import ChoiceStream, answer, tool_grammar
 
 ANSWER = (
     "Let me look.\n"
@@ -85,3 +87,36 @@ def test_llama3_json_text_streams_as_soon_as_it_is_not_a_call() -> None:
     assert split.feed("<|python", final=False) == ("", [])  # maybe the tag
     assert split.feed("x", final=False) == ("  <|pythonx", [])  # text after all
     assert split.feed(" more", final=False) == (" more", [])
+
+
+def chat_with_tools(parallel: bool, tool_choice: str = "auto") -> ChatCompletionRequest:
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_time", "get_weather")]
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "?"}], "tools": tools,
+         "tool_choice": tool_choice, "parallel_tool_calls": parallel}
+    )  # fmt: skip
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() -> None:
+    both, one = chat_with_tools(True), chat_with_tools(False)
+    message, reason = answer(both, "hermes", ANSWER, "stop")
+    assert [c.function.name for c in message.tool_calls or []] == ["get_time", "get_weather"]
+    message, reason = answer(one, "hermes", ANSWER, "stop")
+    assert [c.function.name for c in message.tool_calls or []] == ["get_time"]
+    assert reason == "tool_calls" and message.content == CONTENT.strip()
+    for size in (1, 5, len(ANSWER)):
+        stream, names, text = ChoiceStream(one, "hermes"), [], ""
+        pieces = [ANSWER[i : i + size] for i in range(0, len(ANSWER), size)]
+        for k, piece in enumerate(pieces):
+            delta = stream.delta(piece, k == len(pieces) - 1, "")
+            names += [(c.index, c.function.name) for c in delta.tool_calls or [] if c.function]
+            text += delta.content or ""
+        assert names == [(0, "get_time")] and text == CONTENT, size
+        assert stream.finish_reason("stop") == "tool_calls"
+
+
+def test_parallel_tool_calls_false_makes_required_a_list_of_one() -> None:
+    schema = json.loads(tool_grammar(chat_with_tools(False, "required"), None).spec)  # type: ignore[union-attr]
+    assert (schema["minItems"], schema["maxItems"]) == (1, 1)
+    schema = json.loads(tool_grammar(chat_with_tools(True, "required"), None).spec)  # type: ignore[union-attr]
+    assert "maxItems" not in schema

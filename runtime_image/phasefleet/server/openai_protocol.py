@@ -245,6 +245,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # server/tools.py
+    parallel_tool_calls: bool = True  # false: one call at most (server/tools.py)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued
     chat_template_kwargs: TemplateKwargs = None
@@ -462,7 +463,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True  # accepted: a parser finds as many calls as there are
+    parallel_tool_calls: bool = True  # false: one call at most, as chat's
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
 
@@ -486,6 +487,7 @@ class ResponsesRequest(BaseModel):
                 "messages": messages,
                 "tools": self.chat_tools(),
                 "tool_choice": self.chat_tool_choice(),
+                "parallel_tool_calls": self.parallel_tool_calls,
                 "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature,
                 "top_p": self.top_p,

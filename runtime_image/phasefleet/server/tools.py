@@ -3,11 +3,13 @@
 - a named function (`{"type": "function", "function": {"name": N}}`): the answer is N's
   arguments, JSON that its `parameters` schema accepts;
 - `"required"`: one call or more, each of any of the tools, as a JSON list of
-  `{"name": ..., "parameters": {...}}`;
+  `{"name": ..., "parameters": {...}}` (exactly one with `parallel_tool_calls: false`);
 - `"none"`: a text answer;
 - `"auto"`, the default when tools are sent: free text, whose calls a parser of the model's own
-  format finds (`--tool-call-parser`: server/tool_parsers.py); without one, a 400 that says what
-  to send instead (vLLM answers the same without its --enable-auto-tool-choice).
+  format finds (`--tool-call-parser`: server/tool_parsers.py), the first alone with
+  `parallel_tool_calls: false` (the later ones are dropped); without a parser, a
+  400 that says what to send instead (vLLM answers the same without its
+  --enable-auto-tool-choice).
 
 The tools are shown to the chat template either way. A forced call is a grammar (the engine's
 structured output), so the model cannot answer otherwise. Calls come back as
@@ -58,7 +60,7 @@ def tool_grammar(req: ChatCompletionRequest, parser: str | None) -> Grammar | No
             raise bad_request(AUTO_REFUSED, "tool_choice")
         return None
     if not isinstance(choice, NamedToolChoice):  # "required"
-        return Grammar("json", json.dumps(_calls_schema(tools)))
+        return Grammar("json", json.dumps(_calls_schema(tools, req.parallel_tool_calls)))
     named = [t for t in tools if t.function.name == choice.function.name]
     if not named:
         raise bad_request(
@@ -68,7 +70,7 @@ def tool_grammar(req: ChatCompletionRequest, parser: str | None) -> Grammar | No
     return Grammar("json", json.dumps(named[0].function.parameters or ANY_ARGUMENTS))
 
 
-def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
+def _calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
     one_call = [
         {
             "type": "object",
@@ -81,7 +83,8 @@ def _calls_schema(tools: list[Tool]) -> dict[str, Any]:
         }
         for t in tools
     ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    return schema if parallel else {**schema, "maxItems": 1}
 
 
 def forces_call(req: ChatCompletionRequest) -> bool:
@@ -101,6 +104,8 @@ def answer(
     """A whole answer as the message and finish_reason a client gets."""
     if parser is not None and parses_calls(req, parser):
         content, found = split_calls(parser, text)
+        if not req.parallel_tool_calls:
+            found = found[:1]
         if not found:
             return AssistantMessage(content=text), reason
         calls = [_call(c.name, c.arguments) for c in found]
@@ -165,6 +170,8 @@ class ChoiceStream:
         if self.splitter is not None:
             content, found = self.splitter.feed(text, finished)
             first = len(self.splitter.calls_found) - len(found)
+            if not self.req.parallel_tool_calls:  # the first call alone
+                found = found[: max(0, 1 - first)]
             calls = [_call(c.name, c.arguments) for c in found]
             return Delta(content=content or None, tool_calls=_deltas(calls, first) or None)
         if isinstance(choice, NamedToolChoice) and self.req.tools:
