@@ -608,8 +608,8 @@ def flat(tool: Any) -> Any:
 
 def test_responses_function_tools(client: openai.OpenAI) -> None:
     """The Responses API's function tools: a named or required call comes back as
-    function_call items (no message), whole or streamed (each call whole: added, its arguments,
-    done); 'none' is a message; earlier calls and their outputs in `input` are rendered as chat
+    function_call items (no message), whole or streamed (a named function's arguments piece by
+    piece); 'none' is a message; earlier calls and their outputs in `input` are rendered as chat
     renders them; a hosted tool is a 400 naming it."""
     kw: Any = {"model": "tiny", "input": "Weather?", "tools": [flat(WEATHER), flat(CLOCK)],
                "max_output_tokens": 60, "temperature": 0}  # fmt: skip
@@ -625,8 +625,14 @@ def test_responses_function_tools(client: openai.OpenAI) -> None:
     assert added == ["function_call"]
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done.arguments == call.arguments and done.output_index == 0
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 3 and "".join(pieces) == call.arguments  # as they are generated
+    [opened] = [e.item for e in events if e.type == "response.output_item.added"]
+    [closed] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert opened.id == closed.id and opened.call_id == closed.call_id
     assert events[-1].type == "response.completed"
     assert [i.type for i in events[-1].response.output] == ["function_call"]
+    assert events[-1].response.output[0].call_id == closed.call_id
 
     required = client.responses.create(**kw | {"max_output_tokens": 300}, tool_choice="required")
     assert required.output and all(i.type == "function_call" for i in required.output)

@@ -11,8 +11,10 @@ it); streamed, it is OpenAI's event sequence (`response.created` ...
 `sequence_number`.
 
 Function tools are chat's (server/tools.py): a call comes back as a `function_call` item after
-the message (none when the answer is calls alone), streamed whole once the answer is done;
-earlier calls and their outputs in `input` become chat's tool calls and tool messages.
+the message (none when the answer is calls alone). Streamed, a named function's arguments come
+as they are generated (its item opened at the first piece); other calls come whole once the
+answer is done. Earlier calls and their outputs in `input` become chat's tool calls and tool
+messages.
 
 Stateless: responses are not stored (`store` is accepted, nothing can be retrieved), so
 `previous_response_id` is a 400.
@@ -31,7 +33,13 @@ from fastapi.responses import Response
 
 from phasefleet.server.chat import StartedChat, StreamedChoice, message_of, start_chat
 from phasefleet.server.errors import APIError
-from phasefleet.server.openai_protocol import ChatCompletionRequest, ResponsesRequest, ToolCall
+from phasefleet.server.openai_protocol import (
+    ChatCompletionRequest,
+    NamedToolChoice,
+    ResponsesRequest,
+    ToolCall,
+    ToolCallDelta,
+)
 from phasefleet.server.responses import GenerationStream, collect_or_abort
 from phasefleet.server.state import WorkerState
 
@@ -165,6 +173,8 @@ async def _events(
     at = {"item_id": answer.message_id, "content_index": 0}
     opened = False
     thought = _Thought(answer, started.thinks)
+    forced = isinstance(chat.tool_choice, NamedToolChoice) and chat.tools
+    named = _NamedCall(answer) if forced else None
     text, reason = "", None  # the whole answer, once finished: its calls are read from it
     async for event in started.gen.events():
         out = event.output
@@ -173,6 +183,11 @@ async def _events(
         piece = streamed.delta(delta, out.finished)
         for e in thought.piece(piece.reasoning_content or ""):
             yield e
+        if named is not None and piece.tool_calls:
+            for e in thought.close():
+                yield e
+            for e in named.pieces(piece.tool_calls):
+                yield e
         if piece.content and not opened:
             opened = True
             for e in thought.close():
@@ -190,6 +205,10 @@ async def _events(
             text, reason = out.text, out.finish_reason
     message, _ = message_of(chat, state, started.thinks, text, reason)  # as a whole response's
     answer.calls = message.tool_calls or []
+    if named is not None and named.at is not None and answer.calls:  # streamed already
+        answer.calls[0] = answer.calls[0].model_copy(update={"id": named.call_id})
+        for e in named.close(answer.calls[0]):
+            yield e
     if not opened:
         for e in thought.close():
             yield e
@@ -204,7 +223,7 @@ async def _events(
         done = answer.message(done=True)
         yield {"type": "response.output_item.done", "output_index": at["output_index"],
                "item": done}  # fmt: skip
-    for call in answer.calls:
+    for call in answer.calls[1 if named is not None and named.at is not None else 0 :]:
         item = answer.call_item(call)
         index = {"output_index": answer.next_index(), "item_id": item["id"]}
         yield {"type": "response.output_item.added", "output_index": index["output_index"],
@@ -225,6 +244,45 @@ def _message_start(answer: _Answer, at: dict[str, Any]) -> list[dict[str, Any]]:
          "item": message},
         {"type": "response.content_part.added", **at, "part": answer.part("")},
     ]  # fmt: skip
+
+
+class _NamedCall:
+    """A stream's call of the named function (tool_choice naming it): its item opened at the
+    first piece of its arguments, each piece a `response.function_call_arguments.delta`, closed
+    once the answer is done."""
+
+    def __init__(self, answer: _Answer) -> None:
+        self.answer = answer
+        self.call_id = ""  # chat's id for the call, from its first piece
+        self.at: dict[str, Any] | None = None  # output_index and item_id once open
+
+    def pieces(self, deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        events = []
+        for delta in deltas:
+            if self.at is None:
+                self.call_id = delta.id or ""
+                self.at = {"output_index": self.answer.next_index(),
+                           "item_id": f"fc_{self.call_id.removeprefix('call_')}"}  # fmt: skip
+                name = delta.function.name if delta.function else None
+                item = {"type": "function_call", "id": self.at["item_id"], "call_id": self.call_id,
+                        "name": name, "arguments": "", "status": "in_progress"}  # fmt: skip
+                events.append({"type": "response.output_item.added",
+                               "output_index": self.at["output_index"], "item": item})  # fmt: skip
+            arguments = delta.function.arguments if delta.function else None
+            if arguments:
+                events.append({"type": "response.function_call_arguments.delta", **self.at,
+                               "delta": arguments})  # fmt: skip
+        return events
+
+    def close(self, call: ToolCall) -> list[dict[str, Any]]:
+        assert self.at is not None
+        item = self.answer.call_item(call)
+        return [
+            {"type": "response.function_call_arguments.done", **self.at,
+             "arguments": item["arguments"]},
+            {"type": "response.output_item.done", "output_index": self.at["output_index"],
+             "item": item},
+        ]  # fmt: skip
 
 
 class _Thought:
