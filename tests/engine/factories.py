@@ -73,6 +73,7 @@ def make_scheduler(
     clock: Callable[[], float] = lambda: 123.0,
     late_after_s: float | None = None,
     late_limit_s: float = DEFAULT_LATE_LIMIT_S,
+    policy: str = "fcfs",
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     return Scheduler(
@@ -84,6 +85,7 @@ def make_scheduler(
         clock=clock,
         late_after_s=late_after_s,
         late_limit_s=late_limit_s,
+        policy=policy,
     )
 
 

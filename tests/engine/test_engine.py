@@ -396,3 +396,31 @@ def test_generation_config_names_more_end_tokens(
     (folder / "generation_config.json").write_text("{")
     with pytest.raises(ValueError, match="generation_config.json is not a JSON object"):
         LLMEngine(engine_config(folder))
+
+
+def test_requests_are_served_by_priority_under_the_priority_policy(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """One sequence at a time: the urgent request, queued last, is served right after the one
+    already running; without the policy a priority is refused."""
+    eng = LLMEngine(
+        engine_config(tiny_model("llama"), max_num_seqs=1, scheduling_policy="priority")
+    )
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = random_prompts([5, 5, 5, 5], seed=40)
+    eng.add_request("first", prompts[0], params)
+    eng.step()  # first is running
+    for name, prompt, priority in zip(
+        ["batch-a", "batch-b", "urgent"], prompts[1:], [2, 2, -1], strict=True
+    ):
+        eng.add_request(name, prompt, params, priority=priority)
+    eng.add_embedding_request("embed", prompts[0], priority=1)
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert finished == ["first", "urgent", "embed", "batch-a", "batch-b"]
+    plain = LLMEngine(engine_config(tiny_model("llama")))
+    with pytest.raises(ValueError, match="priority 1 needs the priority scheduling policy"):
+        plain.add_request("r", prompts[0], params, priority=1)
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        EngineConfig(model="m", scheduling_policy="lifo").validate()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from phasefleet.engine.request import RequestStatus
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
 from tests.engine.factories import make_requests, make_scheduler
@@ -292,3 +294,41 @@ def test_a_late_prompt_waits_while_another_prompt_is_still_being_prefilled() -> 
     admitted = [run_step(sched).admitted for _ in range(4)]
     # the third step has 4 tokens of budget left beside r0's last chunk; r1 waits for the next
     assert admitted == [["r0"], [], [], ["r1"]]
+
+
+def test_the_priority_policy_admits_the_most_urgent_first_arrival_breaking_ties() -> None:
+    sched = make_scheduler(num_blocks=32, max_num_seqs=1, policy="priority")
+    first, batch, urgent, batch_late = make_requests(4, 4, max_tokens=2)
+    first.priority, batch.priority, urgent.priority, batch_late.priority = 0, 5, -1, 5
+    for r in (first, batch, batch_late, urgent):  # urgent arrives last
+        sched.add_request(r)
+    assert plan(run_step(sched)) == [("r2", 4)]  # the most urgent, though it came last
+    order = []
+    while sched.has_unfinished_requests():
+        order += run_step(sched).admitted
+    assert order == ["r0", "r1", "r3"]  # then by priority, arrival order among equals
+
+
+def test_the_priority_policy_preempts_the_least_urgent_not_the_newest() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, policy="priority")  # 5 usable blocks
+    low, high = make_requests(2, 8, max_tokens=8)
+    low.priority, high.priority = 3, 0
+    sched.add_request(low)
+    run_step(sched)  # low prefilled, 9 tokens
+    sched.add_request(high)
+    assert plan(run_step(sched)) == [("r0", 1), ("r1", 8)]  # every block in use now
+    out = run_step(sched)  # high's first decode needs a block: low goes, not the newest
+    assert out.preempted == ["r0"] and plan(out) == [("r1", 1)]
+    assert sched.waiting[0] is low and low.status is RequestStatus.WAITING
+    assert high.status is RequestStatus.RUNNING
+
+
+def test_fcfs_takes_no_notice_of_priority_and_an_unknown_policy_is_refused() -> None:
+    sched = make_scheduler(num_blocks=32, max_num_seqs=1)
+    low, high = make_requests(2, 4, max_tokens=2)
+    low.priority, high.priority = 9, -9
+    sched.add_request(low)
+    sched.add_request(high)
+    assert plan(run_step(sched)) == [("r0", 4)]
+    with pytest.raises(ValueError, match="policy must be one of fcfs, priority"):
+        make_scheduler(policy="lifo")

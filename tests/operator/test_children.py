@@ -315,8 +315,10 @@ def test_the_crds_parser_names_are_the_workers() -> None:
     for field, names in (
         ("tool_call_parser", contract.TOOL_CALL_PARSERS),
         ("reasoning_parser", contract.REASONING_PARSERS),
+        ("scheduling_policy", contract.SCHEDULING_POLICIES),
     ):
-        literal = get_args(fields[field].annotation)[0]
+        annotation = fields[field].annotation
+        literal = annotation if field == "scheduling_policy" else get_args(annotation)[0]
         assert get_args(literal) == names, field
 
 
@@ -331,6 +333,7 @@ def test_worker_args_parse_with_the_worker_cli():
             "blockSize": 32,
             "toolCallParser": "hermes",
             "reasoningParser": "qwen3",
+            "schedulingPolicy": "priority",
         },
     )
     for role, engine_role in ((Role.PREFILL, "prefill"), (Role.DECODE, "decode")):
@@ -339,6 +342,7 @@ def test_worker_args_parse_with_the_worker_cli():
         assert args.role == engine_role and args.port == 8000 and args.block_size == 32
         assert args.dtype == "bfloat16" and args.max_model_len == 2048 and args.no_prefix_caching
         assert args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
+        assert args.scheduling_policy == "priority"
     aggregated = make_spec(mode="aggregated", prefill=None, decode=None, worker={})
     dep = worker_deployment(make_owner(), aggregated, Role.WORKER, replicas=1)
     assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"

@@ -424,7 +424,7 @@ def test_a_newer_peers_unknown_fields_are_ignored_both_ways(responder: Responder
 
     sent = PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=2))
     assert sent.wire_version == MIN_WIRE_VERSION and '"wire_version":1' in sent.model_dump_json()
-    later = PrefillRequest.model_validate({**sent.model_dump(), "priority": "high"})
+    later = PrefillRequest.model_validate({**sent.model_dump(), "deadline": "soon"})
     assert later == sent
 
 

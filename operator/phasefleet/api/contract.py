@@ -73,6 +73,9 @@ POOL_ENGINE_ROLE = {
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # How a reasoning model marks its thought (--reasoning-parser, spec.runtime.reasoningParser)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# The order waiting requests are served in (--scheduling-policy, spec.runtime.schedulingPolicy):
+# first come, first served (late prompts last), or by each request's `priority`, lower first
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class WorkerFlag:
@@ -105,6 +108,7 @@ class WorkerFlag:
     ENABLE_RUNTIME_LORA = "--enable-runtime-lora"
     TOOL_CALL_PARSER = "--tool-call-parser"
     REASONING_PARSER = "--reasoning-parser"
+    SCHEDULING_POLICY = "--scheduling-policy"
 
 
 class FetchModelFlag:

@@ -369,6 +369,16 @@ class RuntimeSpec(ApiModel):
             " 5 min; none is dropped. false: first come, first served."
         ),
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description=(
+            "The order waiting requests are served in: fcfs (first come, first served, with"
+            " late prompts last) or priority (by each request's priority field, lower first,"
+            " arrival breaking ties; the least urgent running request is preempted first)."
+            " Under fcfs a request with a priority other than 0 is a 400"
+            " (--scheduling-policy)."
+        ),
+    )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description=(

@@ -134,6 +134,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(pool.tensor_parallel_size)]
     if role is Role.DECODE and spec.runtime.adaptive_phase_boundary:
         args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)  # the decode worker's decision
+    if spec.runtime.scheduling_policy != "fcfs":  # every pool: the prefill side ranks it too
+        args += [WorkerFlag.SCHEDULING_POLICY, spec.runtime.scheduling_policy]
     if spec.runtime.tool_call_parser is not None:  # every pool alike: one pod template shape
         args += [WorkerFlag.TOOL_CALL_PARSER, spec.runtime.tool_call_parser]
     if spec.runtime.reasoning_parser is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
@@ -53,6 +53,9 @@ class EngineConfig:
     """Token budget of one step (decode tokens plus prefill-chunk tokens)."""
     max_num_seqs: int = 64
     """Most requests in the running batch at once."""
+    scheduling_policy: str = "fcfs"
+    """fcfs (first come, first served, late prompts last) | priority (by each request's
+    priority, lower first; see engine/scheduler.py)."""
 
     # -- hand-off (prefill role) --
     kv_lease_seconds: float = 30.0
@@ -97,6 +100,11 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if not self.kv_lease_seconds > 0:
             raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds!r}")
         if self.late_after_s is not None and not self.late_after_s > 0:

@@ -132,6 +132,7 @@ class LLMEngine:
             eos_token_ids=eos_token_ids(folder, self.hf_config, self.tokenizer),
             late_after_s=config.late_after_s,
             late_limit_s=config.late_limit_s,
+            policy=config.scheduling_policy,
         )
         self.kv_layout: KVLayout = self.runner.kv_layout()
         self.leases = LeaseTable(config.kv_lease_seconds)
@@ -160,11 +161,13 @@ class LLMEngine:
         importing_from: int | None = None,
         late_after_s: float | None = None,
         lora: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queues a request; `lora`: the name of a loaded adapter to run it with (None: the base
-        model). `late_after_s`: its TTFT target for late prompts last (else the engine's
-        `late_after_s`). Hand-off forms: `prefill_only` (prefill role) finishes with
-        'handoff' after the first token and keeps the prompt's KV under a lease;
+        model); `priority`: its rank under the priority policy (lower first; ValueError unless
+        the engine's policy is `priority`). `late_after_s`: its TTFT target for late prompts
+        last (else the engine's `late_after_s`). Hand-off forms: `prefill_only` (prefill role)
+        finishes with 'handoff' after the first token and keeps the prompt's KV under a lease;
         `first_token_id` (decode role) continues a request another worker prefilled, from
         `imported_kv` (consecutive chunks of its prompt's blocks, in this engine's layout: the
         prompt's tail past them, if any, is recomputed here) or, without it, recomputing.
@@ -183,8 +186,7 @@ class LLMEngine:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
             if params.max_tokens < 2:
                 raise ValueError("a request continued from its first token needs max_tokens >= 2")
-        if late_after_s is not None and late_after_s <= 0:
-            raise ValueError(f"late_after_s must be > 0 seconds, got {late_after_s}")
+        self._check_queueing(late_after_s, priority)
         handed_off = first_token_id is not None or importing_from is not None
         if handed_off and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the prompt computed here, not imported")
@@ -207,6 +209,7 @@ class LLMEngine:
             import_first_block=first_block,
             importing=importing_from is not None,
             late_after_s=late_after_s,
+            priority=priority,
             lora_slot=NO_SLOT if adapter is None else adapter.slot,
             prefix_salt=None if adapter is None else adapter.salt,
         )
@@ -239,13 +242,13 @@ class LLMEngine:
         *,
         late_after_s: float | None = None,
         lora: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queues an embedding: the prompt is computed like any other (prefix-cache hits
         included), then the request finishes with 'embedded' and its output carries the last
         token's final hidden state (`RequestOutput.embedding`), sampling nothing."""
         self._check_prompt(prompt_token_ids, 0)
-        if late_after_s is not None and late_after_s <= 0:
-            raise ValueError(f"late_after_s must be > 0 seconds, got {late_after_s}")
+        self._check_queueing(late_after_s, priority)
         adapter = None if lora is None else self._adapter(lora)
         request = Request(
             request_id=request_id,
@@ -254,10 +257,20 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             embed=True,
             late_after_s=late_after_s,
+            priority=priority,
             lora_slot=NO_SLOT if adapter is None else adapter.slot,
             prefix_salt=None if adapter is None else adapter.salt,
         )
         self.scheduler.add_request(request)
+
+    def _check_queueing(self, late_after_s: float | None, priority: int) -> None:
+        if late_after_s is not None and late_after_s <= 0:
+            raise ValueError(f"late_after_s must be > 0 seconds, got {late_after_s}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy "
+                f"(scheduling_policy is {self.config.scheduling_policy!r})"
+            )
 
     def _check_prompt(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """ValueError when the prompt and max_tokens cannot run here."""

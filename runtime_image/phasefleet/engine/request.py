@@ -47,6 +47,8 @@ class Request:
     """The root of its prefix-cache block hashes (its adapter's); None: the base model's."""
     embed: bool = False
     """An embedding: finish with 'embedded' once the prompt is computed, sampling nothing."""
+    priority: int = 0
+    """The priority policy's rank: lower is served first (engine/scheduler.py)."""
     late_after_s: float | None = None
     """This prompt's TTFT target for late prompts last (the router's); None: the scheduler's."""
 

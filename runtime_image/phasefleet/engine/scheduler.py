@@ -7,6 +7,11 @@ blocks for its whole prompt are free. When a decode needs a new block and none i
 newest running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
 
+With the `priority` policy the waiting queue is ordered by (priority, arrival): a lower value is
+served first, arrival breaks ties (vLLM's meaning); a decode that needs a block preempts the
+running request that is least urgent (highest value, latest arrival) instead of the newest, and
+late prompts last is off (the priorities say what goes first).
+
 Late prompts last (the service's TTFT target: a request's own `late_after_s`, which the router
 sends, else the scheduler's; neither: first come, first served): a prompt that has waited
 longer than that has missed the target already, so it moves to a late queue, admitted from only
@@ -22,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
 from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request, RequestStatus
 
@@ -62,7 +67,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         late_after_s: float | None = None,
         late_limit_s: float = DEFAULT_LATE_LIMIT_S,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}"
+            )
+        self.policy = policy
         self.kv = kv
         self.late_after_s = late_after_s
         self.late_limit_s = late_limit_s
@@ -88,7 +99,18 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.policy == "fcfs":
+            self.waiting.append(request)
+        else:
+            self._queue_by_priority(request)
+
+    def _queue_by_priority(self, req: Request) -> None:
+        """Into the waiting queue behind every request at least as urgent."""
+        key = _urgency(req)
+        at = len(self.waiting)
+        while at > 0 and _urgency(self.waiting[at - 1]) > key:
+            at -= 1
+        self.waiting.insert(at, req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -122,10 +144,10 @@ class Scheduler:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
-                continue  # preempted to make room for an older request
+                continue  # preempted to make room for an older (or more urgent) request
             if self._make_room(req, out):
                 self._add(out, req, 1)
-                budget -= 1
+            budget = self.max_num_batched_tokens - out.num_batched_tokens  # a victim's refunded
 
         for req in prefills:
             if budget == 0:
@@ -136,7 +158,8 @@ class Scheduler:
             self._add(out, req, n)
             budget -= n
 
-        self._late_last()
+        if self.policy == "fcfs":
+            self._late_last()
         while (
             (self.waiting or self.late)
             and budget > 0
@@ -202,14 +225,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(expired + kept))
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
-        """Grow req's blocks by one token, preempting the newest requests; False if req itself
-        was preempted."""
+        """Grow req's blocks by one token, preempting the newest requests (the least urgent
+        under the priority policy: it may have been scheduled this step already, and is taken
+        out of the step again); False if req itself was preempted."""
         while not self.kv.grow(req, req.num_computed_tokens + 1):
-            victim = self.running[-1]
+            victim = self.running[-1] if self.policy == "fcfs" else max(self.running, key=_urgency)
             self._preempt(victim)
             out.preempted.append(victim.request_id)
             if victim is req:
                 return False
+            for s in [s for s in out.scheduled if s.request is victim]:
+                out.scheduled.remove(s)
+                out.num_batched_tokens -= s.num_tokens
         return True
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
@@ -255,7 +282,10 @@ class Scheduler:
         self._drop_import(req)  # the imported KV went with the blocks: recompute it
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        if self.policy == "fcfs":
+            self.waiting.appendleft(req)
+        else:
+            self._queue_by_priority(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply one step's results; returns the requests that got a new token, in batch order
@@ -326,3 +356,8 @@ def _new_prompt(req: Request) -> bool:
     (a decode worker's request got its first token from the prefill worker)."""
     handed_off = req.importing or req.num_imported_tokens > 0
     return req.first_scheduled_time is None and not req.output_token_ids and not handed_off
+
+
+def _urgency(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower first."""
+    return req.priority, req.arrival_time

@@ -94,6 +94,7 @@ class _Add:
     options: list[EngineOptions] | None  # one per choice, or None: plain requests
     late_after_s: float | None = None  # their TTFT target (late prompts last); None: the engine's
     lora: str | None = None  # their LoRA adapter; None: the base model
+    priority: int = 0  # their rank under the priority policy
 
 
 @dataclass
@@ -324,11 +325,13 @@ class AsyncEngine:
         reserved: bool = False,
         late_after_s: float | None = None,
         lora: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue engine requests (one per choice); raises QueueFullError or EngineNotReadyError.
         `reserved`: the caller passed `check_room` earlier (a decode after its remote prefill),
         so a queue filled since does not refuse it. `late_after_s`: their TTFT target (late
-        prompts last), else the engine's. `lora`: their adapter's name."""
+        prompts last), else the engine's. `lora`: their adapter's name; `priority`: their rank
+        under the priority policy."""
         if not self.ready or self.fatal_error is not None:
             raise EngineNotReadyError("the engine is not ready")
         if len(request_ids) > self.max_queue_len:  # would never fit: not a QueueFullError
@@ -343,7 +346,8 @@ class AsyncEngine:
             if not reserved and waiting + len(request_ids) > self.max_queue_len:
                 raise QueueFullError(self.max_queue_len)
             self._shared.pending_adds += len(request_ids)
-            self._shared.commands.append(_Add(stream, prompts, params, options, late_after_s, lora))
+            add = _Add(stream, prompts, params, options, late_after_s, lora, priority)
+            self._shared.commands.append(add)
             self._cond.notify()
         self.in_flight += 1
         return stream
@@ -486,6 +490,7 @@ class AsyncEngine:
                             stream.arrival_time,
                             late_after_s=command.late_after_s,
                             lora=command.lora,
+                            priority=command.priority,
                         )
                     else:
                         engine.add_request(
@@ -499,6 +504,7 @@ class AsyncEngine:
                             importing_from=options.importing_from,
                             late_after_s=command.late_after_s,
                             lora=command.lora,
+                            priority=command.priority,
                         )
                 except ValueError as exc:
                     error = exc

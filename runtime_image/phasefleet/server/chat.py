@@ -138,6 +138,7 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
         "messages",
         remote=state.remote_prefill(raw.headers, [prompt] * req.n, lora),
         late_after_s=state.late_after_s(raw.headers),
+        priority=state.check_priority(req.priority),
         lora=lora,
     )
     await gen.start()

@@ -21,6 +21,7 @@ from phasefleet.api.contract import (
     DEFAULT_LATE_LIMIT_S,
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     INTERNAL_TOKEN_ENV,
+    SCHEDULING_POLICIES,
     WORKER_PORT,
     EngineRole,
     WorkerFlag,
@@ -137,6 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_LATE_LIMIT_S,
         help="seconds after which a late prompt is served in its turn again",
+    )
+    engine.add_argument(
+        WorkerFlag.SCHEDULING_POLICY,
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs: first come, first served (late prompts last); priority: by each request's\n"
+        "`priority`, lower first (a priority is a 400 under fcfs)",
     )
 
     server = parser.add_argument_group("server")
@@ -285,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         kv_lease_seconds=args.kv_lease_seconds,
         late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1000,
         late_limit_s=args.late_limit_s,
+        scheduling_policy=args.scheduling_policy,
     )
     try:
         config.validate()
@@ -468,6 +477,7 @@ def _serve(
         thought_end_ids=thought_end_ids(tokenizer) if args.reasoning_parser else (),
         sampling_defaults=defaults,
         pooling=pooling,
+        scheduling_policy=config.scheduling_policy,
         lora_names=tuple(config.lora_adapters),
         runtime_lora=args.enable_runtime_lora,
         api_keys=keys,

@@ -132,6 +132,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
         "prompt",
         remote=state.remote_prefill(raw.headers, choice_prompts, lora),
         late_after_s=state.late_after_s(raw.headers),
+        priority=state.check_priority(req.priority),
         lora=lora,
     )
     await gen.start()

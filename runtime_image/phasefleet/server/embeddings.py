@@ -84,6 +84,7 @@ async def create_embeddings(req: EmbeddingRequest, raw: Request, state: WorkerSt
         "input",
         options=[EngineOptions(embed=True) for _ in prompts],
         late_after_s=state.late_after_s(raw.headers),
+        priority=state.check_priority(req.priority),
         lora=lora,
     )
     await gen.start()

@@ -178,6 +178,7 @@ class Generation:
     remote: RemotePrefill | None = None  # prefill on another worker (one prompt, n = 1)
     late_after_s: float | None = None  # the TTFT target the router sent; None: the engine's
     lora: str | None = None  # the LoRA adapter the request named; None: the base model
+    priority: int = 0  # its rank under the priority policy (lower first)
     stream: RequestStream | None = None
     timings: list[ChoiceTiming] = field(default_factory=list)
     # Per choice, as events pass: the output tokens' logprobs, and the prompt's (if asked for)
@@ -210,7 +211,7 @@ class Generation:
         try:
             stream = self.engine.submit(
                 ids, self.prompts, self.params, self.arrival_time, options, reserved,
-                self.late_after_s, self.lora,
+                self.late_after_s, self.lora, self.priority,
             )  # fmt: skip
         except QueueFullError as exc:
             raise queue_full(exc.limit) from None
@@ -252,6 +253,7 @@ class Generation:
                 remote.cached_tokens,
                 self.late_after_s,
                 self.lora,
+                self.priority,
             )
         except HandoffFailed as exc:
             self.metrics.kv_transfer_failures[exc.reason].inc()

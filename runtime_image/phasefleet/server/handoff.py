@@ -131,11 +131,12 @@ class HandoffClient:
         skip_tokens: int,
         late_after_s: float | None = None,
         lora: str | None = None,
+        priority: int = 0,
     ) -> Handoff:
         """The hand-off once the prefill worker has taken the prompt (HandoffFailed when it
         does not): its layout, the KV as it arrives, then the first token. `late_after_s`:
         the prompt's TTFT target there (late prompts last); `lora`: its adapter, which the
-        prefill worker must have loaded too."""
+        prefill worker must have loaded too; `priority`: its rank there (priority policy)."""
         loop = asyncio.get_running_loop()
         started: asyncio.Future[StartFrame] = loop.create_future()
         first: asyncio.Future[First] = loop.create_future()
@@ -151,7 +152,7 @@ class HandoffClient:
             loop.call_soon_threadsafe(arrivals.put, _kv_chunk(chunk))
 
         body = PrefillRequest.of(
-            request_id, prompt, params, skip_tokens, late_after_s, lora
+            request_id, prompt, params, skip_tokens, late_after_s, lora, priority
         ).model_dump_json()
         began = time.monotonic()
         reading = asyncio.ensure_future(

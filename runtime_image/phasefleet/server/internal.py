@@ -104,6 +104,7 @@ def internal_routes() -> APIRouter:
             options=[EngineOptions(prefill_only=True)],
             late_after_s=body.late_after_s,
             lora=body.lora,
+            priority=body.priority if state.scheduling_policy == "priority" else 0,
         )
         await gen.start()  # a refusal here is an HTTP error, before any frame
         layout = state.engine.kv_layout

@@ -143,6 +143,9 @@ class PrefillRequest(_Wire):
     # the TTFT target the router sent the decode worker (late prompts last); None: the
     # prefill worker's own --late-after-ms
     late_after_s: float | None = Field(default=None, gt=0)
+    # the request's rank under the priority policy (lower first); a prefill worker that
+    # schedules first come, first served serves it in its turn
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
     @classmethod
     def of(
@@ -153,6 +156,7 @@ class PrefillRequest(_Wire):
         skip_tokens: int = 0,
         late_after_s: float | None = None,
         lora: str | None = None,
+        priority: int = 0,
     ) -> PrefillRequest:
         return cls(
             wire_version=lowest_version(params, lora),
@@ -180,6 +184,7 @@ class PrefillRequest(_Wire):
             skip_tokens=skip_tokens,
             late_after_s=late_after_s,
             lora=lora,
+            priority=priority,
         )
 
     def sampling(self) -> SamplingParams:

@@ -51,6 +51,8 @@ def _not_zero(value: int) -> int:
     return value
 
 
+# vLLM's `priority` (lower first), within a 32-bit integer
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 # vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the model's length)
 TruncatePromptTokens = Annotated[int, Field(ge=-1), AfterValidator(_not_zero)]
 
@@ -133,6 +135,7 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's: the stop string found ends the text
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens in the text
+    priority: Priority = 0  # vLLM's: lower is served first (--scheduling-policy priority)
     # vLLM's: only the prompt's last k tokens are used (-1: the model's maximum length)
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     # vLLM's: each prompt token's logprob, rank and the k most likely in its place (not streamed)
@@ -161,7 +164,6 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    priority: int = 0
     logits_processors: list[Any] | None = None
 
     def unsupported(self) -> list[str]:
@@ -169,7 +171,7 @@ class SamplingFields(BaseModel):
         neutral = {
             "spaces_between_special_tokens": True,
             "allowed_token_ids": None, "bad_words": None, "use_beam_search": False,
-            "length_penalty": 1.0, "priority": 0, "logits_processors": None,
+            "length_penalty": 1.0, "logits_processors": None,
         }  # fmt: skip
         return [name for name, value in neutral.items() if getattr(self, name) not in (value, [])]
 
@@ -464,6 +466,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: one call at most, as chat's
+    priority: Priority = 0  # vLLM's, as chat's
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
 
@@ -488,6 +491,7 @@ class ResponsesRequest(BaseModel):
                 "tools": self.chat_tools(),
                 "tool_choice": self.chat_tool_choice(),
                 "parallel_tool_calls": self.parallel_tool_calls,
+                "priority": self.priority,
                 "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature,
                 "top_p": self.top_p,
@@ -578,6 +582,7 @@ class EmbeddingRequest(BaseModel):
     # vLLM's: keep each input's last k tokens (-1: the model's length)
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     normalize: bool | None = None  # vLLM's: None: as the model says (server/pooling.py)
+    priority: Priority = 0  # vLLM's, as generation's
 
 
 class EmbeddingData(BaseModel):

@@ -88,6 +88,8 @@ class WorkerState:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # how /v1/embeddings pools this model (server/pooling.py)
     pooling: Pooling = field(default_factory=Pooling)
+    # the engine's scheduling policy: a request's `priority` needs "priority"
+    scheduling_policy: str = "fcfs"
 
     @functools.cached_property
     def decoders(self) -> dict[bool, Callable[[list[int]], str]]:
@@ -190,6 +192,16 @@ class WorkerState:
                 param=param,
                 code="lora_not_loaded",
             )
+
+    def check_priority(self, priority: int) -> int:
+        """A request's priority (400 naming it when this worker does not schedule by one)."""
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise bad_request(
+                f"priority {priority} needs priority scheduling, which this worker is not "
+                "started with (--scheduling-policy priority; spec.runtime.schedulingPolicy)",
+                "priority",
+            )
+        return priority
 
     def check_accepting(self) -> None:
         if self.draining:

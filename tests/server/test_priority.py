@@ -1,0 +1,73 @@
+"""Priority scheduling on a real worker (`--scheduling-policy priority`, one sequence at a
+time): requests queued behind a running one are served by their `priority`, lower first, not by
+arrival; the hand-off carries the priority to the prefill worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.server.kv_wire import PrefillRequest
+from tests.server.worker_proc import Worker, run_worker
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model: Path) -> Iterator[Worker]:
+    args = ("--scheduling-policy", "priority", "--max-num-seqs", "1")
+    with run_worker(tiny_model, *args) as w:
+        yield w
+
+
+def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+        done: list[str] = []
+        kw = {"model": "tiny", "prompt": "The sea", "temperature": 0, "max_tokens": 4}
+
+        async def one(name: str, priority: int) -> None:
+            await client.completions.create(**kw, extra_body={"priority": priority})  # type: ignore[call-overload]
+            done.append(name)
+
+        async def embed(name: str, priority: int) -> None:
+            await client.embeddings.create(
+                model="tiny", input="The sea", extra_body={"priority": priority}
+            )
+            done.append(name)
+
+        long = await client.completions.create(
+            model="tiny", prompt="A long one", max_tokens=1500, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        await anext(long)  # running: every request after it waits
+        queued = []
+        for name, priority in [("batch", 5), ("normal", 0), ("urgent", -2)]:
+            queued.append(asyncio.create_task(one(name, priority)))
+            await asyncio.sleep(0.05)  # arrival order: batch, normal, urgent
+        queued.append(asyncio.create_task(embed("embedding", 1)))
+        await asyncio.sleep(0.05)
+        async for _ in long:
+            pass
+        await asyncio.gather(*queued)
+        await client.close()
+        return done
+
+    assert asyncio.run(run()) == ["urgent", "normal", "embedding", "batch"]
+
+
+def test_the_hand_off_carries_the_priority() -> None:
+    sent = PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=2), priority=-7)
+    assert PrefillRequest.model_validate_json(sent.model_dump_json()).priority == -7
+    assert PrefillRequest.of("r", [1, 2], SamplingParams(max_tokens=2)).priority == 0
+
+
+def test_a_priority_out_of_range_is_a_400(worker: Worker) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        worker.client().completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 2**40}
+        )
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "priority"
