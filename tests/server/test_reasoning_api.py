@@ -137,11 +137,13 @@ def test_the_responses_api_gives_the_thought_its_own_item(worker: Worker) -> Non
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
+        ({"tools": [{"type": "function", "parameters": {}}]}, "tools.0.name"),
     ],
 )
 def test_what_the_responses_api_does_not_serve_is_a_400_naming_it(
     worker: Worker, fields: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        worker.client().responses.create(model="tiny", input="hi", **fields)
+        worker.client().responses.create(**{"model": "tiny", "input": "hi", **fields})
     assert bad.value.param == param

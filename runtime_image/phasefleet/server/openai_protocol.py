@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from phasefleet.engine.sampling_params import (
     API_SEED_MAX,
@@ -484,6 +484,20 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "user", "content": self.input})
         else:
             messages += _chat_messages(self.input)
+        if not messages:
+            raise bad_request(
+                "input must hold a message or a function call (reasoning items are left out)",
+                "input",
+            )
+        try:
+            return self._chat(messages)
+        except ValidationError as exc:  # what chat refuses of it: named as this request has it
+            error = exc.errors()[0]
+            where = [str(p) for p in error["loc"] if p != "function"]  # a tool's own fields
+            field = ".".join(["input" if p == "messages" else p for p in where])
+            raise bad_request(f"{field}: {error['msg']}", field) from None
+
+    def _chat(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(
             {
                 "model": self.model,
