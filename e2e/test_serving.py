@@ -218,6 +218,15 @@ def test_disaggregated_example_answers_through_its_router(
     assert sample(metrics, "phasefleet_prefills_total", 'where="remote"') == 2 * len(PROMPTS)
     assert sample(metrics, "phasefleet_kv_transfer_bytes_total") > 0
 
+    # An embedding goes to the prefill pod (no hand-off): the decode pod computes nothing.
+    decode_prompts = sample(metrics, "phasefleet_prompt_tokens_total")
+    got = through_router.embeddings.create(model="tiny", input=PROMPTS)
+    want = direct.embeddings.create(model="tiny", input=PROMPTS)
+    for mine, theirs in zip(got.data, want.data, strict=True):
+        assert mine.embedding == pytest.approx(theirs.embedding, abs=1e-5)
+    metrics = httpx.get(f"http://{decode}:{WORKER_PORT}/metrics", timeout=5).text
+    assert sample(metrics, "phasefleet_prompt_tokens_total") == decode_prompts
+
 
 def test_a_service_with_api_keys_answers_only_clients_holding_one(
     cluster: ControlPlane, serve: Callable[[Path], str], run_namespace: str, reference: Any

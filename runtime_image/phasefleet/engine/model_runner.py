@@ -427,7 +427,7 @@ class ModelRunner:
         on_device = (
             DeviceSampling.take(sampling, t[len(inputs) : k]) if sampling is not None else None
         )
-        return StepTensors(**dict(zip(names, t, strict=False)), sampling=on_device)
+        return StepTensors(**dict(zip(names, t[: len(names)], strict=True)), sampling=on_device)
 
     def _metadata(self, plan: StepArrays, step: StepTensors) -> AttentionMetadata:
         """Attention metadata for the eager path: device ops on the uploaded inputs only."""
