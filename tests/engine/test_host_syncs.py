@@ -37,7 +37,7 @@ def engine(tiny_model: ModelPath, name: str = "llama", **kw: object) -> LLMEngin
 
 def device_tensors(eng: LLMEngine) -> list[torch.Tensor]:
     """What lives on the device: weights and buffers, the KV pool, the block tables, the
-    staging copy's device side, the graphs' buffers."""
+    staging copy's device side, the graphs' buffers, the sampling rows' prompt tokens."""
     runner = eng.runner
     found = [*runner.model.parameters(), *runner.model.buffers()]
     found += [runner.model.rope_cos, runner.model.rope_sin]  # type: ignore[list-item]
@@ -50,7 +50,8 @@ def device_tensors(eng: LLMEngine) -> list[torch.Tensor]:
     if runner.graphs is not None:
         g = runner.graphs
         found += [g.input_ids, g.positions, g.slots, g.rows, g.context_lens]
-    return found
+    prompts = [live.row.prompt_on_device for live in eng._live.values()]
+    return found + [p for p in prompts if p is not None]
 
 
 def traced_steps(eng: LLMEngine, steps: int) -> DeviceTracer:

@@ -188,9 +188,9 @@ def adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     from phasefleet.engine.sampler import _biased_and_penalized
 
     batch = SamplingBatch.from_rows(rows, [0] * len(rows), logits.shape[-1])
-    adjustments = DeviceSampling.direct(batch, CPU, rows, logits.shape[-1]).adjustments
-    assert adjustments is not None
-    return _biased_and_penalized(logits.clone(), adjustments)
+    settings = DeviceSampling.direct(batch, CPU, rows, logits.shape[-1])
+    assert settings.adjustments is not None
+    return _biased_and_penalized(logits.clone(), settings.adjustments, settings.prompt_pairs(rows))
 
 
 def test_logit_bias_is_added_to_its_tokens_only() -> None:
@@ -216,6 +216,27 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_seen
     assert got[0].tolist() == [1.0, -4.0, 2.0, 3.0, -1.0]
     assert torch.equal(got[1], logits[1])
     assert sample(logits, [penalized, row(temperature=0)]) == [3, 2]
+
+
+def test_a_rows_prompt_goes_to_the_device_once() -> None:
+    """The first step's upload carries the prompt's tokens and the row keeps a copy of its own;
+    later steps send only the output's, and the prompt is penalized all the same."""
+    logits = torch.tensor([[2.0, -2.0, 4.0, 3.0, -1.0]])
+    r = row(temperature=0, repetition_penalty=2.0)
+    r.prompt_ids = torch.tensor([0, 1]).numpy()
+    first = SamplingBatch.from_rows([r], [0], 5)
+    assert first.adjustments is not None and first.adjustments.new_prompt_ids.tolist() == [0, 1]
+    settings = DeviceSampling.direct(first, CPU, [r], 5)
+    assert settings.adjustments is not None
+    settings.prompt_pairs([r])
+    assert r.prompt_on_device is not None and r.prompt_on_device.tolist() == [0, 1]
+    settings.adjustments.new_prompt_ids.fill_(4)  # the upload buffer, reused by the next step
+    assert r.prompt_on_device.tolist() == [0, 1]  # a copy of its own
+    r.output_ids = [2]
+    later = SamplingBatch.from_rows([r], [1], 5)
+    assert later.adjustments is not None and later.adjustments.new_prompt_ids.size == 0
+    assert later.new_prompts == [] and later.adjustments.prompt_lengths.tolist() == [2]
+    assert adjusted(logits, [r])[0].tolist() == [1.0, -4.0, 2.0, 3.0, -1.0]
 
 
 def test_a_repetition_penalty_below_float32s_range_still_samples() -> None:

@@ -49,6 +49,9 @@ class SamplingRow:
     # Set by the engine for a row that penalizes repeats: the prompt's tokens (each once, for
     # repetition_penalty) and the request's output, the list the scheduler appends to.
     prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # prompt_ids on the logits' device, kept from the first step that samples the row (that
+    # step's upload carries them; later steps' carry only the output's tokens)
+    prompt_on_device: torch.Tensor | None = None
     output_ids: list[int] = field(default_factory=list)
     matcher: GrammarMatcher | None = None  # set by the engine when params.grammar is set
     # The output's distinct tokens and how often each occurs, kept as tokens arrive: [:n] of
@@ -80,11 +83,6 @@ class SamplingRow:
         n = len(self._slot)
         return self._ids[:n], self._counts[:n]
 
-    def seen_ids(self) -> np.ndarray:
-        """The tokens repetition_penalty applies to: the prompt's, then the output's (a token in
-        both comes twice: the device sets a mask from them, which takes repeats as they are)."""
-        return np.concatenate([self.prompt_ids, self.output_counts()[0]])
-
 
 def seed_halves(seed: int) -> tuple[int, int]:
     """A seed in [SEED_MIN, SEED_MAX] as two 32-bit halves of its unsigned 64-bit value."""
@@ -108,6 +106,7 @@ class SamplingBatch:
     banned_rows: np.ndarray  # [N] int64: (row, token) pairs masked to -inf
     banned_ids: np.ndarray  # [N] int64
     adjustments: Adjustments[np.ndarray] | None  # None: no row sets any
+    new_prompts: list[int]  # rows whose prompt tokens this upload carries (their first step)
     grammar: bool  # some row has a grammar (its masks come after the forward: grammar_masks)
     all_greedy: bool
     any_seeded: bool
@@ -133,6 +132,7 @@ class SamplingBatch:
             banned_rows=np.array([i for i, _ in banned], dtype=np.int64),
             banned_ids=np.array([t for _, t in banned], dtype=np.int64),
             adjustments=Adjustments.of(rows) if any(r.adjusts for r in rows) else None,
+            new_prompts=[i for i, r in enumerate(rows) if _prompt_to_send(r)],
             grammar=any(r.matcher is not None for r in rows),
             all_greedy=all(greedy),
             any_seeded=any(
@@ -163,11 +163,13 @@ class Adjustments(Generic[A]):
     bias_ids: A  # [L] int64
     bias_values: A  # [L] float32
     repetition: A  # [B] float32; 1 when off
-    seen_rows: A  # [K] int64: (row, token) pairs repetition applies to
-    seen_ids: A  # [K] int64
+    prompt_rows: A  # [P] int64: the rows repetition applies to with their prompts' tokens
+    prompt_lengths: A  # [P] int64: the tokens of each (its prompt_ids, on the device)
+    new_prompt_ids: A  # [Q] int64: the prompt_ids of the rows sent this step, one after another
     presence: A  # [B] float32; 0 when off
     frequency: A  # [B] float32; 0 when off
-    count_rows: A  # [M] int64: (row, token, count) of the penalized rows' outputs
+    count_rows: A  # [M] int64: (row, token, count) of the outputs of the rows with a penalty
+    # on repeats (repetition reads which tokens occur; presence and frequency how often)
     count_ids: A  # [M] int64
     count_values: A  # [M] float32
     grammar_rows: A  # [G] int64: the rows with a grammar (their masks: `grammar_masks`)
@@ -177,8 +179,14 @@ class Adjustments(Generic[A]):
         params = [r.params for r in rows]
         biased = [(i, r) for i, r in enumerate(rows) if r.bias_ids.size]
         bias_rows, bias_ids = _pairs([(i, r.bias_ids) for i, r in biased])
-        seen = _pairs([(i, r.seen_ids()) for i, r in enumerate(rows) if r.params.repeats_seen])
-        counted = [(i, r.output_counts()) for i, r in enumerate(rows) if r.params.penalized]
+        prompted = [
+            (i, r) for i, r in enumerate(rows) if r.params.repeats_seen and r.prompt_ids.size
+        ]
+        counted = [
+            (i, r.output_counts())
+            for i, r in enumerate(rows)
+            if r.params.penalized or r.params.repeats_seen
+        ]
         count_rows, count_ids = _pairs([(i, ids) for i, (ids, _) in counted])
         return Adjustments(
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
@@ -186,8 +194,9 @@ class Adjustments(Generic[A]):
             bias_ids=bias_ids,
             bias_values=_concat([r.bias_values for _, r in biased], np.float32),
             repetition=np.array([p.repetition_penalty for p in params], dtype=np.float32),
-            seen_rows=seen[0],
-            seen_ids=seen[1],
+            prompt_rows=np.array([i for i, _ in prompted], dtype=np.int64),
+            prompt_lengths=np.array([r.prompt_ids.size for _, r in prompted], dtype=np.int64),
+            new_prompt_ids=_concat([r.prompt_ids for r in rows if _prompt_to_send(r)], np.int64),
             presence=np.array([p.presence_penalty for p in params], dtype=np.float32),
             frequency=np.array([p.frequency_penalty for p in params], dtype=np.float32),
             count_rows=count_rows,
@@ -213,6 +222,10 @@ def grammar_masks(rows: list[SamplingRow], vocab: int) -> np.ndarray:
         if row.matcher is not None and row.matcher.error is not None:
             row.error = f"the response's grammar failed: {row.matcher.error}"
     return words
+
+
+def _prompt_to_send(row: SamplingRow) -> bool:
+    return row.params.repeats_seen and row.prompt_ids.size > 0 and row.prompt_on_device is None
 
 
 def _pairs(rows: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -253,6 +266,24 @@ class DeviceSampling:
         base = len(tensors) - len(fields(Adjustments))  # the adjustments' tensors come last
         return cls(batch, *tensors[:base], adjustments=Adjustments(*tensors[base:]))
 
+    def prompt_pairs(self, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (row, token) pairs of the rows whose prompts repetition_penalty covers, from
+        each row's copy on the device; the rows sent this step keep theirs (a copy out of the
+        upload, which the next step reuses). No wait on the device, no upload."""
+        a = self.adjustments
+        if a is None or not len(a.prompt_rows):
+            return None
+        start = 0
+        for i in self.batch.new_prompts:
+            row = rows[i]
+            end = start + row.prompt_ids.size
+            row.prompt_on_device = a.new_prompt_ids[start:end].clone()
+            start = end
+        prompts = [r.prompt_on_device for r in rows if r.params.repeats_seen and r.prompt_ids.size]
+        ids = torch.cat([p for p in prompts if p is not None])
+        index = torch.repeat_interleave(a.prompt_rows, a.prompt_lengths, output_size=len(ids))
+        return index, ids
+
     @classmethod
     def direct(
         cls, batch: SamplingBatch, device: torch.device, rows: list[SamplingRow], vocab: int
@@ -272,7 +303,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw = logits[asking] if asking else None  # [a, V], a copy taken before any mask
     if s.adjustments is not None:
-        logits = _biased_and_penalized(logits, s.adjustments)
+        logits = _biased_and_penalized(logits, s.adjustments, s.prompt_pairs(rows))
     if s.batch.grammar:
         if s.adjustments is None or s.grammar_words is None:
             raise ValueError("a batch with grammar rows needs their masks (grammar_words)")
@@ -305,24 +336,33 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
     return result
 
 
-def _biased_and_penalized(logits: torch.Tensor, a: Adjustments[torch.Tensor]) -> torch.Tensor:
+def _biased_and_penalized(
+    logits: torch.Tensor,
+    a: Adjustments[torch.Tensor],
+    prompts: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
     """logits [B, V] float32 with each row's logit bias added, then its penalties on repeats:
     repetition (prompt and output tokens' logits divided by it when positive, multiplied when
-    not), frequency (x each output token's count) and presence (once per output token) taken
-    off, as vLLM orders them. Rows without any are unchanged."""
+    not; `prompts`: the prompts' (row, token) pairs), frequency (x each output token's count)
+    and presence (once per output token) taken off, as vLLM orders them. Rows without any are
+    unchanged."""
     if a.bias_rows.numel():
         logits = logits.index_put((a.bias_rows, a.bias_ids), a.bias_values, accumulate=True)
-    if a.seen_rows.numel():
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[a.seen_rows, a.seen_ids] = True
+    counts = None
+    if a.count_rows.numel():
+        counts = torch.zeros_like(logits)
+        counts[a.count_rows, a.count_ids] = a.count_values
+    if counts is not None or prompts is not None:
+        seen = counts > 0 if counts is not None else torch.zeros_like(logits, dtype=torch.bool)
+        if prompts is not None:
+            seen[prompts] = True
         penalty = a.repetition.unsqueeze(1)
+        seen &= penalty != 1  # rows counted for presence or frequency alone stay as they are
         # a penalty below float32's range (a valid 1e-300 becomes 0) divides to inf: kept finite
         big = torch.finfo(torch.float32).max
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-big, big)
         logits = torch.where(seen, penalized, logits)
-    if a.count_rows.numel():
-        counts = torch.zeros_like(logits)
-        counts[a.count_rows, a.count_ids] = a.count_values
+    if counts is not None:
         logits = logits - counts * a.frequency.unsqueeze(1)
         logits = logits - (counts > 0).float() * a.presence.unsqueeze(1)
     return logits
