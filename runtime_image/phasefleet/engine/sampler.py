@@ -179,9 +179,7 @@ class Adjustments(Generic[A]):
         params = [r.params for r in rows]
         biased = [(i, r) for i, r in enumerate(rows) if r.bias_ids.size]
         bias_rows, bias_ids = _pairs([(i, r.bias_ids) for i, r in biased])
-        prompted = [
-            (i, r) for i, r in enumerate(rows) if r.params.repeats_seen and r.prompt_ids.size
-        ]
+        prompted = [(i, r) for i, r in enumerate(rows) if _prompted(r)]
         counted = [
             (i, r.output_counts())
             for i, r in enumerate(rows)
@@ -224,8 +222,13 @@ def grammar_masks(rows: list[SamplingRow], vocab: int) -> np.ndarray:
     return words
 
 
+def _prompted(row: SamplingRow) -> bool:
+    """Whether repetition_penalty covers the row's prompt tokens."""
+    return row.params.repeats_seen and row.prompt_ids.size > 0
+
+
 def _prompt_to_send(row: SamplingRow) -> bool:
-    return row.params.repeats_seen and row.prompt_ids.size > 0 and row.prompt_on_device is None
+    return _prompted(row) and row.prompt_on_device is None
 
 
 def _pairs(rows: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -279,7 +282,7 @@ class DeviceSampling:
             end = start + row.prompt_ids.size
             row.prompt_on_device = a.new_prompt_ids[start:end].clone()
             start = end
-        prompts = [r.prompt_on_device for r in rows if r.params.repeats_seen and r.prompt_ids.size]
+        prompts = [r.prompt_on_device for r in rows if _prompted(r)]
         ids = torch.cat([p for p in prompts if p is not None])
         index = torch.repeat_interleave(a.prompt_rows, a.prompt_lengths, output_size=len(ids))
         return index, ids
