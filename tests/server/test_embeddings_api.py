@@ -135,6 +135,13 @@ def test_a_sentence_transformers_folder_says_how_it_pools(tmp_path: Path) -> Non
     (tmp_path / "modules.json").write_text("{not json")
     with pytest.raises(ValueError, match="modules.json is not valid JSON"):
         Pooling.of_model(tmp_path, 64)
+    (tmp_path / "modules.json").write_text('{"type": "Pooling"}')
+    with pytest.raises(ValueError, match="modules.json is not a list of modules"):
+        Pooling.of_model(tmp_path, 64)
+    listed = write_modules(tmp_path, ["Transformer", "Pooling"], last)
+    (listed / "1_Pooling" / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="1_Pooling/config.json is not a JSON object"):
+        Pooling.of_model(listed, 64)
 
 
 @pytest.fixture(scope="module")
