@@ -15,12 +15,7 @@ from gpu_models import real_heads
 from gpu_report import CheckContext, Status
 from gpu_roofline import seconds_per_call
 
-from phasefleet.engine.attention.metadata import (
-    AttentionMetadata,
-    DecodeGroup,
-    decode_mask,
-    mask_to_bias,
-)
+from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup, decode_masks
 from phasefleet.engine.attention.torch_paged import paged_attention
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
@@ -69,11 +64,12 @@ def _attend(t: dict[str, Any], backend: str, window: int | None) -> torch.Tensor
     q = t["q"]
     groups = []
     if backend == "torch":
-        mask = decode_mask(t["ctx"], t["tables"].shape[1] * BLOCK, window)
         matmuls = q.device.type == "cpu" and q.dtype != torch.float32  # as the runner does
-        bias = mask_to_bias(mask) if matmuls else None
+        masks, biases = decode_masks(t["ctx"], t["tables"].shape[1] * BLOCK, {window}, matmuls)
         groups = [
-            DecodeGroup(start=0, size=q.shape[0], block_tables=t["tables"], mask=mask, bias=bias)
+            DecodeGroup(
+                start=0, size=q.shape[0], block_tables=t["tables"], masks=masks, biases=biases
+            )
         ]
     meta = AttentionMetadata(
         slot_mapping=t["slots"],
@@ -83,9 +79,9 @@ def _attend(t: dict[str, Any], backend: str, window: int | None) -> torch.Tensor
         decode_groups=groups,
         prefills=[],
         decode_backend=backend,
-        sliding_window=window,
     )
-    return paged_attention(q, t["k"], t["v"], t["k_cache"], t["v_cache"], meta, q.shape[-1] ** -0.5)
+    scale = q.shape[-1] ** -0.5
+    return paged_attention(q, t["k"], t["v"], t["k_cache"], t["v_cache"], meta, scale, window)
 
 
 def triton_kernel(ctx: CheckContext, data: dict[str, Any]) -> tuple[Status, str]:

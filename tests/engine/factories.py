@@ -55,6 +55,13 @@ TINY_MODELS: dict[str, dict[str, object]] = {
     "llama31": dict(arch="llama", seed=4, rope_scaling="llama3"),
     "mistral_sw": dict(arch="mistral", seed=5, sliding_window=12),  # window < prompt lengths
     "phi3": dict(arch="phi3", seed=10),  # fused qkv / gate_up in the checkpoint, 3/4 rotary
+    "qwen2_sw": dict(arch="qwen2", seed=11, sliding_window=12),  # the second layer slides
+    "gemma": dict(arch="gemma", seed=12),  # (1 + w) norms, scaled embeddings, GELU (tanh)
+    # sandwich norms, q/k norms, its own score scale; the first layer slides (its own RoPE
+    # base), the second does not (linearly scaled RoPE)
+    "gemma3": dict(arch="gemma3_text", seed=13, sliding_window=12),
+    # an image-text checkpoint (Gemma 3 4B and up): its decoder served, the vision tower left
+    "gemma3_vision": dict(arch="gemma3", seed=14, sliding_window=12),
     # mixture of experts: 8 experts, 2 per token (Qwen2-MoE: a shared expert, one dense layer)
     "mixtral": dict(arch="mixtral", seed=7),
     "qwen2_moe": dict(arch="qwen2_moe", seed=8),

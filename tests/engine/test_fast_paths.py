@@ -31,7 +31,7 @@ HFGreedy = Callable[[str, list[int], int], list[int]]
 def test_triton_kernel_in_the_interpreter_matches_torch(tiny_model: ModelPath) -> None:
     script = Path(__file__).with_name("triton_interpret_check.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    models = [str(tiny_model("llama")), str(tiny_model("mistral_sw"))]
+    models = [str(tiny_model(name)) for name in ("llama", "mistral_sw", "gemma3")]
     result = subprocess.run(
         [sys.executable, str(script), *models], env=env, capture_output=True, text=True
     )
@@ -50,8 +50,8 @@ STRIDES = ("stride_qb", "stride_qh", "stride_kn", "stride_kt", "stride_kh", "str
 
 @pytest.mark.parametrize(
     ("dtype", "group", "head_dim"),
-    [("bf16", 4, 128), ("fp16", 3, 64), ("bf16", 8, 64), ("fp32", 1, 128)],
-    ids=["llama3-8b", "smollm2", "group8", "mha-fp32"],
+    [("bf16", 4, 128), ("fp16", 3, 64), ("bf16", 8, 64), ("fp32", 1, 128), ("bf16", 4, 256)],
+    ids=["llama3-8b", "smollm2", "group8", "mha-fp32", "gemma3-1b"],
 )
 def test_split_kernel_compiles_for_sm90(dtype: str, group: int, head_dim: int) -> None:
     signature = {
@@ -124,7 +124,7 @@ def test_graph_batch_sizes() -> None:
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_sw"])
+@pytest.mark.parametrize("name", ["llama", "mistral_sw", "gemma3"])
 def test_padded_decode_path_matches_transformers(
     name: str, tiny_model: ModelPath, hf_greedy: HFGreedy, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -107,6 +107,36 @@ def test_a_checkpoint_that_does_not_match_says_what_is_wrong(
         load(empty)
 
 
+def test_an_image_text_checkpoint_loads_its_decoder_in_either_layout(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """transformers saves Gemma 3's decoder as language_model.model.*, its newer layout as
+    model.language_model.*: both load; the vision tower is left out, a stray tensor is not."""
+    from phasefleet.engine.models.traits import load_decoder_config
+
+    folder = tiny_model("gemma3_vision")
+    state = load_file(str(folder / "model.safetensors"))
+    assert any(k.startswith("vision_tower.") for k in state)
+    config = load_decoder_config(folder)
+    embed = state["language_model.model.embed_tokens.weight"]
+
+    def loaded(path: Path) -> Any:
+        return load_model(path, config, torch.float32, CPU, 64)
+
+    assert torch.equal(loaded(folder).model.embed_tokens.weight, embed)
+
+    def newer(s: dict[str, torch.Tensor]) -> None:
+        for name in list(s):
+            moved = name.replace("language_model.model.", "model.language_model.")
+            s["model." + moved if moved.startswith("vision_tower.") else moved] = s.pop(name)
+
+    relaid = copy_with(folder, tmp_path / "newer", newer)
+    assert torch.equal(loaded(relaid).model.embed_tokens.weight, embed)
+    stray = copy_with(folder, tmp_path / "stray", lambda s: s.update(stray=torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"unexpected \['stray'\]"):
+        loaded(stray)
+
+
 def test_places_offsets_follow_the_parts_order() -> None:
     shapes = {
         "l.attn.q_proj.weight": torch.Size([8, 4]),

@@ -56,7 +56,8 @@ def _check(engine: LLMEngine, name: str, hf_greedy: HFGreedy, seed: int) -> None
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+    "name",
+    ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"],
 )
 def test_two_ranks_match_transformers(
     name: str, engines: Callable[[str, int], LLMEngine], hf_greedy: HFGreedy

@@ -18,7 +18,7 @@ import bisect
 import torch
 
 from phasefleet.engine.attention import triton_decode
-from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup, decode_mask
+from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup, decode_masks
 from phasefleet.engine.models.llama import CausalLM, KVCache
 from phasefleet.engine.models.rope import head_dim
 from phasefleet.engine.scheduler import SchedulerOutput
@@ -40,7 +40,7 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         backend: str,
-        sliding_window: int | None,
+        windows: set[int | None],
         device: torch.device,
     ) -> None:
         self.model = model
@@ -48,7 +48,7 @@ class DecodeGraphs:
         self.block_tables = block_tables  # [rows, max_blocks] int32, the persistent tables
         self.block_size = block_size
         self.backend = backend
-        self.sliding_window = sliding_window
+        self.windows = windows  # the layers' sliding windows (None: none)
         self.sizes = batch_sizes(max_batch)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [B_max]
@@ -92,12 +92,11 @@ class DecodeGraphs:
                     0,
                     b,
                     tables.long(),
-                    decode_mask(ctx, tables.shape[1] * self.block_size, self.sliding_window),
+                    decode_masks(ctx, tables.shape[1] * self.block_size, self.windows, False)[0],
                 )
             ],
             prefills=[],
             decode_backend=self.backend,
-            sliding_window=self.sliding_window,
             decode_workspace=self.workspace,
         )
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)

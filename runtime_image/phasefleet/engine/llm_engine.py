@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import AutoConfig
 
 from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.engine.block_pool import hash_block
@@ -30,6 +29,7 @@ from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
 from phasefleet.engine.lora import NO_SLOT, LoadedAdapter, LoraError, read_adapter
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from phasefleet.engine.models.rope import longest_static
+from phasefleet.engine.models.traits import load_decoder_config
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampler import SamplingRow
@@ -73,7 +73,7 @@ class LLMEngine:
             raise ValueError(f"model must be a Hugging Face folder with config.json, got {folder}")
         self.model_name = folder.resolve().name
         with startup.phase("config"):
-            self.hf_config: Any = AutoConfig.from_pretrained(folder)
+            self.hf_config: Any = load_decoder_config(folder)
             self.tokenizer: Any = load_tokenizer(folder)
         # by skip_special_tokens: the output text without or with the special tokens
         self._decoders = {skip: decoder(self.tokenizer, skip) for skip in (True, False)}

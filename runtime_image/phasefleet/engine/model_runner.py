@@ -23,8 +23,7 @@ from phasefleet.engine.attention.metadata import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSeq,
-    decode_mask,
-    mask_to_bias,
+    decode_masks,
 )
 from phasefleet.engine.block_table import BlockTables
 from phasefleet.engine.config import MAX_GRAPH_BATCH
@@ -34,7 +33,7 @@ from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
 from phasefleet.engine.lora import LoraSet
 from phasefleet.engine.models.cpu_linear import choose_cpu_linear
-from phasefleet.engine.models.llama import SLIDING_WINDOW_MODEL_TYPES, KVCache
+from phasefleet.engine.models.llama import KVCache
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.models.moe_shape import activation_width
 from phasefleet.engine.models.rope import head_dim
@@ -151,11 +150,6 @@ class ModelRunner:
             # has a reported bug with sequence lengths not divisible by 128 and builds a plan
             # per new shape. Flash (16-bit) first, then mem-efficient, then math (float32).
             torch.backends.cuda.enable_cudnn_sdp(False)
-        if getattr(hf_config, "use_sliding_window", False):
-            # Qwen2 slides only on some layers; not implemented, and its checkpoints leave it off.
-            raise ValueError(
-                f"{hf_config.model_type} with use_sliding_window=true is not supported"
-            )
         if device.type == "cuda":
             with startup.phase("device_init"):  # the CUDA context, apart from the weights' copy
                 torch.empty(1, device=device)
@@ -170,10 +164,7 @@ class ModelRunner:
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = self.model.num_kv_heads  # this rank's
         self.head_dim = head_dim(hf_config)
-        window = getattr(hf_config, "sliding_window", None)
-        self.sliding_window: int | None = (
-            window if hf_config.model_type in SLIDING_WINDOW_MODEL_TYPES and window else None
-        )
+        self.windows = set(self.model.traits.windows)  # the layers' sliding windows (None: none)
         self.kv_caches: KVCache = []
         self.rank_caches: list[KVCache] = []  # every rank's pool, by rank (rank 0: all of them)
         self.exporter: KVExporter | None = None  # reads leased blocks for a pull
@@ -334,7 +325,7 @@ class ModelRunner:
             self.block_size,
             max_batch,
             self.decode_backend,
-            self.sliding_window,
+            self.windows,
             self.device,
         )
         if capture:
@@ -439,15 +430,16 @@ class ModelRunner:
         groups = []
         for g in plan.groups:
             ctx = step.decode_ctx[g.start : g.start + g.size]
-            mask = decode_mask(ctx, g.width * self.block_size, self.sliding_window)
+            num_keys = g.width * self.block_size
+            masks, biases = decode_masks(ctx, num_keys, self.windows, self.decode_as_matmuls)
             groups.append(
                 DecodeGroup(
                     start=g.start,
                     size=g.size,
                     block_tables=dec_tables[g.start : g.start + g.size, : g.width].long(),
-                    mask=mask,
+                    masks=masks,
                     first_block=g.first_block,
-                    bias=mask_to_bias(mask) if self.decode_as_matmuls else None,
+                    biases=biases,
                 )
             )
         prefills = [
@@ -467,7 +459,6 @@ class ModelRunner:
             decode_groups=groups,
             prefills=prefills,
             decode_backend=self.decode_backend,
-            sliding_window=self.sliding_window,
         )
 
     def stop(self) -> None:

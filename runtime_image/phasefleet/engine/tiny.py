@@ -13,8 +13,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHES = (
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma3_text", "gemma3",
+    "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
+# image-text arch -> its decoder's: written with a small vision tower, served as text
+DECODER_ARCH = {"gemma3": "gemma3_text"}
+TINY_VISION = dict(
+    model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=2, image_size=28, patch_size=14,
+)  # fmt: skip
 MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_NORM_STD = 2.0  # std of the random w in Gemma's (1 + w) norm scales
 # Mixture-of-experts sizes, any preset: experts per layer, experts each token runs
 MOE_SIZES: dict[str, int] = dict(num_experts=8, num_experts_per_tok=2)
 
@@ -104,7 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, help="embedding rows (>= tokenizer size)")
     parser.add_argument("--max-position-embeddings", type=int, help="longest sequence, tokens")
     parser.add_argument("--init-std", type=float, help="std of the random weights")
-    parser.add_argument("--sliding-window", type=int, help="Mistral sliding window, tokens")
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        help="sliding window, tokens: every layer's (Mistral, Mixtral, Phi-3), every other "
+        "layer's (Gemma 3), the second half's (Qwen2, Qwen3)",
+    )
     parser.add_argument("--num-experts", type=int, help="experts per layer (MoE arches)")
     parser.add_argument("--num-experts-per-tok", type=int, help="experts per token (MoE arches)")
     parser.add_argument(
@@ -222,6 +237,19 @@ def _moe_config(arch: str, s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _window_config(arch: str, s: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer sliding windows when `sliding_window` is given: Gemma 3's on every other
+    layer (its 5 in 6, shrunk to fit a few layers), Qwen's past max_window_layers."""
+    window = s.get("sliding_window")
+    layers = s["num_layers"]
+    if arch == "gemma3_text":  # Gemma 3 always slides; 4096 (its default) cuts no test prompt
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return dict(sliding_window=window or 4096, layer_types=types)
+    if arch in ("qwen2", "qwen3") and window:
+        return dict(use_sliding_window=True, sliding_window=window, max_window_layers=layers // 2)
+    return {}
+
+
 def _write_model(
     out: Path,
     arch: str,
@@ -234,6 +262,7 @@ def _write_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    image_text, arch = arch, DECODER_ARCH.get(arch, arch)
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     kwargs: dict[str, Any] = dict(
         hidden_size=s["hidden_size"],
@@ -248,12 +277,17 @@ def _write_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=arch in ("qwen2", "qwen3"),
+        tie_word_embeddings=arch in ("qwen2", "qwen3", "gemma", "gemma3_text"),
     )
-    if arch in ("qwen3", "qwen3_moe"):  # as Qwen3-0.6B: heads twice hidden_size / num_heads
+    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma3_text"):
+        # as Qwen3-0.6B: heads twice hidden_size / num_heads (Gemma's are wider than that too)
         kwargs["head_dim"] = 2 * s["hidden_size"] // s["num_heads"]
     if arch in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = s.get("sliding_window")
+    kwargs.update(_window_config(arch, s))
+    if arch == "gemma3_text":  # as Gemma 3 4B: its own score scale, scaled global RoPE
+        kwargs["query_pre_attn_scalar"] = s["hidden_size"] // s["num_heads"]
+        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
     if arch == "phi3":  # as Phi-4-mini: RoPE turns the first 3/4 of each head
         kwargs["partial_rotary_factor"] = 0.75
     kwargs.update(_moe_config(arch, s))
@@ -268,9 +302,22 @@ def _write_model(
     elif rope_scaling is not None:
         raise ValueError(f"rope_scaling must be None or 'llama3', got {rope_scaling!r}")
     config = AutoConfig.for_model(arch, **kwargs)
+    if image_text != arch:  # 4 image tokens of a 2x2 grid of patches
+        config = AutoConfig.for_model(
+            image_text, text_config=config.to_dict(), vision_config=TINY_VISION,
+            mm_tokens_per_image=4,
+        )  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in ("gemma", "gemma3_text"):
+        # Their norms scale by (1 + w) and transformers starts w at 0, which leaves the scaled
+        # embeddings to decide every greedy choice: random w makes attention count too.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, GEMMA_NORM_STD)
     model = model.to(getattr(torch, dtype))
     model.config.dtype = dtype
     model.save_pretrained(out, safe_serialization=True)
-    (out / "phasefleet-tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, **s}) + "\n")
+    summary = {"arch": image_text, "seed": seed, **s}
+    (out / "phasefleet-tiny.json").write_text(json.dumps(summary) + "\n")

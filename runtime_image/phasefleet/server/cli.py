@@ -415,10 +415,10 @@ def _serve(
     args: argparse.Namespace, config: EngineConfig, startup: StartupTimes, keys: ApiKeys
 ) -> int:
     import uvicorn
-    from transformers import AutoConfig
 
     from phasefleet.engine.grammar import GrammarCompiler
     from phasefleet.engine.llm_engine import LLMEngine
+    from phasefleet.engine.models.traits import load_decoder_config
     from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
     from phasefleet.server.app import build_app
     from phasefleet.server.async_engine import AsyncEngine
@@ -442,7 +442,7 @@ def _serve(
             "no $%s: /internal/* is refused and no prompt is prefilled remotely", INTERNAL_TOKEN_ENV
         )
     tokenizer = load_tokenizer(args.model)
-    hf_config = AutoConfig.from_pretrained(args.model)
+    hf_config = load_decoder_config(args.model)
     vocab_size = int(hf_config.vocab_size)
     eos = eos_token_ids(args.model, hf_config, tokenizer)
     defaults = SamplingDefaults()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,11 +22,13 @@ class DecodeGroup:
     start: int  # index of its first request among the decodes (= in the flat batch)
     size: int  # requests in the group
     block_tables: torch.Tensor  # [size, max_blocks] long, padded with the null block
-    mask: torch.Tensor  # [size, 1, 1, max_blocks * block_size] bool, True = attend
+    # sliding window (None: no window) -> [size, 1, 1, max_blocks * block_size] bool,
+    # True = attend; one per window the model's layers use
+    masks: dict[int | None, torch.Tensor]
     first_block: int | None = None  # size 1 with consecutive block ids: read a view, no gather
-    # [size, 1, 1, max_blocks * block_size] float32, 0 = attend, -inf = not: set when the group
-    # runs as two matmuls instead of SDPA (CPU, 16-bit dtypes; see torch_paged.py)
-    bias: torch.Tensor | None = None
+    # the masks as float32, 0 = attend, -inf = not: set when the group runs as two matmuls
+    # instead of SDPA (CPU, 16-bit dtypes; see torch_paged.py); empty otherwise
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,7 +40,6 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # torch path: decodes of similar length, one SDPA call each
     prefills: list[PrefillSeq]  # the multi-token queries, in batch order after the decodes
     decode_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (paged kernel)
-    sliding_window: int | None = None  # tokens a query may look back (Mistral); None: all
     # triton: the split kernel's scratch, preallocated (a captured graph); None: per call
     decode_workspace: DecodeWorkspace | None = None
 
@@ -48,6 +49,14 @@ def mask_to_bias(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
         ~mask, float("-inf")
     )
+
+
+def decode_masks(
+    context_lens: torch.Tensor, num_keys: int, windows: set[int | None], as_bias: bool
+) -> tuple[dict[int | None, torch.Tensor], dict[int | None, torch.Tensor]]:
+    """A group's masks for each of the windows, and their biases when `as_bias` (else {})."""
+    masks = {w: decode_mask(context_lens, num_keys, w) for w in windows}
+    return masks, {w: mask_to_bias(m) for w, m in masks.items()} if as_bias else {}
 
 
 def decode_mask(context_lens: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:

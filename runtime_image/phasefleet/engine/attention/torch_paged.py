@@ -54,8 +54,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]. `window`:
+    the layer's sliding window in tokens (None: the whole context)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     parts = []  # outputs in batch order: the decodes (one part per group), then each prefill
     n_dec = meta.num_decode_tokens
@@ -68,16 +70,16 @@ def paged_attention(
                 meta.decode_block_tables,
                 meta.decode_context_lens,
                 scale,
-                meta.sliding_window,
+                window,
                 workspace=meta.decode_workspace,
             )
         )
     elif n_dec:
-        parts += [_decode_group(q, k_cache, v_cache, group, scale) for group in meta.decode_groups]
+        parts += [
+            _decode_group(q, k_cache, v_cache, group, scale, window) for group in meta.decode_groups
+        ]
     if meta.prefills:
-        parts.append(
-            prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, meta.sliding_window)
-        )
+        parts.append(prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no copy
 
 
@@ -87,6 +89,7 @@ def _decode_group(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """The group's one-token queries against its blocks -> [size, heads, head_dim]."""
     end = group.start + group.size
@@ -100,13 +103,14 @@ def _decode_group(
         flat = group.block_tables.reshape(-1)
         keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
         values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
-    if group.bias is not None:
-        return grouped_decode_attention(q[group.start : end], keys, values, group.bias, scale)
+    if group.biases:
+        bias = group.biases[window]
+        return grouped_decode_attention(q[group.start : end], keys, values, bias, scale)
     o = F.scaled_dot_product_attention(
         q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
         keys,
         values,
-        attn_mask=group.mask,
+        attn_mask=group.masks[window],
         scale=scale,
         enable_gqa=True,
     )

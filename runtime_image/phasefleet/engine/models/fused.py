@@ -36,13 +36,23 @@ def local_width(width: int, tp: TPGroup | None) -> int:
     return width if tp is None else len(tp.shard.split(width))
 
 
-class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), `width` wide on this rank; with `tp`, the rank's partial
-    sums are all-reduced (row-parallel down_proj)."""
+def _gate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gate's activation: "silu", "gelu" (exact) or "gelu_tanh" (tanh approximation)."""
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
-    def __init__(self, hidden: int, width: int, bias: bool, tp: TPGroup | None) -> None:
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), `width` wide on this rank, act as `activation` names it
+    (_gate); with `tp`, the rank's partial sums are all-reduced (row-parallel down_proj)."""
+
+    def __init__(
+        self, hidden: int, width: int, bias: bool, tp: TPGroup | None, activation: str = "silu"
+    ) -> None:
         super().__init__()
         self.tp = tp
+        self.activation = activation
         self.gate_proj = nn.Linear(hidden, width, bias=bias)
         self.up_proj = nn.Linear(hidden, width, bias=bias)
         self.down_proj = nn.Linear(width, hidden, bias=bias)  # row-parallel
@@ -56,5 +66,5 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             raise RuntimeError("MLP runs fused: call fuse() once the weights are loaded")
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(_gate(gate, self.activation) * up)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -1,7 +1,8 @@
 """The Llama-family decoder in torch: Llama, Qwen2 (qkv bias, tied embeddings), Qwen3 (an
 RMSNorm on each query and key head before RoPE, a head size of its own), Mistral, Phi-3 (fused
-projections in its checkpoints, RoPE on part of each head for Phi-4-mini), and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (their MLPs in moe.py).
+projections in its checkpoints, RoPE on part of each head for Phi-4-mini), Gemma and Gemma 3
+(traits.py lists how each differs from Llama), and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE (their MLPs in moe.py).
 
 Parameter names match the Hugging Face checkpoints, so a safetensors state dict loads as is.
 Activations are flat over the batch: [T, hidden] for T tokens of all scheduled requests.
@@ -26,12 +27,13 @@ from phasefleet.engine.models.meta import meta_linear
 from phasefleet.engine.models.moe import SparseMoeBlock
 from phasefleet.engine.models.moe_shape import MOE_MODEL_TYPES, is_moe_layer
 from phasefleet.engine.models.rope import apply_rope, head_dim, rotary_dim
+from phasefleet.engine.models.traits import GEMMA_MODEL_TYPES, ModelTraits, model_traits
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.shard import Shard
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *MOE_MODEL_TYPES)
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")  # q_norm and k_norm over each head
-SLIDING_WINDOW_MODEL_TYPES = ("mistral", "mixtral", "phi3")  # sliding_window on every layer
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "phi3", *GEMMA_MODEL_TYPES, *MOE_MODEL_TYPES,
+)  # fmt: skip
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
@@ -48,12 +50,18 @@ def attention_biases(config: Any) -> tuple[bool, bool]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """x / rms(x) * w; with `offset` (Gemma), * (1 + w) with the product in float32 too."""
+
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            scale = self.weight.float() + 1.0
+            return torch.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # one fused op, bit for bit the arithmetic below
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype  # 16-bit: normalized in float32, scaled in the model's dtype
@@ -63,7 +71,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None, traits: ModelTraits, index: int) -> None:
         super().__init__()
         shard = tp.shard if tp is not None else Shard(0, 1)
         self.tp = tp
@@ -71,7 +79,9 @@ class Attention(nn.Module):
         self.num_kv_heads = len(shard.kv_heads(config))
         self.head_dim = head_dim(config)
         self.rotary_dim = rotary_dim(config)
-        self.scale = self.head_dim**-0.5
+        self.scale = traits.attn_scale
+        self.window = traits.windows[index]  # tokens a query looks back; None: all
+        self.local_rope = self.window is not None and traits.local_rope_theta is not None
         qkv_bias, o_bias = attention_biases(config)
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
@@ -81,9 +91,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by fuse(), after loading
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.model_type in QK_NORM_MODEL_TYPES:  # the same weights on every rank
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if traits.qk_norm:  # the same weights on every rank
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, traits.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, traits.norm_offset)
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer kernel launches per layer)."""
@@ -112,23 +122,31 @@ class Attention(nn.Module):
             rotated = apply_rope(qk[..., : self.rotary_dim], cos, sin)
             qk = torch.cat([rotated, qk[..., self.rotary_dim :]], dim=-1)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
         out = self.o_proj(o.reshape(t, heads * self.head_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None, index: int) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None, traits: ModelTraits, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, tp)
+        self.self_attn = Attention(config, tp, traits, index)
         self.mlp: MLP | SparseMoeBlock
         if is_moe_layer(config, index):
             self.mlp = SparseMoeBlock(config, tp)
         else:
             width = local_width(int(config.intermediate_size), tp)
-            self.mlp = MLP(config.hidden_size, width, bool(getattr(config, "mlp_bias", False)), tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            bias = bool(getattr(config, "mlp_bias", False))
+            self.mlp = MLP(config.hidden_size, width, bias, tp, traits.activation)
+        hidden, eps, offset = config.hidden_size, config.rms_norm_eps, traits.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        # Llama: before the MLP; with sandwich norms, on the attention's output
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if traits.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
 
     def forward(
         self,
@@ -138,19 +156,30 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup | None) -> None:
+    def __init__(self, config: Any, tp: TPGroup | None, traits: ModelTraits) -> None:
         super().__init__()
         rows = tp.shard.vocab_rows(config) if tp is not None else config.vocab_size
         self.embed_tokens = nn.Embedding(rows, config.hidden_size)  # vocabulary-parallel
         self.layers = nn.ModuleList(
-            DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, tp, traits, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, traits.norm_offset)
+
+
+def _rope_rows(
+    tables: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [P, rotary] -> the positions' rows, [T, 1, rotary] each."""
+    return tables[0][positions].unsqueeze(1), tables[1][positions].unsqueeze(1)
 
 
 class CausalLM(nn.Module):
@@ -163,13 +192,14 @@ class CausalLM(nn.Module):
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.config = config
+        self.traits = model_traits(config)
         self.tp = tp
         shard = tp.shard if tp is not None else Shard(0, 1)
         self.vocab_size = int(config.vocab_size)
         self.vocab_start = shard.vocab_start(config) if tp is not None else 0
         self.num_heads = len(shard.heads(config))  # this rank's query and KV heads
         self.num_kv_heads = len(shard.kv_heads(config))
-        self.model = DecoderModel(config, tp)
+        self.model = DecoderModel(config, tp, self.traits)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: None until pack_for_cpu(), and compute_logits reads the embedding.
         self.lm_head: nn.Module | None = None
@@ -179,6 +209,8 @@ class CausalLM(nn.Module):
         self.linear_backend = "torch"  # or pack_for_cpu()'s summary of the paths
         self.rope_cos: torch.Tensor | None = None  # [max_positions, rotary_dim], set by the loader
         self.rope_sin: torch.Tensor | None = None  # sin with its first half negated (rope.py)
+        # the windowed layers' own tables when traits.local_rope_theta is set (Gemma 3)
+        self.local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -190,9 +222,13 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] long -> final hidden states [T, hidden]."""
         if self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("rope tables are not set; load the model with load_model()")
-        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        shared = _rope_rows((self.rope_cos, self.rope_sin), positions)
+        local = shared if self.local_rope is None else _rope_rows(self.local_rope, positions)
         x = self._embed(input_ids)
+        if self.traits.embed_scale:  # sqrt(hidden) rounded to the model's dtype, as trained
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            cos, sin = local if cast(DecoderLayer, layer).self_attn.local_rope else shared
             x = layer(x, cos, sin, kv, meta)
         return self.model.norm(x)
 
@@ -233,4 +269,7 @@ class CausalLM(nn.Module):
             logits = cast(torch.Tensor, self.lm_head(hidden))
         if self.tp is not None:
             logits = self.tp.gather_last(logits)[:, : self.vocab_size]
+        cap = self.traits.final_softcap
+        if cap is not None:
+            return torch.tanh(logits.float() / cap) * cap
         return logits.float()

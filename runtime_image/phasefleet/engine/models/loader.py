@@ -11,6 +11,7 @@ and keeps its own slice of each tensor (parallel/shard.py).
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -135,6 +136,12 @@ def load_model(
     cos, sin = rope_tables(config, max_positions)
     model.rope_cos = cos.to(device=device, dtype=dtype)
     model.rope_sin = sin.to(device=device, dtype=dtype)
+    local_theta = model.traits.local_rope_theta
+    if local_theta is not None:  # Gemma 3's windowed layers: their own base, unscaled
+        local = copy.copy(config)
+        local.rope_theta, local.rope_scaling = local_theta, None
+        cos, sin = rope_tables(local, max_positions)
+        model.local_rope = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
     return model
 
 

@@ -138,11 +138,11 @@ def follow(rank: int, spec: RankSpec, pipe: Connection) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = TPGroup.join(rank, spec.size, spec.address, device, COLLECTIVE_TIMEOUT_S)
-    from transformers import AutoConfig
+    from phasefleet.engine.models.traits import load_decoder_config
 
     runner = ModelRunner(
         spec.folder,
-        AutoConfig.from_pretrained(spec.folder),
+        load_decoder_config(spec.folder),
         spec.dtype,
         device,
         spec.block_size,
