@@ -83,6 +83,22 @@ def test_a_models_shape_comes_from_its_config(tmp_path: Path) -> None:
         ModelShape.from_config(tmp_path / "config.json")
 
 
+def test_an_image_text_models_shape_is_its_decoders(tmp_path: Path) -> None:
+    config = {  # google/gemma-3-4b-it's: heads and vocabulary left to the class defaults
+        "model_type": "gemma3",
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "sliding_window": 1024,
+        },
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_config(tmp_path)
+    assert shape.params == pytest.approx(3.88e9, rel=0.01)  # its decoder, without the tower
+    assert shape.kv_bytes_per_token == 34 * 4 * 256 * 2 * 2
+
+
 @pytest.mark.parametrize(
     ("fields", "total", "active"),
     [

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,7 @@ class ModelShape:
         models) from its Hugging Face config.json (or the folder holding it); ValueError naming
         a missing field."""
         file = path / "config.json" if path.is_dir() else path
-        config = json.loads(file.read_text())
+        config = _decoder_fields(json.loads(file.read_text()))
         try:
             hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
             heads, mlp = int(config["num_attention_heads"]), int(config["intermediate_size"])
@@ -132,6 +133,24 @@ class ModelShape:
             name, float(params), layers, hidden, kv_heads, head_dim, dtype,
             active_params=None if moe is None else float(active),
         )  # fmt: skip
+
+
+# Gemma3TextConfig's defaults, which the released Gemma 3 4B config leaves to it
+GEMMA3_TEXT_DEFAULTS = dict(
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def _decoder_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of the decoder a worker serves: an image-text config's text_config (Gemma 3
+    4B and up; the vision tower is not served), keeping the checkpoint's dtype."""
+    text = config.get("text_config")
+    if not isinstance(text, dict) or "hidden_size" in config:
+        return config
+    dtype = {"torch_dtype": config["torch_dtype"]} if "torch_dtype" in config else {}
+    defaults = GEMMA3_TEXT_DEFAULTS if text.get("model_type") == "gemma3_text" else {}
+    return {**defaults, **dtype, **text}
 
 
 def _moe(config: dict[str, object], file: Path) -> SimpleNamespace | None:
