@@ -40,8 +40,10 @@ def hf_greedy(tiny_model: Callable[[str], Path]) -> Callable[[str, list[int], in
 
     def run(name: str, prompt: list[int], n: int) -> list[int]:
         if name not in models:
+            # SDPA drops Gemma 2's score softcapping; eager applies it
+            eager = {"attn_implementation": "eager"} if name.startswith("gemma2") else {}
             models[name] = AutoModelForCausalLM.from_pretrained(
-                tiny_model(name), dtype=torch.float32
+                tiny_model(name), dtype=torch.float32, **eager
             ).eval()
         ids = list(prompt)
         with torch.no_grad():

@@ -57,6 +57,8 @@ TINY_MODELS: dict[str, dict[str, object]] = {
     "phi3": dict(arch="phi3", seed=10),  # fused qkv / gate_up in the checkpoint, 3/4 rotary
     "qwen2_sw": dict(arch="qwen2", seed=11, sliding_window=12),  # the second layer slides
     "gemma": dict(arch="gemma", seed=12),  # (1 + w) norms, scaled embeddings, GELU (tanh)
+    # sandwich norms, scores and logits capped by tanh, the first layer slides
+    "gemma2": dict(arch="gemma2", seed=15, sliding_window=12),
     # sandwich norms, q/k norms, its own score scale; the first layer slides (its own RoPE
     # base), the second does not (linearly scaled RoPE)
     "gemma3": dict(arch="gemma3_text", seed=13, sliding_window=12),

@@ -36,3 +36,21 @@ def test_grouped_decode_attention_matches_sdpa(
     ).squeeze(2)
     assert got.shape == (n, heads, dim) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_grouped_decode_attention_caps_scores_before_the_mask() -> None:
+    """Gemma 2's softcapping: cap * tanh(scores / cap), then the mask, then softmax."""
+    n, heads, kv_heads, keys_len, dim, cap = 2, 4, 2, 10, 16, 1.5
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(n, heads, dim, generator=gen)
+    k = torch.randn(n, kv_heads, keys_len, dim, generator=gen)
+    v = torch.randn(n, kv_heads, keys_len, dim, generator=gen)
+    mask = decode_mask(torch.tensor([10, 4]), keys_len, None)
+    got = grouped_decode_attention(q, k, v, mask_to_bias(mask), scale=0.5, softcap=cap)
+    expand = {"dim": 1, "repeats": heads // kv_heads}
+    scores = q.unsqueeze(2) @ k.repeat_interleave(**expand).transpose(-1, -2) * 0.5
+    capped = (torch.tanh(scores / cap) * cap).masked_fill(~mask, float("-inf"))
+    want = (capped.softmax(-1) @ v.repeat_interleave(**expand)).squeeze(2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    uncapped = grouped_decode_attention(q, k, v, mask_to_bias(mask), scale=0.5)
+    assert not torch.allclose(uncapped, want, atol=1e-2)

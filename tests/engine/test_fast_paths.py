@@ -108,11 +108,14 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_decode_backend(cpu, 16) == "torch"
     assert choose_decode_backend(cuda, 16) == "triton"
     assert choose_decode_backend(cuda, 12) == "torch"  # not a power of two
+    assert choose_decode_backend(cuda, 16, softcap=True) == "torch"  # Gemma 2: no kernel
     monkeypatch.setenv("PHASEFLEET_ATTENTION", "torch")
     assert choose_decode_backend(cuda, 16) == "torch"
     monkeypatch.setenv("PHASEFLEET_ATTENTION", "triton")
     with pytest.raises(ValueError, match="power-of-two block_size"):
         choose_decode_backend(cpu, 12)
+    with pytest.raises(ValueError, match="and a softcapped model"):
+        choose_decode_backend(cuda, 16, softcap=True)
     monkeypatch.setenv("PHASEFLEET_ATTENTION", "cudnn")
     with pytest.raises(ValueError, match="PHASEFLEET_ATTENTION must be"):
         choose_decode_backend(cpu, 16)
@@ -124,7 +127,7 @@ def test_graph_batch_sizes() -> None:
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_sw", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "mistral_sw", "gemma2", "gemma3"])
 def test_padded_decode_path_matches_transformers(
     name: str, tiny_model: ModelPath, hf_greedy: HFGreedy, monkeypatch: pytest.MonkeyPatch
 ) -> None:

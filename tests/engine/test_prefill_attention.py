@@ -163,14 +163,43 @@ def test_matmul_path_for_pieces_no_flash_kernel_takes(
 ) -> None:
     # What CUDA runs for masked pieces, float32 and head sizes flash refuses.
     def math_only(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, piece: Piece, w: int | None
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        piece: Piece,
+        w: int | None,
+        softcap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = None if piece.vis is Visibility.ALL else piece_mask(piece, w, q.device)
-        return attend_math(q, k, v, scale, mask)
+        return attend_math(q, k, v, scale, mask, softcap)
 
     monkeypatch.setattr(prefill, "_attend", math_only)
     batch = make_batch([(10, 7), (25, 20), (0, 30)], 32, 8, seed=2)
     check(batch, run(batch, window, tile=8), window, 1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_softcapped_scores_match_eager_attention(window: int | None) -> None:
+    """Gemma 2's cap, cap * tanh(scores / cap) before the mask, as transformers' eager path;
+    the first chunk too (it never takes SDPA's causal shortcut with a cap)."""
+    cap = 1.5  # below the scores' spread: the cap bites
+    batch = make_batch([(0, 20), (10, 7), (25, 20)], 4, 2, seed=3)
+    got = prefill_attention(
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.prefills, SCALE,
+        window, softcap=cap, tile=8,
+    )  # fmt: skip
+    plain = run(batch, window, tile=8)
+    for i, seq in enumerate(batch.prefills):
+        q = batch.q[seq.start : seq.start + seq.q_len].transpose(0, 1)  # [H, q, D]
+        k = batch.keys[i].repeat_interleave(2, dim=1).transpose(0, 1)  # [H, ctx, D]
+        v = batch.values[i].repeat_interleave(2, dim=1).transpose(0, 1)
+        scores = torch.tanh(q @ k.transpose(1, 2) * SCALE / cap) * cap
+        mask = dense_mask(seq.ctx_len - seq.q_len, seq.q_len, window)
+        want = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+        rows = slice(seq.start - LEAD, seq.start - LEAD + seq.q_len)
+        assert torch.allclose(got[rows], want, atol=1e-5)
+        assert not torch.allclose(plain[rows], want, atol=1e-2)  # the cap changed something
 
 
 def test_plan_covers_each_visible_pair_once_and_no_row_sees_nothing() -> None:

@@ -57,7 +57,18 @@ def _check(engine: LLMEngine, name: str, hf_greedy: HFGreedy, seed: int) -> None
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"],
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "phi3",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+    ],  # fmt: skip
 )
 def test_two_ranks_match_transformers(
     name: str, engines: Callable[[str, int], LLMEngine], hf_greedy: HFGreedy

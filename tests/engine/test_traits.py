@@ -58,14 +58,27 @@ def test_settings_we_do_not_implement_are_refused_naming_them() -> None:
         model_traits(config("gemma3_text", use_bidirectional_attention=True))
 
 
-def test_gemma2_is_refused_naming_what_is_supported() -> None:
+def test_gemma2_caps_scores_and_logits_and_gemma3_does_not() -> None:
+    gemma2 = model_traits(
+        config("gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+               query_pre_attn_scalar=256, head_dim=128)
+    )  # fmt: skip
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert gemma2.attn_scale == 256**-0.5 and gemma2.sandwich_norms and not gemma2.qk_norm
+    assert gemma2.windows == (4096, None, 4096, None)  # every other layer slides
+    # transformers ignores a Gemma 3 config's attention cap: so do we
+    gemma3 = model_traits(config("gemma3_text", attn_logit_softcapping=50.0))
+    assert gemma3.attn_softcap is None
+
+
+def test_another_model_type_is_refused_naming_what_is_supported() -> None:
     from phasefleet.engine.models.llama import CausalLM
 
     with (
         torch.device("meta"),
-        pytest.raises(ValueError, match="'gemma2' is not supported; .*gemma3_text"),
+        pytest.raises(ValueError, match="'olmo2' is not supported; .*gemma3_text"),
     ):
-        CausalLM(config("gemma2", hidden_size=64, num_attention_heads=4, head_dim=16))
+        CausalLM(config("olmo2", hidden_size=64, num_attention_heads=4))
 
 
 def test_an_image_text_folder_serves_its_text_config(

@@ -41,6 +41,7 @@ class DecodeGraphs:
         max_batch: int,
         backend: str,
         windows: set[int | None],
+        as_matmuls: bool,
         device: torch.device,
     ) -> None:
         self.model = model
@@ -49,6 +50,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.backend = backend
         self.windows = windows  # the layers' sliding windows (None: none)
+        self.as_matmuls = as_matmuls  # torch decode groups carry biases (see ModelRunner)
         self.sizes = batch_sizes(max_batch)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [B_max]
@@ -80,21 +82,17 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         ctx = self.context_lens[:b]
         tables = self.block_tables.index_select(0, self.rows[:b])  # [b, max_blocks]
+        groups = []
+        if self.backend != "triton":
+            num_keys = tables.shape[1] * self.block_size
+            masks, biases = decode_masks(ctx, num_keys, self.windows, self.as_matmuls)
+            groups = [DecodeGroup(0, b, tables.long(), masks, biases=biases)]
         meta = AttentionMetadata(
             slot_mapping=self.slots[:b],
             num_decode_tokens=b,
             decode_block_tables=tables,
             decode_context_lens=ctx,
-            decode_groups=[]
-            if self.backend == "triton"
-            else [
-                DecodeGroup(
-                    0,
-                    b,
-                    tables.long(),
-                    decode_masks(ctx, tables.shape[1] * self.block_size, self.windows, False)[0],
-                )
-            ],
+            decode_groups=groups,
             prefills=[],
             decode_backend=self.backend,
             decode_workspace=self.workspace,

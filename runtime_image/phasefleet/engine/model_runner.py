@@ -59,17 +59,19 @@ GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool and the r
 logger = logging.getLogger(__name__)
 
 
-def choose_decode_backend(device: torch.device, block_size: int) -> str:
-    """The decode attention backend: Triton on CUDA when Triton is installed and the block size
-    suits the kernel, else torch; PHASEFLEET_ATTENTION=torch|triton forces one."""
+def choose_decode_backend(device: torch.device, block_size: int, softcap: bool = False) -> str:
+    """The decode attention backend: Triton on CUDA when Triton is installed, the block size
+    suits the kernel and the model has no attention softcapping (Gemma 2), else torch;
+    PHASEFLEET_ATTENTION=torch|triton forces one."""
     forced = os.environ.get("PHASEFLEET_ATTENTION", "auto")
     if forced not in ("auto", "torch", "triton"):
         raise ValueError(f"PHASEFLEET_ATTENTION must be auto, torch or triton, got {forced!r}")
-    usable = triton_decode.available() and triton_decode.supports(block_size)
+    usable = triton_decode.available() and triton_decode.supports(block_size) and not softcap
     if forced == "triton" and not usable:
         raise ValueError(
-            "PHASEFLEET_ATTENTION=triton needs Triton and a power-of-two block_size, "
-            f"got block_size {block_size}"
+            "PHASEFLEET_ATTENTION=triton needs Triton, a power-of-two block_size and a model "
+            f"without attention softcapping, got block_size {block_size}"
+            + (" and a softcapped model" if softcap else "")
         )
     if forced == "auto":
         return "triton" if device.type == "cuda" and usable else "torch"
@@ -168,9 +170,10 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.rank_caches: list[KVCache] = []  # every rank's pool, by rank (rank 0: all of them)
         self.exporter: KVExporter | None = None  # reads leased blocks for a pull
-        self.decode_backend = choose_decode_backend(device, block_size)
+        softcap = self.model.traits.attn_softcap is not None  # no fused kernel takes it
+        self.decode_backend = choose_decode_backend(device, block_size, softcap)
         # SDPA's CPU kernel is slow for 16-bit one-token queries: decode groups run as matmuls.
-        self.decode_as_matmuls = device.type == "cpu" and self.dtype != torch.float32
+        self.decode_as_matmuls = softcap or (device.type == "cpu" and self.dtype != torch.float32)
         separate = device.type != "cpu" if separate_device is None else separate_device
         self.tables = BlockTables(
             max_num_seqs, -(-max_model_len // block_size), device, separate=separate
@@ -326,6 +329,7 @@ class ModelRunner:
             max_batch,
             self.decode_backend,
             self.windows,
+            self.decode_as_matmuls,
             self.device,
         )
         if capture:

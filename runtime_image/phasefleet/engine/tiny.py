@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ARCHES = (
-    "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma3_text", "gemma3",
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
     "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
 # image-text arch -> its decoder's: written with a small vision tower, served as text
@@ -24,7 +24,9 @@ TINY_VISION = dict(
     num_attention_heads=2, image_size=28, patch_size=14,
 )  # fmt: skip
 MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_ARCHES = ("gemma", "gemma2", "gemma3_text")
 GEMMA_NORM_STD = 2.0  # std of the random w in Gemma's (1 + w) norm scales
+GEMMA2_SOFTCAPS = (5.0, 3.0)  # attention scores, logits (Gemma 2 2B's: 50, 30)
 # Mixture-of-experts sizes, any preset: experts per layer, experts each token runs
 MOE_SIZES: dict[str, int] = dict(num_experts=8, num_experts_per_tok=2)
 
@@ -118,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sliding-window",
         type=int,
         help="sliding window, tokens: every layer's (Mistral, Mixtral, Phi-3), every other "
-        "layer's (Gemma 3), the second half's (Qwen2, Qwen3)",
+        "layer's (Gemma 2, Gemma 3), the second half's (Qwen2, Qwen3)",
     )
     parser.add_argument("--num-experts", type=int, help="experts per layer (MoE arches)")
     parser.add_argument("--num-experts-per-tok", type=int, help="experts per token (MoE arches)")
@@ -238,11 +240,11 @@ def _moe_config(arch: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _window_config(arch: str, s: dict[str, Any]) -> dict[str, Any]:
-    """Per-layer sliding windows when `sliding_window` is given: Gemma 3's on every other
-    layer (its 5 in 6, shrunk to fit a few layers), Qwen's past max_window_layers."""
+    """Per-layer sliding windows when `sliding_window` is given: Gemma 2's and 3's on every other
+    layer (Gemma 3's 5 in 6, shrunk to fit a few layers), Qwen's past max_window_layers."""
     window = s.get("sliding_window")
     layers = s["num_layers"]
-    if arch == "gemma3_text":  # Gemma 3 always slides; 4096 (its default) cuts no test prompt
+    if arch in ("gemma2", "gemma3_text"):  # always slide; 4096 (the default) cuts no test
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         return dict(sliding_window=window or 4096, layer_types=types)
     if arch in ("qwen2", "qwen3") and window:
@@ -277,17 +279,21 @@ def _write_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=arch in ("qwen2", "qwen3", "gemma", "gemma3_text"),
+        tie_word_embeddings=arch in ("qwen2", "qwen3", *GEMMA_ARCHES),
     )
-    if arch in ("qwen3", "qwen3_moe", "gemma", "gemma3_text"):
+    if arch in ("qwen3", "qwen3_moe", *GEMMA_ARCHES):
         # as Qwen3-0.6B: heads twice hidden_size / num_heads (Gemma's are wider than that too)
         kwargs["head_dim"] = 2 * s["hidden_size"] // s["num_heads"]
     if arch in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = s.get("sliding_window")
     kwargs.update(_window_config(arch, s))
-    if arch == "gemma3_text":  # as Gemma 3 4B: its own score scale, scaled global RoPE
+    if arch in ("gemma2", "gemma3_text"):  # their own score scale
         kwargs["query_pre_attn_scalar"] = s["hidden_size"] // s["num_heads"]
+    if arch == "gemma3_text":  # as Gemma 3 4B: scaled global RoPE
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    if arch == "gemma2":  # caps small enough to bite on the wide init's scores and logits
+        kwargs["attn_logit_softcapping"] = GEMMA2_SOFTCAPS[0]
+        kwargs["final_logit_softcapping"] = GEMMA2_SOFTCAPS[1]
     if arch == "phi3":  # as Phi-4-mini: RoPE turns the first 3/4 of each head
         kwargs["partial_rotary_factor"] = 0.75
     kwargs.update(_moe_config(arch, s))
@@ -309,7 +315,7 @@ def _write_model(
         )  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch in ("gemma", "gemma3_text"):
+    if arch in GEMMA_ARCHES:
         # Their norms scale by (1 + w) and transformers starts w at 0, which leaves the scaled
         # embeddings to decide every greedy choice: random w makes attention count too.
         with torch.no_grad():

@@ -31,6 +31,9 @@ from phasefleet.engine.attention.metadata import PrefillSeq
 # context, with less memory (docs/engine.md). CUDA (not measured): large, so the float32 merges
 # of the chunk's rows stay small beside each tile's flash call; its K/V is 64 MiB at 8B shapes.
 KEY_TILE = {"cpu": 2048, "cuda": 16384}
+# Keys per tile with softcapping: scores are [heads, chunk, tile] float32 (16 heads, a 2048-token
+# chunk: 256 MiB)
+SOFTCAP_TILE = 2048
 
 
 class Visibility(Enum):
@@ -89,14 +92,21 @@ def prefill_attention(
     prefills: list[PrefillSeq],
     scale: float,
     window: int | None,
+    softcap: float | None = None,
     tile: int | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], already written to the pool
     ([num_blocks, block_size, kv_heads, head_dim]) -> [sum of q_len, heads, head_dim], the
     prefills' outputs in batch order. One call for all prefills, so a varlen kernel can replace
-    the loop over them; `tile` defaults to KEY_TILE for the device."""
+    the loop over them; `tile` defaults to KEY_TILE for the device. `softcap` (Gemma 2): scores
+    capped by tanh, which no fused kernel here takes: every piece runs as attend_math, in
+    tiles of at most SOFTCAP_TILE keys (its scores are materialized)."""
     tile = tile or KEY_TILE.get(q.device.type, KEY_TILE["cpu"])
-    parts = [_prefill(q, k, v, k_cache, v_cache, seq, scale, window, tile) for seq in prefills]
+    if softcap is not None:
+        tile = min(tile, SOFTCAP_TILE)
+    parts = [
+        _prefill(q, k, v, k_cache, v_cache, seq, scale, window, tile, softcap) for seq in prefills
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no copy
 
 
@@ -110,11 +120,12 @@ def _prefill(
     scale: float,
     window: int | None,
     tile: int,
+    softcap: float | None,
 ) -> torch.Tensor:
     end = seq.start + seq.q_len
     first = seq.ctx_len - seq.q_len  # position of the chunk's first query
     qh = q[seq.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-    if first == 0 and (window is None or seq.q_len <= window):
+    if first == 0 and (window is None or seq.q_len <= window) and softcap is None:
         o = F.scaled_dot_product_attention(
             qh,
             k[seq.start : end].transpose(0, 1).unsqueeze(0),  # [1, Hkv, q_len, D]
@@ -131,7 +142,7 @@ def _prefill(
         keys, values = _tile_kv(k, v, k_cache, v_cache, seq, first, k0, k1)
         for piece in same_tile:
             rows = slice(piece.q0 - first, piece.q1 - first)
-            out, out_lse = _attend(qh[:, :, rows], keys, values, scale, piece, window)
+            out, out_lse = _attend(qh[:, :, rows], keys, values, scale, piece, window, softcap)
             _merge(acc[:, :, rows], lse[:, :, rows], out, out_lse)
     return acc[0].transpose(0, 1).to(q.dtype)
 
@@ -167,10 +178,14 @@ def _attend(
     scale: float,
     piece: Piece,
     window: int | None,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One piece: q [1, H, r, D]; keys, values [1, Hkv, n, D] -> (out [1, H, r, D] in q's
     dtype, log-sum-exp [1, H, r] float32). Both flash ops take grouped K/V heads as they are."""
     causal = piece.vis is Visibility.CAUSAL
+    if softcap is not None:
+        mask = None if piece.vis is Visibility.ALL else piece_mask(piece, window, q.device)
+        return attend_math(q, keys, values, scale, mask, softcap)
     if q.device.type == "cpu":
         bias = None
         if piece.vis is Visibility.MASKED:  # this op wants an additive mask in q's dtype
@@ -203,14 +218,18 @@ def attend_math(
     values: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention as matmuls, for inputs no flash kernel takes: q [1, H, r, D]; keys, values
     [1, Hkv, n, D]; mask [r, n] bool or None -> (out [1, H, r, D], lse [1, H, r] float32).
-    Query head h reads kv head h // (H / Hkv); scores are [H, r, n] float32, one piece's."""
+    Query head h reads kv head h // (H / Hkv); scores are [H, r, n] float32, one piece's,
+    capped to softcap * tanh(scores / softcap) when `softcap` is set."""
     _, heads, rows, dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(kv_heads, heads // kv_heads, rows, dim)  # [Hkv, G, r, D]
     scores = torch.matmul(grouped, keys[0].unsqueeze(1).transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, r]

@@ -33,15 +33,24 @@ def write_kv(
 
 
 def grouped_decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request as two batched matmuls. q: [n, H, D]; keys, values: [n, Hkv, S, D];
     bias: [n, 1, 1, S] float32 additive mask -> [n, H, D]. Query head h reads kv head
-    h // (H / Hkv), as in SDPA's enable_gqa."""
+    h // (H / Hkv), as in SDPA's enable_gqa. `softcap`: scores become cap * tanh(scores / cap)
+    before the mask (Gemma 2)."""
     n, heads, dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(n, kv_heads, heads // kv_heads, dim)  # [n, Hkv, G, D]
-    scores = torch.matmul(grouped, keys.contiguous().transpose(-1, -2)).float() * scale + bias
+    scores = torch.matmul(grouped, keys.contiguous().transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
     probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [n, Hkv, G, S]
     return torch.matmul(probs, values.contiguous()).reshape(n, heads, dim)
 
@@ -55,9 +64,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]. `window`:
-    the layer's sliding window in tokens (None: the whole context)."""
+    the layer's sliding window in tokens (None: the whole context); `softcap`: scores capped
+    by tanh (Gemma 2; no fused kernel takes it, so its decodes run as matmuls, their groups
+    carrying biases)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     parts = []  # outputs in batch order: the decodes (one part per group), then each prefill
     n_dec = meta.num_decode_tokens
@@ -76,10 +88,13 @@ def paged_attention(
         )
     elif n_dec:
         parts += [
-            _decode_group(q, k_cache, v_cache, group, scale, window) for group in meta.decode_groups
+            _decode_group(q, k_cache, v_cache, group, scale, window, softcap)
+            for group in meta.decode_groups
         ]
     if meta.prefills:
-        parts.append(prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window))
+        parts.append(
+            prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window, softcap)
+        )
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: no copy
 
 
@@ -90,6 +105,7 @@ def _decode_group(
     group: DecodeGroup,
     scale: float,
     window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """The group's one-token queries against its blocks -> [size, heads, head_dim]."""
     end = group.start + group.size
@@ -105,7 +121,9 @@ def _decode_group(
         values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
     if group.biases:
         bias = group.biases[window]
-        return grouped_decode_attention(q[group.start : end], keys, values, bias, scale)
+        return grouped_decode_attention(q[group.start : end], keys, values, bias, scale, softcap)
+    if softcap is not None:
+        raise ValueError("attention softcapping needs the decode groups' biases (matmul path)")
     o = F.scaled_dot_product_attention(
         q[group.start : end].unsqueeze(2),  # [n, H, 1, D]
         keys,

@@ -1,8 +1,8 @@
 """The Llama-family decoder in torch: Llama, Qwen2 (qkv bias, tied embeddings), Qwen3 (an
 RMSNorm on each query and key head before RoPE, a head size of its own), Mistral, Phi-3 (fused
-projections in its checkpoints, RoPE on part of each head for Phi-4-mini), Gemma and Gemma 3
-(traits.py lists how each differs from Llama), and the mixture-of-experts Mixtral, Qwen2-MoE and
-Qwen3-MoE (their MLPs in moe.py).
+projections in its checkpoints, RoPE on part of each head for Phi-4-mini), Gemma, Gemma 2 and
+Gemma 3 (traits.py lists how each differs from Llama), and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE (their MLPs in moe.py).
 
 Parameter names match the Hugging Face checkpoints, so a safetensors state dict loads as is.
 Activations are flat over the batch: [T, hidden] for T tokens of all scheduled requests.
@@ -80,6 +80,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim(config)
         self.rotary_dim = rotary_dim(config)
         self.scale = traits.attn_scale
+        self.softcap = traits.attn_softcap
         self.window = traits.windows[index]  # tokens a query looks back; None: all
         self.local_rope = self.window is not None and traits.local_rope_theta is not None
         qkv_bias, o_bias = attention_biases(config)
@@ -122,7 +123,7 @@ class Attention(nn.Module):
             rotated = apply_rope(qk[..., : self.rotary_dim], cos, sin)
             qk = torch.cat([rotated, qk[..., self.rotary_dim :]], dim=-1)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
         out = self.o_proj(o.reshape(t, heads * self.head_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
 
