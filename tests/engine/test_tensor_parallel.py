@@ -17,6 +17,7 @@ from phasefleet.engine.kv_transfer import KVChunk
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.outputs import TokenLogprob
 from phasefleet.engine.parallel.shard import Shard, unsupported
+from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.tiny import make_tiny
 from tests.engine.factories import engine_config, finish_all, random_prompts
@@ -103,6 +104,31 @@ def test_one_kv_head_over_two_ranks_matches_transformers(
             for _ in range(GREEDY.max_tokens):
                 ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
         assert out.output_token_ids == ids[len(prompt) :]
+    finally:
+        engine.close()
+
+
+def test_drafts_verified_over_two_ranks_match_transformers(
+    tiny_model: ModelPath, hf_greedy: HFGreedy
+) -> None:
+    """Speculative decoding: every rank computes the drafted chunk and its verify rows. The
+    drafts are the reference's next tokens with the third one wrong (accepted, then not)."""
+    engine = _engine(tiny_model("llama"), 2, num_speculative_tokens=3, max_num_batched_tokens=24)
+    prompts = random_prompts([9, 30], seed=4)
+    reference = [hf_greedy("llama", p, GREEDY.max_tokens) for p in prompts]
+
+    def draft(req: Request, _: object) -> None:
+        done = len(req.output_token_ids)
+        guess = reference[int(req.request_id)][done : done + 3]
+        req.draft_token_ids = guess[:2] + [(t + 1) % 500 for t in guess[2:]]
+
+    engine._draft = draft  # type: ignore[method-assign, assignment]
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(**vars(GREEDY)))
+        outputs = finish_all(engine)
+        assert [outputs[str(i)].output_token_ids for i in range(2)] == reference
+        assert 0 < engine.scheduler.accepted_tokens_total < engine.scheduler.draft_tokens_total
     finally:
         engine.close()
 

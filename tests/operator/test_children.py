@@ -334,6 +334,7 @@ def test_worker_args_parse_with_the_worker_cli():
             "toolCallParser": "hermes",
             "reasoningParser": "qwen3",
             "schedulingPolicy": "priority",
+            "numSpeculativeTokens": 4,
         },
     )
     for role, engine_role in ((Role.PREFILL, "prefill"), (Role.DECODE, "decode")):
@@ -342,7 +343,7 @@ def test_worker_args_parse_with_the_worker_cli():
         assert args.role == engine_role and args.port == 8000 and args.block_size == 32
         assert args.dtype == "bfloat16" and args.max_model_len == 2048 and args.no_prefix_caching
         assert args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
-        assert args.scheduling_policy == "priority"
+        assert args.scheduling_policy == "priority" and args.num_speculative_tokens == 4
     aggregated = make_spec(mode="aggregated", prefill=None, decode=None, worker={})
     dep = worker_deployment(make_owner(), aggregated, Role.WORKER, replicas=1)
     assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"

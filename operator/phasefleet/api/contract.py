@@ -109,6 +109,9 @@ class WorkerFlag:
     TOOL_CALL_PARSER = "--tool-call-parser"
     REASONING_PARSER = "--reasoning-parser"
     SCHEDULING_POLICY = "--scheduling-policy"
+    NUM_SPECULATIVE_TOKENS = "--num-speculative-tokens"  # prompt-lookup drafts per step
+    PROMPT_LOOKUP_MIN = "--prompt-lookup-min"
+    PROMPT_LOOKUP_MAX = "--prompt-lookup-max"
 
 
 class FetchModelFlag:
@@ -191,6 +194,8 @@ class Metric:
     LATE_PROMPTS_TOTAL = "phasefleet_late_prompts_total"  # moved behind on-time prompts
     PREFIX_CACHE_QUERIES_TOTAL = "phasefleet_prefix_cache_queries_total"
     PREFIX_CACHE_HITS_TOTAL = "phasefleet_prefix_cache_hits_total"
+    SPEC_DECODE_DRAFT_TOKENS_TOTAL = "phasefleet_spec_decode_num_draft_tokens_total"
+    SPEC_DECODE_ACCEPTED_TOKENS_TOTAL = "phasefleet_spec_decode_num_accepted_tokens_total"
     KV_TRANSFER_SECONDS = "phasefleet_kv_transfer_seconds"  # one hand-off's stream, decode side
     KV_TRANSFER_BYTES_TOTAL = "phasefleet_kv_transfer_bytes_total"
     KV_TRANSFER_FAILURES_TOTAL = "phasefleet_kv_transfer_failures_total"  # label `reason`

@@ -379,6 +379,18 @@ class RuntimeSpec(ApiModel):
             " (--scheduling-policy)."
         ),
     )
+    num_speculative_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description=(
+            "Speculative decoding by prompt lookup: a greedy request (temperature 0, no"
+            " penalties, bias, grammar, logprobs or stop strings) guesses up to this many next"
+            " tokens from its own prompt and output and verifies them in one step, its output"
+            " unchanged; it pays where answers repeat their context (code edits, quoting,"
+            " summaries). 0: off (--num-speculative-tokens)."
+        ),
+    )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         default=None,
         description=(

@@ -136,6 +136,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args.append(WorkerFlag.ADAPTIVE_PHASE_BOUNDARY)  # the decode worker's decision
     if spec.runtime.scheduling_policy != "fcfs":  # every pool: the prefill side ranks it too
         args += [WorkerFlag.SCHEDULING_POLICY, spec.runtime.scheduling_policy]
+    if spec.runtime.num_speculative_tokens:  # a prefill-only request never takes drafts
+        args += [WorkerFlag.NUM_SPECULATIVE_TOKENS, str(spec.runtime.num_speculative_tokens)]
     if spec.runtime.tool_call_parser is not None:  # every pool alike: one pod template shape
         args += [WorkerFlag.TOOL_CALL_PARSER, spec.runtime.tool_call_parser]
     if spec.runtime.reasoning_parser is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
+from phasefleet.engine.speculation import MAX_SPECULATIVE_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
@@ -57,6 +58,14 @@ class EngineConfig:
     """fcfs (first come, first served, late prompts last) | priority (by each request's
     priority, lower first; see engine/scheduler.py)."""
 
+    # -- speculative decoding (engine/speculation.py) --
+    num_speculative_tokens: int = 0
+    """Draft tokens a greedy request may verify per step, guessed by prompt lookup; 0: off."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram of a request's last tokens looked up in its context, tokens."""
+    prompt_lookup_max: int = 4
+    """Longest such n-gram, tried first, tokens."""
+
     # -- hand-off (prefill role) --
     kv_lease_seconds: float = 30.0
     """How long a finished prefill keeps its KV blocks for the decode worker to pull, seconds."""
@@ -104,6 +113,16 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens!r}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}"
             )
         if not self.kv_lease_seconds > 0:
             raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds!r}")

@@ -35,6 +35,7 @@ from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
+from phasefleet.engine.speculation import NgramProposer, speculates
 from phasefleet.engine.startup import StartupTimes
 from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
 
@@ -51,6 +52,7 @@ class _Live:
 
     row: SamplingRow
     detok: IncrementalDetokenizer
+    drafts: NgramProposer | None = None  # its drafts, when it speculates
 
 
 class LLMEngine:
@@ -230,7 +232,12 @@ class LLMEngine:
             row.prompt_ids = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
         if len(request.output_token_ids) < params.min_tokens:
             row.banned = self._min_tokens_banned(params)
-        self._live[request_id] = _Live(row, detok)
+        drafts = None
+        k = self.config.num_speculative_tokens
+        if k and speculates(params) and not prefill_only:
+            c = self.config
+            drafts = NgramProposer(k, c.prompt_lookup_min, c.prompt_lookup_max)
+        self._live[request_id] = _Live(row, detok, drafts)
         if imported_kv or importing_from is not None:
             self.imports.add(request_id, imported_kv)
 
@@ -478,7 +485,7 @@ class LLMEngine:
             live = self._live.get(s.request.request_id)
             if s.sample and live is not None and live.row.error is not None:
                 outputs.append(self._fail(s.request, live.row.error))
-        changed = self.scheduler.update_from_output(out, executed.sampled)
+        changed = self.scheduler.update_from_output(out, executed.sampled, executed.verified)
         outputs += self._prefill_progress(out)
         for req in changed:
             if req.embed:
@@ -508,9 +515,12 @@ class LLMEngine:
         return progress
 
     def _advance(self, req: Request) -> RequestOutput:
-        """Detokenize the request's new token, apply stop strings; its output for this step."""
-        new = req.output_token_ids[-1:]
+        """Detokenize the request's new tokens, apply stop strings, draft its next ones; its
+        output for this step."""
+        new = req.output_token_ids[-req.num_new_tokens :]
         live = self._live[req.request_id]
+        if live.drafts is not None and not req.is_finished:
+            self._draft(req, live.drafts)
         detok, row = live.detok, live.row
         if row.matcher is not None:
             self._follow_grammar(req, row.matcher)
@@ -533,6 +543,15 @@ class LLMEngine:
             output.kv_blocks = self._settle_held_kv(req)
             self._forget(req.request_id)
         return output
+
+    def _draft(self, req: Request, drafts: NgramProposer) -> None:
+        """Guesses at req's next tokens for its next step (none before min_tokens: the eos
+        ban is not applied where drafts are verified)."""
+        drafts.extend(req.token_ids(drafts.size, req.num_tokens))
+        if len(req.output_token_ids) < req.params.min_tokens:
+            return
+        left = req.params.max_tokens - len(req.output_token_ids) - 1  # the step adds one more
+        req.draft_token_ids = drafts.propose(left)
 
     def _embedded(self, req: Request, embedding: np.ndarray) -> RequestOutput:
         output = self._output(req, [], "")
@@ -620,6 +639,8 @@ class LLMEngine:
             prefix_cache_hits_total=s.prefix_cache_hits_total,
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
+            spec_draft_tokens_total=s.draft_tokens_total,
+            spec_accepted_tokens_total=s.accepted_tokens_total,
             num_kv_leases=len(self.leases),
             num_kv_lease_expiries_total=self.num_kv_lease_expiries_total,
             busy_seconds_total=self.busy_seconds_total,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -378,7 +378,15 @@ class ModelRunner:
             settings.grammar_words = self.mask_staging.upload()[0].view(words.shape)
         tokens = sample(forward.logits, sampled_rows, settings)
         sampled = {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
-        return Executed(sampled, embeddings)
+        verified: dict[str, list[int]] = {}
+        if forward.verified is not None:  # ready: sample() waited for the device
+            targets = forward.verified.tolist()
+            for s in plan.verified:
+                verified[s.request.request_id], targets = (
+                    targets[: len(s.draft)],
+                    targets[len(s.draft) :],
+                )
+        return Executed(sampled, embeddings, verified)
 
     @torch.inference_mode()
     def run_step(self, step: RankStep, sampling: SamplingBatch | None = None) -> Forward:
@@ -399,8 +407,13 @@ class ModelRunner:
         pooled = hidden.index_select(0, t.pool_index).float() if len(a.pool_index) else None
         if not len(a.sample_index):
             return Forward(None, spans, t.sampling, pooled)
-        logits = self.model.compute_logits(hidden.index_select(0, t.sample_index))
-        return Forward(logits, spans, t.sampling, pooled)
+        if not len(a.verify_index):
+            logits = self.model.compute_logits(hidden.index_select(0, t.sample_index))
+            return Forward(logits, spans, t.sampling, pooled)
+        rows = torch.cat([t.sample_index, t.verify_index])  # one output projection for both
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        n = len(a.sample_index)
+        return Forward(logits[:n], spans, t.sampling, pooled, logits[n:].argmax(-1))
 
     def _upload(
         self,
@@ -505,6 +518,7 @@ class StepTensors:
     decode_rows: torch.Tensor
     decode_ctx: torch.Tensor
     sample_index: torch.Tensor
+    verify_index: torch.Tensor
     pool_index: torch.Tensor
     lora_slots: torch.Tensor
     sampling: DeviceSampling | None  # rank 0's
@@ -519,6 +533,8 @@ class Forward:
     sampling: DeviceSampling | None  # the sampling settings on the device
     pooled: torch.Tensor | None  # [P, hidden] float32: the embedding requests' last final
     # hidden states; None: none this step
+    verified: torch.Tensor | None = None  # [V] int64: the greedy token at each verify_index
+    # row; None: no draft this step
 
 
 @dataclass
@@ -527,3 +543,5 @@ class Executed:
 
     sampled: dict[str, int]  # the token each sampling request drew
     embeddings: dict[str, np.ndarray]  # [hidden] float32: each finished embedding request's
+    # the greedy token at each draft position but the last, of each request with a draft
+    verified: dict[str, list[int]] = field(default_factory=dict)

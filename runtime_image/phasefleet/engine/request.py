@@ -51,6 +51,10 @@ class Request:
     """The priority policy's rank: lower is served first (engine/scheduler.py)."""
     late_after_s: float | None = None
     """This prompt's TTFT target for late prompts last (the router's); None: the scheduler's."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Guesses at its next tokens, verified in its next step (engine/speculation.py)."""
+    num_new_tokens: int = 0
+    """Output tokens its last step appended (1, or more with a draft accepted)."""
 
     @property
     def num_prompt_tokens(self) -> int:

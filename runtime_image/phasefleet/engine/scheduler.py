@@ -7,6 +7,11 @@ blocks for its whole prompt are free. When a decode needs a new block and none i
 newest running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
 
+A decode with a draft (engine/speculation.py) takes 1 + len(draft) tokens of the budget: its
+last known token and the guesses after it, verified in one pass. The draft is cut to the budget
+and the model's length, and dropped when the pool has no blocks for it (it never preempts);
+the accepted guesses' KV stays, the rest is overwritten by the next step.
+
 With the `priority` policy the waiting queue is ordered by (priority, arrival): a lower value is
 served first, arrival breaks ties (vLLM's meaning); a decode that needs a block preempts the
 running request that is least urgent (highest value, latest arrival) instead of the newest, and
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
 from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request, RequestStatus
+from phasefleet.engine.speculation import accept
 
 
 @dataclass
@@ -39,6 +45,8 @@ class ScheduledRequest:
     num_tokens: int  # tokens of it computed this step
     block_ids: list[int]  # its block table (live list, long enough for start + num_tokens)
     sample: bool  # this step reaches its last known token, so a new token is sampled
+    draft: list[int] = field(default_factory=list)  # guessed tokens after its last known one,
+    # the last len(draft) of num_tokens: verified this step (engine/speculation.py)
 
 
 @dataclass
@@ -94,6 +102,8 @@ class Scheduler:
         self.prefix_cache_hits_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.draft_tokens_total = 0  # draft tokens verified (engine/speculation.py)
+        self.accepted_tokens_total = 0  # of them, those the model agreed with
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -140,13 +150,14 @@ class Scheduler:
         ready = [r for r in self.running if not r.importing]
         decodes = [r for r in ready if not _prefilling(r)]
         prefills = [r for r in ready if _prefilling(r)]
-        for req in decodes:
+        for i, req in enumerate(decodes):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older (or more urgent) request
             if self._make_room(req, out):
-                self._add(out, req, 1)
+                later = len(decodes) - i - 1  # their one token each goes before a draft
+                self._add(out, req, 1, self._draft(req, budget - 1 - later, later))
             budget = self.max_num_batched_tokens - out.num_batched_tokens  # a victim's refunded
 
         for req in prefills:
@@ -239,18 +250,37 @@ class Scheduler:
                 out.num_batched_tokens -= s.num_tokens
         return True
 
-    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        start = req.num_computed_tokens
+    def _draft(self, req: Request, budget: int, keep_blocks: int) -> list[int]:
+        """The part of a decode's draft this step verifies: what the budget, the model's length
+        and the free blocks beyond `keep_blocks` (one for each later decode) allow; a draft
+        never preempts, without room it waits a step."""
+        draft = req.draft_token_ids[: max(0, min(budget, self.max_model_len - req.num_tokens))]
+        req.draft_token_ids = []
+        if not draft:
+            return []
+        end = req.num_computed_tokens + 1 + len(draft)
+        needed = self.kv.blocks_needed(end) - len(self.kv.block_tables[req.request_id])
+        if needed > self.kv.pool.num_free_blocks - keep_blocks or not self.kv.grow(req, end):
+            return []
+        self.draft_tokens_total += len(draft)
+        return draft
+
+    def _add(
+        self, out: SchedulerOutput, req: Request, n: int, draft: list[int] | None = None
+    ) -> None:
+        """Schedules n known tokens of req, then its draft's."""
+        start, draft = req.num_computed_tokens, draft or []
         out.scheduled.append(
             ScheduledRequest(
                 request=req,
                 start=start,
-                num_tokens=n,
+                num_tokens=n + len(draft),
                 block_ids=self.kv.block_tables[req.request_id],
                 sample=start + n == req.num_tokens,
+                draft=draft,
             )
         )
-        out.num_batched_tokens += n
+        out.num_batched_tokens += n + len(draft)
 
     def end_import(self, req: Request, first_token_id: int | None = None) -> None:
         """No more KV comes for an importing request: it goes on from the last token whose
@@ -279,6 +309,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         self._drop_import(req)  # the imported KV went with the blocks: recompute it
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -287,30 +318,53 @@ class Scheduler:
         else:
             self._queue_by_priority(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply one step's results; returns the requests that got a new token, in batch order
-        (finished ones have status FINISHED and their blocks freed)."""
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        verified: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Apply one step's results; returns the requests that got new tokens, in batch order
+        (finished ones have status FINISHED and their blocks freed). `verified`: for each
+        request with a draft, the model's greedy token at each of its positions but the last
+        (`sampled` holds the last)."""
         changed = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:
                 continue
-            req.num_computed_tokens = s.start + s.num_tokens
+            known = s.start + s.num_tokens - len(s.draft)  # computed, before any draft token
+            if not s.sample or req.embed:
+                req.num_computed_tokens = known
+                self.kv.cache_computed(req)
+                if req.embed and s.sample:
+                    self.finish_request(req.request_id, "embedded")
+                    changed.append(req)
+                continue
+            tokens = [sampled[req.request_id]]
+            if s.draft:
+                tokens = accept(s.draft, [*(verified or {})[req.request_id], tokens[0]])
+                self.accepted_tokens_total += len(tokens) - 1
+            reason = self._append(req, tokens)
+            # the KV of the accepted draft tokens is valid: their positions are computed
+            req.num_computed_tokens = known + req.num_new_tokens - 1
             self.kv.cache_computed(req)
-            if not s.sample:
-                continue
-            if req.embed:
-                self.finish_request(req.request_id, "embedded")
-                changed.append(req)
-                continue
-            token = sampled[req.request_id]
-            req.output_token_ids.append(token)
-            self.generation_tokens_total += 1
-            reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish_request(req.request_id, reason)
             changed.append(req)
         return changed
+
+    def _append(self, req: Request, tokens: list[int]) -> str | None:
+        """Appends the tokens up to the first that finishes req; why it finishes, if it does."""
+        req.num_new_tokens = 0
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.num_new_tokens += 1
+            self.generation_tokens_total += 1
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                return reason
+        return None
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         params = req.params

@@ -47,6 +47,9 @@ class StepArrays:
     groups: list[DecodeGroupPlan]  # torch decode path only (else empty)
     prefills: list[PrefillPlan]
     sample_index: np.ndarray  # [S] int64: flat index of each sampling request's last token
+    # [V] int64: flat index of each position a draft token is verified at (the last known
+    # token's and every draft token's but the last: the last is in sample_index)
+    verify_index: np.ndarray
     pool_index: np.ndarray  # [P] int64: flat index of each embedding request's last token
     lora_slots: np.ndarray  # [T] int64: each token's LoRA slot, -1 for none (engine/lora.py)
 
@@ -63,6 +66,7 @@ class StepArrays:
 class StepPlan(StepArrays):
     batch: list[ScheduledRequest]  # flat order: decodes (shortest context first), then prefills
     sampled: list[ScheduledRequest]  # the sampling requests, in sample_index's order
+    verified: list[ScheduledRequest]  # the requests with a draft, in verify_index's order
     pooled: list[ScheduledRequest]  # the embedding requests done this step, in pool_index's
 
 
@@ -105,7 +109,8 @@ def plan_step(
         nb = -(-end // bs)
         row = tables.row(s.request.request_id, s.block_ids, nb)
         chunk = np.arange(s.start, end, dtype=np.int64)
-        parts_ids.append(np.array(s.request.token_ids(s.start, end), np.int64))
+        known = s.request.token_ids(s.start, end - len(s.draft))
+        parts_ids.append(np.array(known + s.draft, np.int64))
         parts_pos.append(chunk)
         parts_slots.append(tables.host[row, chunk // bs].astype(np.int64) * bs + chunk % bs)
         adapters.append(np.full(s.num_tokens, s.request.lora_slot, np.int64))
@@ -113,6 +118,8 @@ def plan_step(
         offset += s.num_tokens
     batch = decodes + prefills
     sample_index, sampled, pool_index, pooled, end = [], [], [], [], 0
+    verify_index: list[int] = []
+    verified: list[ScheduledRequest] = []
     for s in batch:
         end += s.num_tokens
         if s.sample and s.request.embed:
@@ -121,6 +128,9 @@ def plan_step(
         elif s.sample:
             sample_index.append(end - 1)
             sampled.append(s)
+        if s.draft:
+            verify_index += range(end - 1 - len(s.draft), end - 1)
+            verified.append(s)
     ctx = [p + 1 for p in pos]
     return StepPlan(
         batch=batch,
@@ -132,9 +142,11 @@ def plan_step(
         groups=_groups(ctx, rows, tables, bs) if group else [],
         prefills=plans,
         sample_index=np.array(sample_index, np.int64),
+        verify_index=np.array(verify_index, np.int64),
         pool_index=np.array(pool_index, np.int64),
         lora_slots=np.concatenate(adapters),
         sampled=sampled,
+        verified=verified,
         pooled=pooled,
     )
 

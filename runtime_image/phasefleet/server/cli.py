@@ -146,6 +146,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fcfs: first come, first served (late prompts last); priority: by each request's\n"
         "`priority`, lower first (a priority is a 400 under fcfs)",
     )
+    engine.add_argument(
+        WorkerFlag.NUM_SPECULATIVE_TOKENS,
+        type=int,
+        default=0,
+        help="speculative decoding: tokens a greedy request guesses from its own context\n"
+        "(prompt lookup) and verifies per step; 0: off",
+    )
+    engine.add_argument(
+        WorkerFlag.PROMPT_LOOKUP_MIN, type=int, default=2, help="shortest n-gram looked up"
+    )
+    engine.add_argument(
+        WorkerFlag.PROMPT_LOOKUP_MAX, type=int, default=4, help="longest n-gram looked up"
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
@@ -294,6 +307,9 @@ def run(args: argparse.Namespace) -> int:
         late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1000,
         late_limit_s=args.late_limit_s,
         scheduling_policy=args.scheduling_policy,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
     )
     try:
         config.validate()

@@ -82,6 +82,14 @@ COUNTERS = {
         "Prompt tokens found in the prefix cache.",
         "prefix_cache_hits_total",
     ),
+    M.SPEC_DECODE_DRAFT_TOKENS_TOTAL: (
+        "Draft tokens verified (speculative decoding by prompt lookup).",
+        "spec_draft_tokens_total",
+    ),
+    M.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL: (
+        "Draft tokens the model agreed with (each saved a step).",
+        "spec_accepted_tokens_total",
+    ),
 }
 
 

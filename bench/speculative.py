@@ -1,0 +1,144 @@
+"""Speculative decoding by prompt lookup: our engine with drafts vs the same engine without,
+same model, same process, greedy, on answers that repeat their context (an edited passage, a
+refactored function, a list carried on) and on one that does not (a plain question).
+
+Each prompt runs alone (batch 1: latency) and all together (a batch); output tokens per second,
+the ratio to no drafts, the share of draft tokens the model accepted and the engine steps each
+took. The answers with and without drafts must be the same tokens (greedy): checked.
+
+    .venv/bin/python bench/speculative.py                     # SmolLM2-135M-Instruct, k = 4
+    .venv/bin/python bench/speculative.py --k 2 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.sampling_params import SamplingParams
+
+PASSAGE = (
+    "PhaseFleet runs prefill and decode as separate pools. The router sends each prompt to a "
+    "prefill worker, which computes its KV cache and streams it to a decode worker. The decode "
+    "worker writes the answer one token at a time. Pools grow and shrink to hold the latency "
+    "targets at the lowest cost."
+)
+FUNCTION = """def mean(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total / len(values)
+"""
+# (kind, user message): the first three answers repeat their context, the last does not
+TASKS = [
+    ("edit", f"Rewrite this text, replacing 'pools' with 'groups':\n\n{PASSAGE}"),
+    ("code", f"Add a docstring to this Python function and return it whole:\n\n{FUNCTION}"),
+    ("quote", f"Repeat the following text exactly:\n\n{PASSAGE}"),
+    ("plain", "Write a short story about a lighthouse keeper."),
+]
+
+
+@dataclass
+class Run:
+    seconds: float
+    tokens: list[list[int]]
+    drafted: int
+    accepted: int
+    steps: int
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="a --model source of `phasefleet worker`")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="best of this many")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
+    return p.parse_args()
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> Run:
+    """The prompts through the engine together, to the end."""
+    s = engine.scheduler
+    drafted, accepted = s.draft_tokens_total, s.accepted_tokens_total
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, SamplingParams(**vars(params)))
+    done: dict[str, list[int]] = {}
+    steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+    seconds = time.perf_counter() - start
+    tokens = [done[rid] for rid in ids]
+    return Run(seconds, tokens, s.draft_tokens_total - drafted, s.accepted_tokens_total - accepted,
+               steps)  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from phasefleet.server.model_source import resolve_model
+
+    folder = Path(resolve_model(args.model))
+    configs = {
+        "no drafts": EngineConfig(model=str(folder), device="cpu", max_num_seqs=16),
+        f"k={args.k}": EngineConfig(
+            model=str(folder), device="cpu", max_num_seqs=16, num_speculative_tokens=args.k,
+            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        ),
+    }  # fmt: skip
+    engines = {name: LLMEngine(c) for name, c in configs.items()}
+    tokenizer = next(iter(engines.values())).tokenizer
+    prompts = [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=True))
+        for _, text in TASKS
+    ]  # fmt: skip
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    print(
+        f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+        f"{os.getloadavg()[0]:.1f}; model {folder.name}, greedy, max_tokens {args.max_tokens}, "
+        f"prompt lookup n {args.prompt_lookup_min}..{args.prompt_lookup_max}"
+    )
+    cases = [(kind, [p]) for (kind, _), p in zip(TASKS, prompts, strict=True)]
+    cases.append(("batch of 4", prompts))
+    best: dict[tuple[str, str], Run] = {}
+    for _ in range(args.rounds):
+        for case, batch in cases:
+            for name, engine in engines.items():
+                result = run(engine, batch, params)
+                key = (case, name)
+                if key not in best or result.seconds < best[key].seconds:
+                    best[key] = result
+    plain, drafted = "no drafts", f"k={args.k}"
+    print(f"{'case':<11} {'tokens':>6} {'no drafts tok/s':>16} {drafted + ' tok/s':>11} "
+          f"{'ratio':>6} {'accepted':>9} {'steps':>11} same")  # fmt: skip
+    for case, _ in cases:
+        a, b = best[case, plain], best[case, drafted]
+        n = sum(len(t) for t in a.tokens)
+        share = f"{b.accepted / b.drafted:.0%}" if b.drafted else "-"
+        print(
+            f"{case:<11} {n:>6} {n / a.seconds:>16.1f} {n / b.seconds:>11.1f} "
+            f"{a.seconds / b.seconds:>5.2f}x {share:>9} {f'{a.steps} -> {b.steps}':>11} "
+            f"{'yes' if a.tokens == b.tokens else 'NO'}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Speculative decoding by prompt lookup: drafts from a request's own context, verified by the
+model in the same step.
+
+A greedy request's next tokens are guessed from what it has seen: its last n tokens (n from
+`max_ngram` down to `min_ngram`) are looked up in its prompt and output so far (the last
+LOOKBACK tokens), and the tokens that followed their latest earlier occurrence, up to k, are the
+draft. The scheduler computes the last known token and the draft together, one chunk of
+1 + len(draft) positions; the model's greedy choice at each position verifies it: the draft's
+longest prefix that matches, then the model's own next token, are appended. A step gives a
+request 1 to k + 1 tokens, exactly those greedy decoding gives one at a time.
+
+Only requests whose next token is the plain argmax speculate (temperature 0, no logit bias,
+penalties, grammar, logprobs or stop strings, min_tokens reached); the others decode as usual
+in the same steps. Plain Python and numpy: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from phasefleet.engine.sampling_params import SamplingParams
+
+MAX_SPECULATIVE_TOKENS = 16  # the most draft tokens a step verifies per request
+LOOKBACK = 4096  # tokens of a request's context searched for its last n-gram
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request with these settings may take drafts (its tokens are the argmax)."""
+    return (
+        params.greedy and not params.adjusts_logits and params.logprobs is None and not params.stop
+    )
+
+
+@dataclass
+class NgramProposer:
+    """Drafts for one request from its context (prompt and output), kept as a growing array."""
+
+    num_tokens: int  # k: the longest draft
+    min_ngram: int
+    max_ngram: int
+    context: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    size: int = 0  # tokens of context in use
+
+    def extend(self, tokens: list[int]) -> None:
+        """Appends the request's new tokens (its prompt first)."""
+        end = self.size + len(tokens)
+        if end > len(self.context):
+            grown = np.zeros(max(end, 2 * len(self.context), 64), np.int64)
+            grown[: self.size] = self.context[: self.size]
+            self.context = grown
+        self.context[self.size : end] = tokens
+        self.size = end
+
+    def propose(self, limit: int) -> list[int]:
+        """At most min(k, limit) tokens that followed the latest earlier occurrence of the
+        context's longest matching suffix; [] when no n-gram recurs."""
+        limit = min(self.num_tokens, limit)
+        if limit <= 0:
+            return []
+        window = self.context[max(0, self.size - LOOKBACK) : self.size]
+        for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
+            suffix = window[-n:]
+            # every earlier n-gram that ends before the last token: starts 0 .. len - n - 1
+            grams = np.lib.stride_tricks.sliding_window_view(window[:-1], n)
+            hits = np.flatnonzero((grams == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n  # the token after the latest occurrence
+                return window[start : start + limit].tolist()
+        return []
+
+
+def accept(draft: list[int], targets: list[int]) -> list[int]:
+    """The tokens a verified step appends: the draft's longest prefix the model agrees with,
+    then the model's token after it. targets[i]: the model's greedy choice after the last
+    known token and draft[:i] (len(draft) + 1 of them)."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    return [*draft[:accepted], targets[accepted]]

@@ -1,0 +1,69 @@
+"""Speculative decoding on a real worker (`--num-speculative-tokens`): through the official
+client, greedy answers are those of a worker without it, whole and streamed, while drafts are
+verified and accepted (its counters on /metrics say so)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from phasefleet.api.contract import Metric
+from tests.server.worker_proc import WORKER_COMMAND, Worker, parse_metrics, run_worker
+
+# Text that repeats itself: the last tokens recur, so prompt lookup finds drafts
+PROMPTS = [
+    "one two three four one two three four one two three four one two",
+    "The sea is wide, the sea is deep. The sea is wide, the sea is",
+    "Count: 1 2 3 4 5 6 7 8 9 10, 1 2 3 4 5 6 7 8 9 10, 1 2 3",
+]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model: Path) -> Iterator[tuple[Worker, Worker]]:
+    args = ("--num-speculative-tokens", "4", "--prompt-lookup-min", "1")
+    with run_worker(tiny_model, *args) as drafting, run_worker(tiny_model) as plain:
+        yield drafting, plain
+
+
+def answers(worker: Worker, stream: bool) -> list[str]:
+    client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+    texts = []
+    for prompt in PROMPTS:
+        kw = dict(model="tiny", prompt=prompt, temperature=0, max_tokens=40)
+        if stream:
+            chunks = client.completions.create(**kw, stream=True)  # type: ignore[call-overload]
+            texts.append("".join(c.choices[0].text for c in chunks if c.choices))
+        else:
+            texts.append(client.completions.create(**kw).choices[0].text)  # type: ignore[call-overload]
+    return texts
+
+
+def counter(worker: Worker, name: str) -> float:
+    metrics = parse_metrics(httpx.get(f"{worker.base_url}/metrics", timeout=10).text)
+    return sum(v for key, v in metrics.items() if key.startswith(name))
+
+
+def test_drafted_answers_equal_plain_greedy_ones(workers: tuple[Worker, Worker]) -> None:
+    drafting, plain = workers
+    expected = answers(plain, stream=False)
+    assert answers(drafting, stream=False) == expected
+    assert answers(drafting, stream=True) == expected
+    drafts = counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL)
+    accepted = counter(drafting, Metric.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL)
+    assert drafts > 0 and 0 <= accepted <= drafts
+    assert counter(plain, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL) == 0
+
+
+def test_a_bad_speculation_setting_stops_the_worker_with_the_field(tiny_model: Path) -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [*WORKER_COMMAND, "--model", str(tiny_model), "--num-speculative-tokens", "40"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "num_speculative_tokens must be in [0, 16]" in result.stderr
