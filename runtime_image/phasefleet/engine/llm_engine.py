@@ -519,8 +519,6 @@ class LLMEngine:
         output for this step."""
         new = req.output_token_ids[-req.num_new_tokens :]
         live = self._live[req.request_id]
-        if live.drafts is not None and not req.is_finished:
-            self._draft(req, live.drafts)
         detok, row = live.detok, live.row
         if row.matcher is not None:
             self._follow_grammar(req, row.matcher)
@@ -542,6 +540,8 @@ class LLMEngine:
         if req.is_finished:
             output.kv_blocks = self._settle_held_kv(req)
             self._forget(req.request_id)
+        elif live.drafts is not None:
+            self._draft(req, live.drafts)
         return output
 
     def _draft(self, req: Request, drafts: NgramProposer) -> None:

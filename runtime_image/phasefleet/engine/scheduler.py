@@ -262,7 +262,6 @@ class Scheduler:
         needed = self.kv.blocks_needed(end) - len(self.kv.block_tables[req.request_id])
         if needed > self.kv.pool.num_free_blocks - keep_blocks or not self.kv.grow(req, end):
             return []
-        self.draft_tokens_total += len(draft)
         return draft
 
     def _add(
@@ -344,6 +343,7 @@ class Scheduler:
             tokens = [sampled[req.request_id]]
             if s.draft:
                 tokens = accept(s.draft, [*(verified or {})[req.request_id], tokens[0]])
+                self.draft_tokens_total += len(s.draft)
                 self.accepted_tokens_total += len(tokens) - 1
             reason = self._append(req, tokens)
             # the KV of the accepted draft tokens is valid: their positions are computed
