@@ -46,6 +46,7 @@ def test_every_query_names_a_contract_or_kube_state_metric() -> None:
         Metric.PREFILL_TOKENS_PENDING,
         Metric.NUM_PREEMPTIONS_TOTAL,
         Metric.PREFIX_CACHE_HITS_TOTAL,
+        Metric.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL,
         Metric.KV_TRANSFER_BYTES_TOTAL,
         Metric.KV_TRANSFER_FAILURES_TOTAL,
         *KSM_METRICS,

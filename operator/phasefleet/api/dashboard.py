@@ -229,6 +229,20 @@ def panels() -> list[dict[str, Any]]:
             "percentunit",
             max=1,
         ),
+        panel(
+            "Speculative decoding",
+            "Draft tokens verified per second (spec.runtime.numSpeculativeTokens), and the share "
+            "the model accepted: each accepted token is a decode step saved. Empty when off.",
+            [
+                target(f"sum({rate(M.SPEC_DECODE_DRAFT_TOKENS_TOTAL, WORKERS)})", "drafted/s"),
+                target(
+                    f"sum({rate(M.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL, WORKERS)})"
+                    f" / sum({rate(M.SPEC_DECODE_DRAFT_TOKENS_TOTAL, WORKERS)})",
+                    "accepted share",
+                ),
+            ],
+            "short",
+        ),
         row("Prefill to decode hand-off"),
         panel(
             "Hand-off bandwidth",
