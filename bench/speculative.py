@@ -1,13 +1,16 @@
 """Speculative decoding by prompt lookup: our engine with drafts vs the same engine without,
-same model, same process, greedy, on answers that repeat their context (an edited passage, a
-refactored function, a list carried on) and on one that does not (a plain question).
+same model, same process, greedy or seeded sampling, on answers that repeat their context (an
+edited passage, a refactored function, a list carried on) and on one that does not (a plain
+question).
 
 Each prompt runs alone (batch 1: latency) and all together (a batch); output tokens per second,
 the ratio to no drafts, the share of draft tokens the model accepted and the engine steps each
-took. The answers with and without drafts must be the same tokens (greedy): checked.
+took. The answers with and without drafts must be the same tokens (greedy, or sampled with a
+seed): checked.
 
     .venv/bin/python bench/speculative.py                     # SmolLM2-135M-Instruct, k = 4
     .venv/bin/python bench/speculative.py --k 2 --max-tokens 64
+    .venv/bin/python bench/speculative.py --temperature 0.7   # sampled, seeded
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=1, help="the sampled requests' seed")
     p.add_argument("--rounds", type=int, default=2, help="best of this many")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     return p.parse_args()
@@ -109,11 +114,13 @@ def main() -> None:
                                            add_generation_prompt=True, tokenize=True))
         for _, text in TASKS
     ]  # fmt: skip
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    seed = args.seed if args.temperature > 0 else None  # seeded: the same tokens either way
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
     print(
         f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-        f"{os.getloadavg()[0]:.1f}; model {folder.name}, greedy, max_tokens {args.max_tokens}, "
+        f"{os.getloadavg()[0]:.1f}; model {folder.name}, temperature {args.temperature:g}, "
+        f"max_tokens {args.max_tokens}, "
         f"prompt lookup n {args.prompt_lookup_min}..{args.prompt_lookup_max}"
     )
     cases = [(kind, [p]) for (kind, _), p in zip(TASKS, prompts, strict=True)]

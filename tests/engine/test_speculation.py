@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup: the proposer, the acceptance rule, the scheduler's
-draft steps, and the engine's output, which must be greedy decoding's token for token whether
-drafts are right, wrong or half right."""
+draft steps, and the engine's output, which must be greedy decoding's (and a seeded sampled
+request's own) token for token whether drafts are right, wrong or half right."""
 
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ import pytest
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.grammar import Grammar
 from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.outputs import RequestOutput
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
 from phasefleet.engine.speculation import NgramProposer, accept, speculates
-from tests.engine.factories import engine_config, make_requests, make_scheduler, random_prompts
+from tests.engine.factories import (
+    engine_config,
+    finish_all,
+    make_requests,
+    make_scheduler,
+    random_prompts,
+)
 
 HFGreedy = Callable[[str, list[int], int], list[int]]
 ModelPath = Callable[[str], Path]
@@ -68,9 +75,10 @@ def test_accept_keeps_the_agreeing_prefix_then_the_models_token() -> None:
     assert accept([], [3]) == [3]
 
 
-def test_only_plain_greedy_requests_speculate() -> None:
+def test_requests_whose_draws_depend_on_the_position_alone_speculate() -> None:
     assert speculates(SamplingParams(temperature=0))
-    assert not speculates(SamplingParams(temperature=0.7))
+    assert speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3))
+    assert not speculates(SamplingParams(temperature=0.7, min_p=0.1))
     assert not speculates(SamplingParams(temperature=0, logprobs=2))
     assert not speculates(SamplingParams(temperature=0, stop=["\n"]))
     assert not speculates(SamplingParams(temperature=0, frequency_penalty=0.5))
@@ -213,12 +221,16 @@ def test_output_is_greedy_decodings_whatever_the_drafts(
     assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
 
 
-def test_prompt_lookup_drafts_in_the_engine_give_greedy_decodings_tokens(
+def test_prompt_lookup_drafts_in_the_engine_give_the_tokens_of_no_drafts(
     tiny_model: ModelPath, hf_greedy: HFGreedy
 ) -> None:
     """The real proposer (n-grams of 1 token up: a random model repeats few) on repeated
-    patterns; a sampled request and one with logprobs beside them never take drafts."""
+    patterns: greedy requests get transformers' tokens, a seeded sampled one its own tokens of
+    a run without drafts; one with a penalty and one with logprobs never take drafts."""
     prompts = [[5, 9, 13, 21] * 8, [7, 8, 9] * 10 + [3], random_prompts([20], seed=2)[0]]
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    plain = LLMEngine(engine_config(tiny_model("llama"), block_size=4))
+    (sampled_alone,) = plain.generate([prompts[0]], seeded)
     eng = LLMEngine(
         engine_config(
             tiny_model("llama"), num_speculative_tokens=3, prompt_lookup_min=1, block_size=4
@@ -226,17 +238,47 @@ def test_prompt_lookup_drafts_in_the_engine_give_greedy_decodings_tokens(
     )
     for i, p in enumerate(prompts):
         eng.add_request(f"g{i}", p, SamplingParams(**vars(GREEDY)))
-    eng.add_request("sampled", prompts[0], SamplingParams(max_tokens=24, seed=3, ignore_eos=True))
+    eng.add_request("sampled", prompts[0], SamplingParams(**vars(seeded)))
+    penalized = SamplingParams(**{**vars(GREEDY), "frequency_penalty": 0.5})
+    eng.add_request("penalized", prompts[0], penalized)
     eng.add_request("logprobs", prompts[1], SamplingParams(**{**vars(GREEDY), "logprobs": 1}))
     drafted: set[str] = set()
+    finals: dict[str, RequestOutput] = {}
     while eng.has_unfinished_requests():
         drafted |= {r.request_id for r in eng.scheduler.running if r.draft_token_ids}
-        eng.step()
-    assert drafted and drafted <= {"g0", "g1", "g2"}
+        finals |= {out.request_id: out for out in eng.step() if out.finished}
+    assert "g0" in drafted and not drafted & {"penalized", "logprobs"}
+    assert finals["sampled"].output_token_ids == sampled_alone.output_token_ids
+    for i, prompt in enumerate(prompts):
+        assert finals[f"g{i}"].output_token_ids == hf_greedy("llama", prompt, GREEDY.max_tokens)
     assert eng.scheduler.draft_tokens_total > 0
-    outputs = eng.generate(prompts, GREEDY)  # again, drafts and all
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.output_token_ids == hf_greedy("llama", prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1], ids=["right", "wrong_second"])
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_drafts(
+    wrong_at: int | None, tiny_model: ModelPath
+) -> None:
+    """Each draft position draws with its own position's seeded noise, as one step at a time
+    would: the tokens are those of the run without drafts (top-k, top-p and temperature on)."""
+    params = SamplingParams(max_tokens=24, temperature=1.5, top_p=0.95, top_k=50, seed=11,
+                            ignore_eos=True)  # fmt: skip
+    prompts = random_prompts([5, 30, 17], seed=8)
+    plain = LLMEngine(engine_config(tiny_model("llama"), block_size=4))
+    reference = {
+        f"r{i}": out.output_token_ids for i, out in enumerate(plain.generate(prompts, params))
+    }
+    eng = oracle_engine(tiny_model("llama"), reference, wrong_at, block_size=4,
+                        max_num_batched_tokens=24, num_kv_blocks=96)  # fmt: skip
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(**vars(params)))
+    outputs = {k: v.output_token_ids for k, v in finish_all(eng).items()}
+    assert outputs == reference
+    s = eng.scheduler
+    assert s.draft_tokens_total > 0
+    if wrong_at is None:
+        assert s.accepted_tokens_total == s.draft_tokens_total
+    else:  # the first of each draft, or a draft of one whole
+        assert 0 < s.accepted_tokens_total < s.draft_tokens_total
 
 
 def test_config_refuses_bad_speculation_settings(tmp_path: Path) -> None:
@@ -258,6 +300,7 @@ def test_a_drafted_step_plan_feeds_the_draft_and_verifies_each_position() -> Non
     # b decodes (1 token), then a's chunk: its last known token 7, then the draft
     assert plan.input_ids.tolist() == [7, 7, 11, 12]
     assert plan.positions.tolist() == [8, 8, 9, 10]
-    assert plan.sample_index.tolist() == [0, 3] and plan.verify_index.tolist() == [1, 2]
-    assert [s.request for s in plan.verified] == [a]
+    # a row per sampled position: b's, then a's last known token's and each draft token's
+    assert plan.sample_index.tolist() == [0, 1, 2, 3]
+    assert [s.request for s in plan.sampled] == [b, a]
     assert np.array_equal(plan.lora_slots, np.full(4, -1))

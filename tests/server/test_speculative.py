@@ -1,6 +1,6 @@
 """Speculative decoding on a real worker (`--num-speculative-tokens`): through the official
-client, greedy answers are those of a worker without it, whole and streamed, while drafts are
-verified and accepted (its counters on /metrics say so)."""
+client, greedy and seeded sampled answers are those of a worker without it, whole and streamed,
+while drafts are verified (its counters on /metrics say so)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,14 @@ def workers(tiny_model: Path) -> Iterator[tuple[Worker, Worker]]:
         yield drafting, plain
 
 
-def answers(worker: Worker, stream: bool) -> list[str]:
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 5}
+
+
+def answers(worker: Worker, stream: bool, sampling: dict[str, float] | None = None) -> list[str]:
     client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
     texts = []
     for prompt in PROMPTS:
-        kw = dict(model="tiny", prompt=prompt, temperature=0, max_tokens=40)
+        kw = dict(model="tiny", prompt=prompt, max_tokens=40, **(sampling or {"temperature": 0}))
         if stream:
             chunks = client.completions.create(**kw, stream=True)  # type: ignore[call-overload]
             texts.append("".join(c.choices[0].text for c in chunks if c.choices))
@@ -52,6 +55,7 @@ def test_drafted_answers_equal_plain_greedy_ones(workers: tuple[Worker, Worker])
     expected = answers(plain, stream=False)
     assert answers(drafting, stream=False) == expected
     assert answers(drafting, stream=True) == expected
+    assert answers(drafting, False, SEEDED) == answers(plain, False, SEEDED)
     drafts = counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL)
     accepted = counter(drafting, Metric.SPEC_DECODE_ACCEPTED_TOKENS_TOTAL)
     assert drafts > 0 and 0 <= accepted <= drafts

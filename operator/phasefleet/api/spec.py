@@ -384,11 +384,12 @@ class RuntimeSpec(ApiModel):
         ge=0,
         le=16,
         description=(
-            "Speculative decoding by prompt lookup: a greedy request (temperature 0, no"
-            " penalties, bias, grammar, logprobs or stop strings) guesses up to this many next"
+            "Speculative decoding by prompt lookup: a request (greedy or sampled; no penalties,"
+            " bias, min-p, grammar, logprobs or stop strings) guesses up to this many next"
             " tokens from its own prompt and output and verifies them in one step, its output"
-            " unchanged; it pays where answers repeat their context (code edits, quoting,"
-            " summaries). 0: off (--num-speculative-tokens)."
+            " unchanged (the same tokens greedy or seeded, the same distribution unseeded);"
+            " it pays where answers repeat their context (code edits, quoting, summaries)."
+            " 0: off (--num-speculative-tokens)."
         ),
     )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(

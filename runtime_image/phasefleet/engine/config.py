@@ -60,7 +60,7 @@ class EngineConfig:
 
     # -- speculative decoding (engine/speculation.py) --
     num_speculative_tokens: int = 0
-    """Draft tokens a greedy request may verify per step, guessed by prompt lookup; 0: off."""
+    """Draft tokens a request may verify per step, guessed by prompt lookup; 0: off."""
     prompt_lookup_min: int = 2
     """Shortest n-gram of a request's last tokens looked up in its context, tokens."""
     prompt_lookup_max: int = 4

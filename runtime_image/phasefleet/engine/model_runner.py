@@ -349,10 +349,17 @@ class ModelRunner:
         graph = self.graphs is not None and self.graphs.fits(out)
         group = self.decode_backend == "torch" and not graph
         plan = plan_step(out.scheduled, self.tables, self.block_size, group)
-        sampled_rows = [row_of(s.request.request_id) for s in plan.sampled]
-        sampling = SamplingBatch.from_rows(
-            sampled_rows, [s.start + s.num_tokens for s in plan.sampled], self.vocab_size
-        )
+        # a row per sampled position: a drafted request's draft positions draw too, each with
+        # its position's seed, and the draft is kept while the draws agree (speculation.py)
+        sampled_rows: list[SamplingRow] = []
+        positions: list[int] = []
+        starts: list[int] = []  # each request's first row
+        for s in plan.sampled:
+            row, first = row_of(s.request.request_id), s.start + s.num_tokens - len(s.draft)
+            starts.append(len(sampled_rows))
+            sampled_rows += [row] * (1 + len(s.draft))
+            positions += range(first, first + 1 + len(s.draft))
+        sampling = SamplingBatch.from_rows(sampled_rows, positions, self.vocab_size)
         spans = _prompt_logprob_spans(plan, row_of)
         step = RankStep(
             plan.arrays(), self.tables.pending_updates(), graph, [(a, b) for a, b, *_ in spans]
@@ -377,15 +384,11 @@ class ModelRunner:
             self.mask_staging.add(words)
             settings.grammar_words = self.mask_staging.upload()[0].view(words.shape)
         tokens = sample(forward.logits, sampled_rows, settings)
-        sampled = {s.request.request_id: t for s, t in zip(plan.sampled, tokens, strict=True)}
-        verified: dict[str, list[int]] = {}
-        if forward.verified is not None:  # ready: sample() waited for the device
-            targets = forward.verified.tolist()
-            for s in plan.verified:
-                verified[s.request.request_id], targets = (
-                    targets[: len(s.draft)],
-                    targets[len(s.draft) :],
-                )
+        sampled, verified = {}, {}  # a request's last token; a drafted one's tokens before it
+        for s, start in zip(plan.sampled, starts, strict=True):
+            sampled[s.request.request_id] = tokens[start + len(s.draft)]
+            if s.draft:
+                verified[s.request.request_id] = tokens[start : start + len(s.draft)]
         return Executed(sampled, embeddings, verified)
 
     @torch.inference_mode()
@@ -407,13 +410,8 @@ class ModelRunner:
         pooled = hidden.index_select(0, t.pool_index).float() if len(a.pool_index) else None
         if not len(a.sample_index):
             return Forward(None, spans, t.sampling, pooled)
-        if not len(a.verify_index):
-            logits = self.model.compute_logits(hidden.index_select(0, t.sample_index))
-            return Forward(logits, spans, t.sampling, pooled)
-        rows = torch.cat([t.sample_index, t.verify_index])  # one output projection for both
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        n = len(a.sample_index)
-        return Forward(logits[:n], spans, t.sampling, pooled, logits[n:].argmax(-1))
+        logits = self.model.compute_logits(hidden.index_select(0, t.sample_index))
+        return Forward(logits, spans, t.sampling, pooled)
 
     def _upload(
         self,
@@ -518,7 +516,6 @@ class StepTensors:
     decode_rows: torch.Tensor
     decode_ctx: torch.Tensor
     sample_index: torch.Tensor
-    verify_index: torch.Tensor
     pool_index: torch.Tensor
     lora_slots: torch.Tensor
     sampling: DeviceSampling | None  # rank 0's
@@ -533,8 +530,6 @@ class Forward:
     sampling: DeviceSampling | None  # the sampling settings on the device
     pooled: torch.Tensor | None  # [P, hidden] float32: the embedding requests' last final
     # hidden states; None: none this step
-    verified: torch.Tensor | None = None  # [V] int64: the greedy token at each verify_index
-    # row; None: no draft this step
 
 
 @dataclass
@@ -543,5 +538,5 @@ class Executed:
 
     sampled: dict[str, int]  # the token each sampling request drew
     embeddings: dict[str, np.ndarray]  # [hidden] float32: each finished embedding request's
-    # the greedy token at each draft position but the last, of each request with a draft
+    # the token drawn at each draft position but the last, of each request with a draft
     verified: dict[str, list[int]] = field(default_factory=dict)

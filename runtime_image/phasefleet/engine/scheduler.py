@@ -325,8 +325,8 @@ class Scheduler:
     ) -> list[Request]:
         """Apply one step's results; returns the requests that got new tokens, in batch order
         (finished ones have status FINISHED and their blocks freed). `verified`: for each
-        request with a draft, the model's greedy token at each of its positions but the last
-        (`sampled` holds the last)."""
+        request with a draft, the token drawn at each of its positions but the last (`sampled`
+        holds the last)."""
         changed = []
         for s in out.scheduled:
             req = s.request

@@ -1,17 +1,21 @@
 """Speculative decoding by prompt lookup: drafts from a request's own context, verified by the
 model in the same step.
 
-A greedy request's next tokens are guessed from what it has seen: its last n tokens (n from
+A request's next tokens are guessed from what it has seen: its last n tokens (n from
 `max_ngram` down to `min_ngram`) are looked up in its prompt and output so far (the last
 LOOKBACK tokens), and the tokens that followed their latest earlier occurrence, up to k, are the
 draft. The scheduler computes the last known token and the draft together, one chunk of
-1 + len(draft) positions; the model's greedy choice at each position verifies it: the draft's
-longest prefix that matches, then the model's own next token, are appended. A step gives a
-request 1 to k + 1 tokens, exactly those greedy decoding gives one at a time.
+1 + len(draft) positions, and the sampler draws a token at every position, as it would have one
+step at a time (greedy: the argmax; sampled: with that position's noise, a seeded request's a
+function of its seed and the position). The draft's longest prefix that matches the draws, then
+the draw after it, are appended: 1 to k + 1 tokens a step. Greedy and seeded requests get
+exactly the tokens they get without drafts; an unseeded one's tokens have the same distribution
+(a draft token is kept with its probability, else the draw stands: rejection sampling with a
+draft that is sure of its token).
 
-Only requests whose next token is the plain argmax speculate (temperature 0, no logit bias,
-penalties, grammar, logprobs or stop strings, min_tokens reached); the others decode as usual
-in the same steps. Plain Python and numpy: no torch.
+Requests whose logits are the model's alone speculate (no logit bias, penalties, min-p or
+grammar), without logprobs or stop strings, once min_tokens is reached; the others decode as
+usual in the same steps. Plain Python and numpy: no torch.
 """
 
 from __future__ import annotations
@@ -27,10 +31,9 @@ LOOKBACK = 4096  # tokens of a request's context searched for its last n-gram
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these settings may take drafts (its tokens are the argmax)."""
-    return (
-        params.greedy and not params.adjusts_logits and params.logprobs is None and not params.stop
-    )
+    """Whether a request with these settings may take drafts: its draws depend on the model's
+    logits, its seed and the position alone (nothing its earlier tokens change)."""
+    return not params.adjusts_logits and params.logprobs is None and not params.stop
 
 
 @dataclass
@@ -72,9 +75,9 @@ class NgramProposer:
 
 
 def accept(draft: list[int], targets: list[int]) -> list[int]:
-    """The tokens a verified step appends: the draft's longest prefix the model agrees with,
-    then the model's token after it. targets[i]: the model's greedy choice after the last
-    known token and draft[:i] (len(draft) + 1 of them)."""
+    """The tokens a verified step appends: the draft's longest prefix the draws agree with,
+    then the draw after it. targets[i]: the token drawn after the last known token and
+    draft[:i] (len(draft) + 1 of them)."""
     accepted = 0
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1

@@ -46,10 +46,9 @@ class StepArrays:
     decode_ctx: np.ndarray  # [B_dec] int64: tokens each decode attends to
     groups: list[DecodeGroupPlan]  # torch decode path only (else empty)
     prefills: list[PrefillPlan]
-    sample_index: np.ndarray  # [S] int64: flat index of each sampling request's last token
-    # [V] int64: flat index of each position a draft token is verified at (the last known
-    # token's and every draft token's but the last: the last is in sample_index)
-    verify_index: np.ndarray
+    # [S] int64: flat index of each sampling request's last token; a request with a draft has
+    # 1 + len(draft) rows here, its last known token's and each draft token's, in order
+    sample_index: np.ndarray
     pool_index: np.ndarray  # [P] int64: flat index of each embedding request's last token
     lora_slots: np.ndarray  # [T] int64: each token's LoRA slot, -1 for none (engine/lora.py)
 
@@ -66,7 +65,6 @@ class StepArrays:
 class StepPlan(StepArrays):
     batch: list[ScheduledRequest]  # flat order: decodes (shortest context first), then prefills
     sampled: list[ScheduledRequest]  # the sampling requests, in sample_index's order
-    verified: list[ScheduledRequest]  # the requests with a draft, in verify_index's order
     pooled: list[ScheduledRequest]  # the embedding requests done this step, in pool_index's
 
 
@@ -117,20 +115,16 @@ def plan_step(
         plans.append(PrefillPlan(offset, s.num_tokens, end, row, nb))
         offset += s.num_tokens
     batch = decodes + prefills
-    sample_index, sampled, pool_index, pooled, end = [], [], [], [], 0
-    verify_index: list[int] = []
-    verified: list[ScheduledRequest] = []
+    sample_index: list[int] = []
+    sampled, pool_index, pooled, end = [], [], [], 0
     for s in batch:
         end += s.num_tokens
         if s.sample and s.request.embed:
             pool_index.append(end - 1)
             pooled.append(s)
         elif s.sample:
-            sample_index.append(end - 1)
+            sample_index += range(end - 1 - len(s.draft), end)
             sampled.append(s)
-        if s.draft:
-            verify_index += range(end - 1 - len(s.draft), end - 1)
-            verified.append(s)
     ctx = [p + 1 for p in pos]
     return StepPlan(
         batch=batch,
@@ -142,11 +136,9 @@ def plan_step(
         groups=_groups(ctx, rows, tables, bs) if group else [],
         prefills=plans,
         sample_index=np.array(sample_index, np.int64),
-        verify_index=np.array(verify_index, np.int64),
         pool_index=np.array(pool_index, np.int64),
         lora_slots=np.concatenate(adapters),
         sampled=sampled,
-        verified=verified,
         pooled=pooled,
     )
 

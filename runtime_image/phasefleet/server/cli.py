@@ -150,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         WorkerFlag.NUM_SPECULATIVE_TOKENS,
         type=int,
         default=0,
-        help="speculative decoding: tokens a greedy request guesses from its own context\n"
+        help="speculative decoding: tokens a request guesses from its own context\n"
         "(prompt lookup) and verifies per step; 0: off",
     )
     engine.add_argument(
