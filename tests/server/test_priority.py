@@ -8,12 +8,14 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from phasefleet.api.contract import Metric
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.server.kv_wire import PrefillRequest
-from tests.server.worker_proc import Worker, run_worker
+from tests.server.worker_proc import Worker, parse_metrics, run_worker
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
             queued.append(asyncio.create_task(one(name, priority)))
             await asyncio.sleep(0.05)  # arrival order: batch, normal, urgent
         queued.append(asyncio.create_task(embed("embedding", 1)))
-        await asyncio.sleep(0.05)
+        await _until_waiting(worker, 4)  # all queued in the engine, behind the long one
         async for _ in long:
             pass
         await asyncio.gather(*queued)
@@ -57,6 +59,20 @@ def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
         return done
 
     assert asyncio.run(run()) == ["urgent", "normal", "embedding", "batch"]
+
+
+async def _until_waiting(worker: Worker, n: int, timeout: float = 60.0) -> None:
+    """Until the worker's engine holds n waiting requests (a loaded machine may take a while to
+    bring them in; the test's order is the engine's, not the network's)."""
+    name = f"{Metric.NUM_REQUESTS_WAITING}{{"
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(int(timeout / 0.05)):
+            text = (await http.get(f"{worker.base_url}/metrics")).text
+            waiting = [float(v) for k, v in parse_metrics(text).items() if k.startswith(name)]
+            if waiting and waiting[0] >= n:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{n} requests never waited together in the engine")
 
 
 def test_the_hand_off_carries_the_priority() -> None:
