@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from e2e.harness.prometheus import Prometheus
 from phasefleet.autoscale.prometheus import PrometheusSource
 from phasefleet.autoscale.scrape import ScrapeSource, ScrapeTargets
 from phasefleet.autoscale.signals import MetricsUnavailable, Signals
-from tests.autoscale.test_scrape_live import stream_one
+from tests.autoscale.test_scrape_live import stream_many
 from tests.router.router_proc import run_router, worker_list
 from tests.server.worker_proc import run_worker
 
@@ -78,8 +77,7 @@ def test_prometheus_and_scrape_sources_agree_and_prometheus_failures_are_named(
         started = time.time()
         scrape.read(now=started)
 
-        with ThreadPoolExecutor(max_workers=4) as executor:
-            list(executor.map(lambda i: stream_one(router.client(), i), range(REQUESTS)))
+        stream_many(router.client, REQUESTS)
         time.sleep(2.5)  # two more scrapes by Prometheus, after the last request
 
         now = time.time()
