@@ -90,11 +90,11 @@ class EngineStats:
     prefill_tokens_waiting: int = 0
     """Prompt tokens of the queued requests, not yet admitted (prefix-cache hits not known yet)."""
     late_prompts_total: int = 0
+    """Prompts moved behind on-time ones, having waited past the TTFT target (each once)."""
     spec_draft_tokens_total: int = 0
     """Draft tokens verified (engine/speculation.py)."""
     spec_accepted_tokens_total: int = 0
     """Of them, those the model agreed with."""
-    """Prompts moved behind on-time ones, having waited past the TTFT target (each once)."""
     num_requests_peak: float = 0.0
     """The highest running + waiting of the last PEAK_WINDOW_S seconds (autoscale/peaks.py)."""
     kv_cache_usage_peak: float = 0.0

@@ -149,15 +149,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         WorkerFlag.NUM_SPECULATIVE_TOKENS,
         type=int,
-        default=0,
+        default=EngineConfig.num_speculative_tokens,
         help="speculative decoding: tokens a request guesses from its own context\n"
         "(prompt lookup) and verifies per step; 0: off",
     )
     engine.add_argument(
-        WorkerFlag.PROMPT_LOOKUP_MIN, type=int, default=2, help="shortest n-gram looked up"
+        WorkerFlag.PROMPT_LOOKUP_MIN,
+        type=int,
+        default=EngineConfig.prompt_lookup_min,
+        help="shortest n-gram looked up",
     )
     engine.add_argument(
-        WorkerFlag.PROMPT_LOOKUP_MAX, type=int, default=4, help="longest n-gram looked up"
+        WorkerFlag.PROMPT_LOOKUP_MAX,
+        type=int,
+        default=EngineConfig.prompt_lookup_max,
+        help="longest n-gram looked up",
     )
 
     server = parser.add_argument_group("server")
