@@ -27,7 +27,10 @@ def worker(tiny_model: Path) -> Iterator[Worker]:
 
 def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
     async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+        # no retries: a timed-out request retried would arrive again, later, out of its order
+        client = openai.AsyncOpenAI(
+            base_url=f"{worker.base_url}/v1", api_key="x", timeout=300, max_retries=0
+        )
         done: list[str] = []
         kw = {"model": "tiny", "prompt": "The sea", "temperature": 0, "max_tokens": 4}
 
