@@ -9,6 +9,7 @@ template variables filled in as Grafana would, must return a finite value. The r
 kube-state-metrics queries must parse but find nothing: the e2e cluster runs no
 kube-state-metrics; the panel's own PhaseFleet query carries its data. The chart's alert
 expressions run on the same series: the SLIs are ratios, and no other alert condition holds.
+The worker drafts tokens by prompt lookup, so the speculative decoding panel has data too.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ def service(image_model: str) -> dict[str, Any]:
                 "dtype": "float32",
             },
             "mode": "aggregated",
-            "runtime": {"env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}]},
+            "runtime": {
+                "env": [{"name": CPU_LINEAR_CACHE_ENV, "value": f"/{PLANS}"}],
+                # drafts from a one-token match: the random tiny model repeats no longer n-gram
+                "numSpeculativeTokens": 4,
+                "extraArgs": ["--prompt-lookup-min", "1"],
+            },
             "worker": {"replicas": 1, "maxNumSeqs": 8},
             "router": {"replicas": 1},
         },
@@ -196,6 +202,8 @@ def check_panels(
     ttft = values["Time to first token"]
     assert all(len(q) == 1 and q[0] > 0 for q in ttft[:3]) and ttft[0][0] <= ttft[2][0]
     assert values["Requests"][0][0] > 0
+    drafted, accepted_share = values["Speculative decoding"]
+    assert drafted[0] > 0 and 0 <= accepted_share[0] <= 1
     prompt, generated = values["Tokens"]
     assert prompt[0] > 0 and generated[0] > 0
     sli = values["Requests within the SLO targets"]
