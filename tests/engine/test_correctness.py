@@ -140,11 +140,12 @@ def test_decodes_are_grouped_by_context_length() -> None:
     assert np.array_equal(tables.host[rows[0], :3], [1, 2, 3])
 
 
-def test_longrope_is_served_up_to_its_original_length(tmp_path: Path) -> None:
-    """Phi-3's LongRoPE (128k models) turns to its long factors past
-    original_max_position_embeddings, for every position; the engine's tables hold the short
-    ones, so it serves up to that length (the default) and refuses a longer max_model_len.
-    Within it, greedy equals transformers'."""
+def test_longrope_short_or_long_factors_by_max_model_len(tmp_path: Path) -> None:
+    """Phi-3's LongRoPE (128k models): transformers uses the short factors while a sequence is
+    within original_max_position_embeddings and the long ones, for every position, past it.
+    The engine chooses once, by max_model_len (as vLLM): within the original length greedy
+    equals transformers' on a short prompt; at the default (max_position_embeddings) it equals
+    transformers' on a prompt longer than the original length."""
     import json
 
     import torch
@@ -162,17 +163,23 @@ def test_longrope_is_served_up_to_its_original_length(tmp_path: Path) -> None:
         "long_factor": [4.0 + i for i in range(half)],
     }
     (folder / "config.json").write_text(json.dumps(config))
-    eng = engine(folder)
-    assert eng.max_model_len == 64
-    with pytest.raises(
-        ValueError, match="max_model_len must be <= 64 for this model: its LongRoPE"
-    ):
-        engine(folder, max_model_len=128)
-    (prompt,) = random_prompts([30], seed=4)
-    (out,) = eng.generate([prompt], GREEDY)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(GREEDY.max_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert out.output_token_ids == ids[len(prompt) :]
+
+    def reference(prompt: list[int]) -> list[int]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(GREEDY.max_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    short, long = random_prompts([30, 70], seed=4)
+    within = engine(folder, max_model_len=64)
+    assert 30 + GREEDY.max_tokens <= 64
+    assert within.generate([short], GREEDY)[0].output_token_ids == reference(short)
+    past = engine(folder)
+    assert past.max_model_len == config["max_position_embeddings"] > 64
+    assert past.generate([long], GREEDY)[0].output_token_ids == reference(long)
+    # the two engines' tables differ: each comparison above sees which factors it uses
+    short_cos, long_cos = within.runner.model.rope_cos, past.runner.model.rope_cos
+    assert short_cos is not None and long_cos is not None
+    assert not torch.equal(short_cos, long_cos[:64])

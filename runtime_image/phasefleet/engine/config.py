@@ -24,8 +24,8 @@ class EngineConfig:
     """cpu | cuda | auto (cuda when available, else cpu)."""
     max_model_len: int | None = None
     """Longest request, prompt plus output, in tokens; default: the model's
-    max_position_embeddings from config.json (a LongRoPE model's
-    original_max_position_embeddings, the longest it serves)."""
+    max_position_embeddings from config.json. A LongRoPE model uses its long factors when this
+    passes original_max_position_embeddings, its short ones otherwise."""
 
     tensor_parallel_size: int = 1
     """Ranks the model is split over, one process and one device each (Megatron-style: heads,

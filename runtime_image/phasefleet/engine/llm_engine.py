@@ -28,7 +28,7 @@ from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
 from phasefleet.engine.lora import NO_SLOT, LoadedAdapter, LoraError, read_adapter
 from phasefleet.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
-from phasefleet.engine.models.rope import longest_static
+from phasefleet.engine.models.rope import long_factors_from
 from phasefleet.engine.models.traits import load_decoder_config
 from phasefleet.engine.outputs import EngineStats, RequestOutput
 from phasefleet.engine.request import Request, RequestStatus
@@ -85,16 +85,16 @@ class LLMEngine:
                 f"max_model_len must be <= the model's max_position_embeddings ({limit}), "
                 f"got {config.max_model_len}"
             )
-        static = longest_static(self.hf_config)
-        if static is not None and static < limit:
-            if config.max_model_len is not None and config.max_model_len > static:
-                raise ValueError(
-                    f"max_model_len must be <= {static} for this model: its LongRoPE switches to "
-                    "its long factors past original_max_position_embeddings, which the engine "
-                    f"does not do; got {config.max_model_len}"
-                )
-            limit = static
         self.max_model_len: int = config.max_model_len or limit
+        short_up_to = long_factors_from(self.hf_config)
+        if short_up_to is not None and self.max_model_len > short_up_to:
+            logger.info(
+                "LongRoPE: max_model_len %d passes original_max_position_embeddings %d, so every "
+                "position uses the long factors (--max-model-len %d keeps the short ones)",
+                self.max_model_len,
+                short_up_to,
+                short_up_to,
+            )
         self.device = resolve_device(config.device)
         checkpoint_dtype = getattr(self.hf_config, "dtype", None)  # config.json's, may be absent
         self.dtype = resolve_dtype(config.dtype, checkpoint_dtype, self.device)

@@ -29,24 +29,23 @@ def rope_type(config: Any) -> str:
     return "default"
 
 
-def longest_static(config: Any) -> int | None:
-    """The longest sequence whose RoPE the tables match, when shorter than the model's
-    max_position_embeddings: LongRoPE (Phi-3's 128k models) turns to its long factors, for every
-    position, once a sequence passes original_max_position_embeddings; the tables hold the short
-    ones. None: any length the model takes."""
+def long_factors_from(config: Any) -> int | None:
+    """LongRoPE (Phi-3's and Phi-4-mini's 128k models): the longest max_model_len served with
+    its short factors (original_max_position_embeddings); a longer one turns every position to
+    the long factors. None: not LongRoPE."""
     if rope_type(config) != "longrope":
         return None
-    scaling = getattr(config, "rope_scaling", None) or {}
-    original = getattr(config, "original_max_position_embeddings", None) or scaling.get(
-        "original_max_position_embeddings"
-    )
-    return int(original) if original else None
+    original = getattr(config, "original_max_position_embeddings", None)  # as transformers reads
+    return int(original or config.max_position_embeddings)
 
 
 def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin_rot: [max_positions, rotary dim] float32 on CPU (the head, or the part of it
     partial_rotary_factor gives), scaled like transformers does; sin_rot is sin with its first
-    half negated, as apply_rope() takes it."""
+    half negated, as apply_rope() takes it. LongRoPE's factors are chosen once, for every
+    position, by max_positions (the engine's max_model_len), as vLLM does: transformers turns
+    to the long ones when the sequence, not the limit, passes the original length.
+    """
     kind = rope_type(config)
     if kind not in STATIC_ROPE_TYPES:
         raise ValueError(
@@ -58,6 +57,9 @@ def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Te
         base = config.rope_theta
         inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         attention_scaling = 1.0
+    elif kind == "longrope":  # the long factors when max_positions passes the original length
+        init = ROPE_INIT_FUNCTIONS[kind]
+        inv_freq, attention_scaling = init(config, torch.device("cpu"), max_positions)
     else:
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
     positions = torch.arange(max_positions, dtype=torch.float32)
