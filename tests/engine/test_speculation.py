@@ -75,15 +75,16 @@ def test_accept_keeps_the_agreeing_prefix_then_the_models_token() -> None:
     assert accept([], [3]) == [3]
 
 
-def test_requests_whose_draws_depend_on_the_position_alone_speculate() -> None:
+def test_requests_whose_draws_do_not_depend_on_their_earlier_tokens_speculate() -> None:
     assert speculates(SamplingParams(temperature=0))
     assert speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3))
-    assert not speculates(SamplingParams(temperature=0.7, min_p=0.1))
+    assert speculates(SamplingParams(temperature=0.7, min_p=0.1))
+    assert speculates(SamplingParams(temperature=0, logit_bias={3: 1.0}))
+    assert speculates(SamplingParams(temperature=0, stop=["\n"]))
     assert not speculates(SamplingParams(temperature=0, logprobs=2))
-    assert not speculates(SamplingParams(temperature=0, stop=["\n"]))
     assert not speculates(SamplingParams(temperature=0, frequency_penalty=0.5))
+    assert not speculates(SamplingParams(temperature=0, presence_penalty=0.5))
     assert not speculates(SamplingParams(temperature=0, repetition_penalty=1.2))
-    assert not speculates(SamplingParams(temperature=0, logit_bias={3: 1.0}))
     assert not speculates(SamplingParams(temperature=0, grammar=Grammar("regex", "a+")))
 
 
@@ -279,6 +280,47 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_with_drafts(
         assert s.accepted_tokens_total == s.draft_tokens_total
     else:  # the first of each draft, or a draft of one whole
         assert 0 < s.accepted_tokens_total < s.draft_tokens_total
+
+
+def test_bias_min_p_and_stop_strings_give_the_outputs_of_no_drafts(tiny_model: ModelPath) -> None:
+    """Right drafts of 4 (steps of 5 tokens) for a greedy request with a logit bias, a seeded
+    one with min-p, and one with a stop string its output completes inside a step: each ends
+    as without drafts (tokens, text, finish reason); the tokens after the stop are taken
+    back (the generated-token count is the outputs' own)."""
+    folder = tiny_model("llama")
+    (prompt,) = random_prompts([12], seed=5)
+    plain = LLMEngine(engine_config(folder, block_size=4))
+    (free,) = plain.generate([prompt], GREEDY)
+    end = next(i for i in range(8, 20) if i % 5 != 0)  # the stop's last token: inside a step
+    stop = plain.tokenizer.decode(free.output_token_ids[end - 1 : end + 1])
+    params = {
+        "bias": SamplingParams(**{**vars(GREEDY), "logit_bias": {free.output_token_ids[3]: 4.0}}),
+        "min_p": SamplingParams(max_tokens=24, temperature=1.0, min_p=0.3, seed=2, ignore_eos=True),
+        "stop": SamplingParams(**{**vars(GREEDY), "stop": [stop]}),
+    }  # fmt: skip
+    alone = {k: plain.generate([prompt], p)[0] for k, p in params.items()}
+    stopped = alone["stop"]  # steps with drafts append tokens 0, 1-5, 6-10, ...: not its last
+    assert stopped.finish_reason == "stop" and (len(stopped.output_token_ids) - 1) % 5 != 0
+    reference = {k: out.output_token_ids for k, out in alone.items()}
+    reference["stop"] = free.output_token_ids  # the draft runs on past the stop
+    eng = oracle_engine(folder, reference, None, block_size=4)
+    for k, p in params.items():
+        eng.add_request(k, prompt, p)
+    drafted: set[str] = set()
+    finals: dict[str, RequestOutput] = {}
+    while eng.has_unfinished_requests():
+        drafted |= {r.request_id for r in eng.scheduler.running if r.draft_token_ids}
+        finals |= {out.request_id: out for out in eng.step() if out.finished}
+    assert drafted == set(params)
+    assert free.output_token_ids != alone["bias"].output_token_ids  # the bias counts
+    for k, out in alone.items():
+        got = finals[k]
+        assert (got.output_token_ids, got.text, got.finish_reason) == (
+            out.output_token_ids, out.text, out.finish_reason
+        ), k  # fmt: skip
+    s = eng.scheduler
+    assert s.accepted_tokens_total == s.draft_tokens_total > 0
+    assert s.generation_tokens_total == sum(len(o.output_token_ids) for o in alone.values())
 
 
 def test_config_refuses_bad_speculation_settings(tmp_path: Path) -> None:

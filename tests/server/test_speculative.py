@@ -71,3 +71,30 @@ def test_a_bad_speculation_setting_stops_the_worker_with_the_field(tiny_model: P
     )  # fmt: skip
     assert result.returncode != 0
     assert "num_speculative_tokens must be in [0, 16]" in result.stderr
+
+
+def test_a_stop_string_ends_a_drafting_answer_where_it_ends_a_plain_one(
+    workers: tuple[Worker, Worker],
+) -> None:
+    """A stop string taken from the middle of each plain answer: the text, the finish reason
+    and the completion token count are the plain worker's."""
+    drafting, plain = workers
+    drafted = counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL)
+    seen = []
+    for prompt, text in zip(PROMPTS, answers(plain, stream=False), strict=True):
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        assert stop.strip(), text
+        results = []
+        for worker in (drafting, plain):
+            client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+            c = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop]
+            )
+            assert c.usage is not None
+            results.append(
+                (c.choices[0].text, c.choices[0].finish_reason, c.usage.completion_tokens)
+            )
+        assert results[0] == results[1]
+        seen.append(results[1][1])
+    assert "stop" in seen
+    assert counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL) > drafted  # they drafted

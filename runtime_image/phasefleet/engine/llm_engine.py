@@ -522,14 +522,14 @@ class LLMEngine:
         detok, row = live.detok, live.row
         if row.matcher is not None:
             self._follow_grammar(req, row.matcher)
-        detok.update(new)
+        if detok.stop and len(new) > 1:  # an accepted draft: a stop string may end it midway
+            new = _update_until_stopped(detok, new)
+        else:
+            detok.update(new)
         if req.is_finished:
             detok.flush()  # the held-back tail may still hold a stop string
         if detok.stopped:
-            if req.is_finished:
-                req.finish_reason = "stop"
-            else:
-                self.scheduler.finish_request(req.request_id, "stop")
+            self.scheduler.stop_at(req, len(new))
         output = self._output(req, new, detok.text(final=req.is_finished))
         if row.logprob is not None:
             output.logprobs = [row.logprob]
@@ -686,3 +686,13 @@ class LLMEngine:
                 if o.finished:
                     final[o.request_id] = o
         return [final[rid] for rid in ids]
+
+
+def _update_until_stopped(detok: IncrementalDetokenizer, new: list[int]) -> list[int]:
+    """Feeds the tokens one at a time, as steps without drafts would; those up to the one
+    that completes a stop string (all of them when none does)."""
+    for i, token in enumerate(new):
+        detok.update([token])
+        if detok.stopped:
+            return new[: i + 1]
+    return new

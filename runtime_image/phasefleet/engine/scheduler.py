@@ -379,6 +379,20 @@ class Scheduler:
             return "handoff"
         return None
 
+    def stop_at(self, req: Request, kept: int) -> None:
+        """A stop string ended req at the `kept`-th token its last step appended: the accepted
+        draft tokens after it are taken back, and req finishes 'stop' (also one that ended
+        later in the step, on eos or length)."""
+        extra = req.num_new_tokens - kept
+        if extra > 0:
+            del req.output_token_ids[-extra:]
+            req.num_new_tokens = kept
+            self.generation_tokens_total -= extra
+        if req.is_finished:
+            req.finish_reason = "stop"
+        else:
+            self.finish_request(req.request_id, "stop")
+
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """Finish a request wherever it is (stop string, abort); frees its blocks, or holds them
         for a 'handoff' (see KVCacheManager.hold). Unknown id: None."""

@@ -13,9 +13,12 @@ exactly the tokens they get without drafts; an unseeded one's tokens have the sa
 (a draft token is kept with its probability, else the draw stands: rejection sampling with a
 draft that is sure of its token).
 
-Requests whose logits are the model's alone speculate (no logit bias, penalties, min-p or
-grammar), without logprobs or stop strings, once min_tokens is reached; the others decode as
-usual in the same steps. Plain Python and numpy: no torch.
+Requests whose logits at a position do not depend on the tokens before it speculate (a logit
+bias and min-p are the same at every position; penalties on repeats and a grammar are not),
+without logprobs, once min_tokens is reached; the others decode as usual in the same steps. A
+stop string found inside an accepted draft ends the request at the token that completes it, as
+one token a step would (the engine takes the later ones back). Plain Python and numpy: no
+torch.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ LOOKBACK = 4096  # tokens of a request's context searched for its last n-gram
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these settings may take drafts: its draws depend on the model's
-    logits, its seed and the position alone (nothing its earlier tokens change)."""
-    return not params.adjusts_logits and params.logprobs is None and not params.stop
+    logits, its seed, the position and settings that are the same at every position (bias,
+    min-p), nothing its earlier tokens change (penalties on repeats, a grammar)."""
+    p = params
+    by_history = p.penalized or p.repeats_seen or p.grammar is not None
+    return not by_history and p.logprobs is None
 
 
 @dataclass
