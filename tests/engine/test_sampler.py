@@ -156,16 +156,16 @@ def test_logprobs_only_for_rows_that_ask_and_from_the_raw_logits() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
     rows = [row(temperature=0, logprobs=2), row(temperature=0)]
     assert sample(logits.clone(), rows) == [1, 0]
-    assert rows[1].logprob is None
-    entry = rows[0].logprob
-    assert entry is not None and entry.token_id == 1
+    assert rows[1].logprobs == []
+    (entry,) = rows[0].logprobs
+    assert entry.token_id == 1
     raw = logits[0].log_softmax(-1)
     assert entry.logprob == float(raw[1])
     assert entry.top == [(1, float(raw[1])), (2, float(raw[2]))]
     # A temperature changes the draw, never the reported logprob.
     hot = [row(seed=1, temperature=50.0, logprobs=0)]
     token = sample(logits[:1].clone(), hot)[0]
-    assert hot[0].logprob is not None and hot[0].logprob.logprob == float(raw[token])
+    assert [e.logprob for e in hot[0].logprobs] == [float(raw[token])]
 
 
 def test_banned_tokens_are_never_sampled_but_keep_their_raw_logprob() -> None:
@@ -173,8 +173,7 @@ def test_banned_tokens_are_never_sampled_but_keep_their_raw_logprob() -> None:
     greedy = row(temperature=0, logprobs=0)
     greedy.banned = [1]
     assert sample(logits.clone(), [greedy]) == [2]
-    assert greedy.logprob is not None
-    assert greedy.logprob.logprob == float(logits[0].log_softmax(-1)[2])
+    assert [e.logprob for e in greedy.logprobs] == [float(logits[0].log_softmax(-1)[2])]
     drawn = set()
     for seed in range(50):
         sampled = row(seed=seed, temperature=1.0)
@@ -319,8 +318,7 @@ def test_a_grammar_row_samples_only_what_its_mask_allows() -> None:
     best_allowed = allowed[int(logits[0, allowed].argmax())]
     rows = [ruled(allowed, temperature=0, logprobs=0), row(temperature=0), ruled([40], seed=1)]
     assert sample(logits.clone(), rows) == [best_allowed, int(logits[1].argmax()), 40]
-    assert rows[0].logprob is not None
-    assert rows[0].logprob.logprob == float(logits[0].log_softmax(-1)[best_allowed])
+    assert [e.logprob for e in rows[0].logprobs] == [float(logits[0].log_softmax(-1)[best_allowed])]
     drawn = {
         sample(logits[:1].clone(), [ruled(allowed, seed=s, temperature=5.0)])[0] for s in range(60)
     }

@@ -81,7 +81,7 @@ def test_requests_whose_draws_do_not_depend_on_their_earlier_tokens_speculate() 
     assert speculates(SamplingParams(temperature=0.7, min_p=0.1))
     assert speculates(SamplingParams(temperature=0, logit_bias={3: 1.0}))
     assert speculates(SamplingParams(temperature=0, stop=["\n"]))
-    assert not speculates(SamplingParams(temperature=0, logprobs=2))
+    assert speculates(SamplingParams(temperature=0, logprobs=2))
     assert not speculates(SamplingParams(temperature=0, frequency_penalty=0.5))
     assert not speculates(SamplingParams(temperature=0, presence_penalty=0.5))
     assert not speculates(SamplingParams(temperature=0, repetition_penalty=1.2))
@@ -227,7 +227,7 @@ def test_prompt_lookup_drafts_in_the_engine_give_the_tokens_of_no_drafts(
 ) -> None:
     """The real proposer (n-grams of 1 token up: a random model repeats few) on repeated
     patterns: greedy requests get transformers' tokens, a seeded sampled one its own tokens of
-    a run without drafts; one with a penalty and one with logprobs never take drafts."""
+    a run without drafts; one with a penalty never takes drafts."""
     prompts = [[5, 9, 13, 21] * 8, [7, 8, 9] * 10 + [3], random_prompts([20], seed=2)[0]]
     seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
     plain = LLMEngine(engine_config(tiny_model("llama"), block_size=4))
@@ -242,13 +242,12 @@ def test_prompt_lookup_drafts_in_the_engine_give_the_tokens_of_no_drafts(
     eng.add_request("sampled", prompts[0], SamplingParams(**vars(seeded)))
     penalized = SamplingParams(**{**vars(GREEDY), "frequency_penalty": 0.5})
     eng.add_request("penalized", prompts[0], penalized)
-    eng.add_request("logprobs", prompts[1], SamplingParams(**{**vars(GREEDY), "logprobs": 1}))
     drafted: set[str] = set()
     finals: dict[str, RequestOutput] = {}
     while eng.has_unfinished_requests():
         drafted |= {r.request_id for r in eng.scheduler.running if r.draft_token_ids}
         finals |= {out.request_id: out for out in eng.step() if out.finished}
-    assert "g0" in drafted and not drafted & {"penalized", "logprobs"}
+    assert "g0" in drafted and "penalized" not in drafted
     assert finals["sampled"].output_token_ids == sampled_alone.output_token_ids
     for i, prompt in enumerate(prompts):
         assert finals[f"g{i}"].output_token_ids == hf_greedy("llama", prompt, GREEDY.max_tokens)
@@ -282,11 +281,14 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_with_drafts(
         assert 0 < s.accepted_tokens_total < s.draft_tokens_total
 
 
-def test_bias_min_p_and_stop_strings_give_the_outputs_of_no_drafts(tiny_model: ModelPath) -> None:
+def test_bias_min_p_stop_strings_and_logprobs_give_the_outputs_of_no_drafts(
+    tiny_model: ModelPath,
+) -> None:
     """Right drafts of 4 (steps of 5 tokens) for a greedy request with a logit bias, a seeded
-    one with min-p, and one with a stop string its output completes inside a step: each ends
-    as without drafts (tokens, text, finish reason); the tokens after the stop are taken
-    back (the generated-token count is the outputs' own)."""
+    one with min-p, one with a stop string its output completes inside a step, and one with
+    logprobs: each ends as without drafts (tokens, text, finish reason, each token's
+    logprobs); the tokens after the stop are taken back (the generated-token count is the
+    outputs' own)."""
     folder = tiny_model("llama")
     (prompt,) = random_prompts([12], seed=5)
     plain = LLMEngine(engine_config(folder, block_size=4))
@@ -297,8 +299,11 @@ def test_bias_min_p_and_stop_strings_give_the_outputs_of_no_drafts(tiny_model: M
         "bias": SamplingParams(**{**vars(GREEDY), "logit_bias": {free.output_token_ids[3]: 4.0}}),
         "min_p": SamplingParams(max_tokens=24, temperature=1.0, min_p=0.3, seed=2, ignore_eos=True),
         "stop": SamplingParams(**{**vars(GREEDY), "stop": [stop]}),
+        "logprobs": SamplingParams(**{**vars(GREEDY), "logprobs": 2}),
     }  # fmt: skip
     alone = {k: plain.generate([prompt], p)[0] for k, p in params.items()}
+    plain.add_request("plain-logprobs", prompt, params["logprobs"])
+    expected_logprobs = [e for out in steps_of(plain) for e in out.logprobs or []]
     stopped = alone["stop"]  # steps with drafts append tokens 0, 1-5, 6-10, ...: not its last
     assert stopped.finish_reason == "stop" and (len(stopped.output_token_ids) - 1) % 5 != 0
     reference = {k: out.output_token_ids for k, out in alone.items()}
@@ -307,11 +312,21 @@ def test_bias_min_p_and_stop_strings_give_the_outputs_of_no_drafts(tiny_model: M
     for k, p in params.items():
         eng.add_request(k, prompt, p)
     drafted: set[str] = set()
-    finals: dict[str, RequestOutput] = {}
+    outputs: list[RequestOutput] = []
     while eng.has_unfinished_requests():
         drafted |= {r.request_id for r in eng.scheduler.running if r.draft_token_ids}
-        finals |= {out.request_id: out for out in eng.step() if out.finished}
+        outputs += eng.step()
+    finals = {out.request_id: out for out in outputs if out.finished}
     assert drafted == set(params)
+    got_logprobs = [
+        e for out in outputs if out.request_id == "logprobs" for e in out.logprobs or []
+    ]
+    assert [e.token_id for e in got_logprobs] == finals["logprobs"].output_token_ids
+    assert len(got_logprobs) == len(expected_logprobs) == GREEDY.max_tokens
+    for entry, want in zip(got_logprobs, expected_logprobs, strict=True):
+        assert entry.token_id == want.token_id
+        assert [t for t, _ in entry.top] == [t for t, _ in want.top]
+        assert entry.logprob == pytest.approx(want.logprob, abs=1e-4)
     assert free.output_token_ids != alone["bias"].output_token_ids  # the bias counts
     for k, out in alone.items():
         got = finals[k]
@@ -321,6 +336,13 @@ def test_bias_min_p_and_stop_strings_give_the_outputs_of_no_drafts(tiny_model: M
     s = eng.scheduler
     assert s.accepted_tokens_total == s.draft_tokens_total > 0
     assert s.generation_tokens_total == sum(len(o.output_token_ids) for o in alone.values())
+
+
+def steps_of(engine: LLMEngine) -> list[RequestOutput]:
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
 
 
 def test_config_refuses_bad_speculation_settings(tmp_path: Path) -> None:

@@ -98,3 +98,26 @@ def test_a_stop_string_ends_a_drafting_answer_where_it_ends_a_plain_one(
         seen.append(results[1][1])
     assert "stop" in seen
     assert counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL) > drafted  # they drafted
+
+
+def test_logprobs_of_a_drafting_answer_are_those_of_a_plain_one(
+    workers: tuple[Worker, Worker],
+) -> None:
+    """Each accepted draft token reports the logprobs drawn at its position."""
+    drafting, plain = workers
+    drafted = counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL)
+    got = []
+    for worker in (drafting, plain):
+        client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+        c = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, logprobs=2
+        )
+        got.append(c.choices[0].logprobs)
+    (mine, theirs) = got
+    assert mine is not None and theirs is not None
+    assert mine.tokens == theirs.tokens and len(mine.tokens or []) == 30
+    assert mine.token_logprobs == pytest.approx(theirs.token_logprobs, abs=1e-4)
+    assert [sorted(t) for t in mine.top_logprobs or []] == [
+        sorted(t) for t in theirs.top_logprobs or []
+    ]
+    assert counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL) > drafted

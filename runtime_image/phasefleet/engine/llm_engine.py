@@ -531,8 +531,8 @@ class LLMEngine:
         if detok.stopped:
             self.scheduler.stop_at(req, len(new))
         output = self._output(req, new, detok.text(final=req.is_finished))
-        if row.logprob is not None:
-            output.logprobs = [row.logprob]
+        if row.params.logprobs is not None:
+            output.logprobs = row.logprobs[: len(new)]  # drafted: the accepted tokens' first
         if row.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
             output.prompt_logprobs = row.prompt_logprobs
         if len(req.output_token_ids) >= row.params.min_tokens:

@@ -40,7 +40,9 @@ class SamplingRow:
     params: SamplingParams
     error: str | None = None  # set by sample() when this row could not be sampled
     banned: list[int] = field(default_factory=list)  # token ids masked out (min_tokens)
-    logprob: TokenLogprob | None = None  # set by sample() when params.logprobs is not None
+    # set by sample() when params.logprobs is not None: one per position the row drew at this
+    # step (a drafted request's: its last known token's, then each draft token's)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     # Set by the model runner when params.prompt_logprobs is not None: prompt tokens 1.. so far
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     adjusts: bool = field(init=False)  # params.adjusts_logits, read at every step
@@ -334,8 +336,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
     if raw is not None:
         chosen = [result[i] for i in asking]
         counts = [rows[i].params.logprobs or 0 for i in asking]
+        for i in asking:
+            rows[i].logprobs = []
         for i, logprob in zip(asking, token_logprobs(raw, chosen, counts), strict=True):
-            rows[i].logprob = logprob if result[i] != FAILED else None
+            if result[i] != FAILED:
+                rows[i].logprobs.append(logprob)
     return result
 
 

@@ -15,7 +15,7 @@ draft that is sure of its token).
 
 Requests whose logits at a position do not depend on the tokens before it speculate (a logit
 bias and min-p are the same at every position; penalties on repeats and a grammar are not),
-without logprobs, once min_tokens is reached; the others decode as usual in the same steps. A
+once min_tokens is reached; the others decode as usual in the same steps. A
 stop string found inside an accepted draft ends the request at the token that completes it, as
 one token a step would (the engine takes the later ones back). Plain Python and numpy: no
 torch.
@@ -36,10 +36,9 @@ LOOKBACK = 4096  # tokens of a request's context searched for its last n-gram
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these settings may take drafts: its draws depend on the model's
     logits, its seed, the position and settings that are the same at every position (bias,
-    min-p), nothing its earlier tokens change (penalties on repeats, a grammar)."""
-    p = params
-    by_history = p.penalized or p.repeats_seen or p.grammar is not None
-    return not by_history and p.logprobs is None
+    min-p), nothing its earlier tokens change (penalties on repeats, a grammar). Logprobs are
+    reported for each accepted token: the draw at its position was that token."""
+    return not (params.penalized or params.repeats_seen or params.grammar is not None)
 
 
 @dataclass
