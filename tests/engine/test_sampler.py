@@ -182,11 +182,13 @@ def test_banned_tokens_are_never_sampled_but_keep_their_raw_logprob() -> None:
     assert drawn == {0}
 
 
-def adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def adjusted(
+    logits: torch.Tensor, rows: list[SamplingRow], drafted: list[list[int]] | None = None
+) -> torch.Tensor:
     """The logits the sampler draws from: bias and penalties applied."""
     from phasefleet.engine.sampler import _biased_and_penalized
 
-    batch = SamplingBatch.from_rows(rows, [0] * len(rows), logits.shape[-1])
+    batch = SamplingBatch.from_rows(rows, [0] * len(rows), logits.shape[-1], drafted)
     settings = DeviceSampling.direct(batch, CPU, rows, logits.shape[-1])
     assert settings.adjustments is not None
     return _biased_and_penalized(logits.clone(), settings.adjustments, settings.prompt_pairs(rows))
@@ -273,6 +275,21 @@ def test_presence_and_frequency_penalties_follow_the_output_counts() -> None:
     negative = row(presence_penalty=-2.0)  # a negative penalty favours repeats
     negative.output_ids = [2]
     assert adjusted(logits, [negative])[0].tolist() == [0.0, 0.0, 2.0, 0.0]
+
+
+def test_a_draft_position_counts_the_draft_tokens_before_it_as_output() -> None:
+    """A drafted request's rows (speculation.py): its last known token's, then each draft
+    token's; at each, the draft tokens before it add to the output's counts."""
+    r = row(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    r.output_ids = [0, 0, 1]
+    logits = torch.ones(3, 4)
+    got = adjusted(logits, [r, r, r], drafted=[[], [0], [0, 2]])
+    # counts: row 0 {0: 2, 1: 1}; row 1 {0: 3, 1: 1}; row 2 {0: 3, 1: 1, 2: 1}
+    assert got.tolist() == [
+        [0.5 - 0.5 - 0.5, 0.5 - 0.25 - 0.5, 1.0, 1.0],
+        [0.5 - 0.75 - 0.5, 0.5 - 0.25 - 0.5, 1.0, 1.0],
+        [0.5 - 0.75 - 0.5, 0.5 - 0.25 - 0.5, 0.5 - 0.25 - 0.5, 1.0],
+    ]
 
 
 def test_min_p_drops_tokens_under_its_share_of_the_best() -> None:

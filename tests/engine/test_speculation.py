@@ -75,16 +75,16 @@ def test_accept_keeps_the_agreeing_prefix_then_the_models_token() -> None:
     assert accept([], [3]) == [3]
 
 
-def test_requests_whose_draws_do_not_depend_on_their_earlier_tokens_speculate() -> None:
+def test_every_request_but_a_grammars_speculates() -> None:
     assert speculates(SamplingParams(temperature=0))
     assert speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3))
     assert speculates(SamplingParams(temperature=0.7, min_p=0.1))
     assert speculates(SamplingParams(temperature=0, logit_bias={3: 1.0}))
     assert speculates(SamplingParams(temperature=0, stop=["\n"]))
     assert speculates(SamplingParams(temperature=0, logprobs=2))
-    assert not speculates(SamplingParams(temperature=0, frequency_penalty=0.5))
-    assert not speculates(SamplingParams(temperature=0, presence_penalty=0.5))
-    assert not speculates(SamplingParams(temperature=0, repetition_penalty=1.2))
+    assert speculates(SamplingParams(temperature=0, frequency_penalty=0.5))
+    assert speculates(SamplingParams(temperature=0, presence_penalty=0.5))
+    assert speculates(SamplingParams(temperature=0, repetition_penalty=1.2))
     assert not speculates(SamplingParams(temperature=0, grammar=Grammar("regex", "a+")))
 
 
@@ -227,7 +227,7 @@ def test_prompt_lookup_drafts_in_the_engine_give_the_tokens_of_no_drafts(
 ) -> None:
     """The real proposer (n-grams of 1 token up: a random model repeats few) on repeated
     patterns: greedy requests get transformers' tokens, a seeded sampled one its own tokens of
-    a run without drafts; one with a penalty never takes drafts."""
+    a run without drafts, and so does one with a penalty."""
     prompts = [[5, 9, 13, 21] * 8, [7, 8, 9] * 10 + [3], random_prompts([20], seed=2)[0]]
     seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
     plain = LLMEngine(engine_config(tiny_model("llama"), block_size=4))
@@ -247,7 +247,11 @@ def test_prompt_lookup_drafts_in_the_engine_give_the_tokens_of_no_drafts(
     while eng.has_unfinished_requests():
         drafted |= {r.request_id for r in eng.scheduler.running if r.draft_token_ids}
         finals |= {out.request_id: out for out in eng.step() if out.finished}
-    assert "g0" in drafted and "penalized" not in drafted
+    assert {"g0", "penalized"} <= drafted
+    assert (
+        finals["penalized"].output_token_ids
+        == plain.generate([prompts[0]], penalized)[0].output_token_ids
+    )
     assert finals["sampled"].output_token_ids == sampled_alone.output_token_ids
     for i, prompt in enumerate(prompts):
         assert finals[f"g{i}"].output_token_ids == hf_greedy("llama", prompt, GREEDY.max_tokens)
@@ -281,14 +285,15 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_with_drafts(
         assert 0 < s.accepted_tokens_total < s.draft_tokens_total
 
 
-def test_bias_min_p_stop_strings_and_logprobs_give_the_outputs_of_no_drafts(
+def test_bias_min_p_stops_logprobs_and_penalties_give_the_outputs_of_no_drafts(
     tiny_model: ModelPath,
 ) -> None:
     """Right drafts of 4 (steps of 5 tokens) for a greedy request with a logit bias, a seeded
-    one with min-p, one with a stop string its output completes inside a step, and one with
-    logprobs: each ends as without drafts (tokens, text, finish reason, each token's
-    logprobs); the tokens after the stop are taken back (the generated-token count is the
-    outputs' own)."""
+    one with min-p, one with a stop string its output completes inside a step, one with
+    logprobs, and greedy and seeded ones with penalties on repeats (each draft token counted
+    at the positions after it): each ends as without drafts (tokens, text, finish reason,
+    each token's logprobs); the tokens after the stop are taken back (the generated-token
+    count is the outputs' own)."""
     folder = tiny_model("llama")
     (prompt,) = random_prompts([12], seed=5)
     plain = LLMEngine(engine_config(folder, block_size=4))
@@ -300,6 +305,10 @@ def test_bias_min_p_stop_strings_and_logprobs_give_the_outputs_of_no_drafts(
         "min_p": SamplingParams(max_tokens=24, temperature=1.0, min_p=0.3, seed=2, ignore_eos=True),
         "stop": SamplingParams(**{**vars(GREEDY), "stop": [stop]}),
         "logprobs": SamplingParams(**{**vars(GREEDY), "logprobs": 2}),
+        "penalties": SamplingParams(**{**vars(GREEDY), "repetition_penalty": 1.3,
+                                      "frequency_penalty": 0.4, "presence_penalty": 0.2}),
+        "sampled_penalty": SamplingParams(max_tokens=24, temperature=0.9, seed=4,
+                                          frequency_penalty=0.8, ignore_eos=True),
     }  # fmt: skip
     alone = {k: plain.generate([prompt], p)[0] for k, p in params.items()}
     plain.add_request("plain-logprobs", prompt, params["logprobs"])
@@ -327,7 +336,8 @@ def test_bias_min_p_stop_strings_and_logprobs_give_the_outputs_of_no_drafts(
         assert entry.token_id == want.token_id
         assert [t for t, _ in entry.top] == [t for t, _ in want.top]
         assert entry.logprob == pytest.approx(want.logprob, abs=1e-4)
-    assert free.output_token_ids != alone["bias"].output_token_ids  # the bias counts
+    for k in ("bias", "penalties"):  # the adjustment counts
+        assert free.output_token_ids != alone[k].output_token_ids, k
     for k, out in alone.items():
         got = finals[k]
         assert (got.output_token_ids, got.text, got.finish_reason) == (

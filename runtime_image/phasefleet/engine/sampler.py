@@ -115,7 +115,15 @@ class SamplingBatch:
     any_top: bool  # some row has top-k or top-p on
 
     @classmethod
-    def from_rows(cls, rows: list[SamplingRow], positions: list[int], vocab: int) -> SamplingBatch:
+    def from_rows(
+        cls,
+        rows: list[SamplingRow],
+        positions: list[int],
+        vocab: int,
+        drafted: list[list[int]] | None = None,
+    ) -> SamplingBatch:
+        """`drafted[i]`: the draft tokens before row i's position in its request's chunk
+        (speculation.py), which its penalties on repeats count as output; None: none."""
         params = [r.params for r in rows]
         seeds = [seed_halves(p.seed) if p.seed is not None else (0, 0) for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -133,7 +141,7 @@ class SamplingBatch:
             position=np.array(positions, dtype=np.int64),
             banned_rows=np.array([i for i, _ in banned], dtype=np.int64),
             banned_ids=np.array([t for _, t in banned], dtype=np.int64),
-            adjustments=Adjustments.of(rows) if any(r.adjusts for r in rows) else None,
+            adjustments=Adjustments.of(rows, drafted) if any(r.adjusts for r in rows) else None,
             new_prompts=[i for i, r in enumerate(rows) if _prompt_to_send(r)],
             grammar=any(r.matcher is not None for r in rows),
             all_greedy=all(greedy),
@@ -171,13 +179,16 @@ class Adjustments(Generic[A]):
     presence: A  # [B] float32; 0 when off
     frequency: A  # [B] float32; 0 when off
     count_rows: A  # [M] int64: (row, token, count) of the outputs of the rows with a penalty
-    # on repeats (repetition reads which tokens occur; presence and frequency how often)
+    # on repeats (repetition reads which tokens occur; presence and frequency how often); a
+    # (row, token) may repeat (a draft's tokens after its output's): the counts add up
     count_ids: A  # [M] int64
     count_values: A  # [M] float32
     grammar_rows: A  # [G] int64: the rows with a grammar (their masks: `grammar_masks`)
 
     @classmethod
-    def of(cls, rows: list[SamplingRow]) -> Adjustments[np.ndarray]:
+    def of(
+        cls, rows: list[SamplingRow], drafted: list[list[int]] | None = None
+    ) -> Adjustments[np.ndarray]:
         params = [r.params for r in rows]
         biased = [(i, r) for i, r in enumerate(rows) if r.bias_ids.size]
         bias_rows, bias_ids = _pairs([(i, r.bias_ids) for i, r in biased])
@@ -187,6 +198,11 @@ class Adjustments(Generic[A]):
             for i, r in enumerate(rows)
             if r.params.penalized or r.params.repeats_seen
         ]
+        if drafted is not None:  # each draft token before a position counts once more there
+            before = [(i, drafted[i]) for i, _ in counted if drafted[i]]
+            counted += [
+                (i, (np.array(t, np.int64), np.ones(len(t), np.float32))) for i, t in before
+            ]
         count_rows, count_ids = _pairs([(i, ids) for i, (ids, _) in counted])
         return Adjustments(
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
@@ -359,7 +375,7 @@ def _biased_and_penalized(
     counts = None
     if a.count_rows.numel():
         counts = torch.zeros_like(logits)
-        counts[a.count_rows, a.count_ids] = a.count_values
+        counts.index_put_((a.count_rows, a.count_ids), a.count_values, accumulate=True)
     if counts is not None or prompts is not None:
         seen = counts > 0 if counts is not None else torch.zeros_like(logits, dtype=torch.bool)
         if prompts is not None:

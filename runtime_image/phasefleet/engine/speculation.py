@@ -13,12 +13,11 @@ exactly the tokens they get without drafts; an unseeded one's tokens have the sa
 (a draft token is kept with its probability, else the draw stands: rejection sampling with a
 draft that is sure of its token).
 
-Requests whose logits at a position do not depend on the tokens before it speculate (a logit
-bias and min-p are the same at every position; penalties on repeats and a grammar are not),
-once min_tokens is reached; the others decode as usual in the same steps. A
-stop string found inside an accepted draft ends the request at the token that completes it, as
-one token a step would (the engine takes the later ones back). Plain Python and numpy: no
-torch.
+Every request but one with a grammar speculates once min_tokens is reached (penalties on
+repeats count the draft tokens before each position as output there); a grammar's requests
+decode as usual in the same steps. A stop string found inside an accepted draft ends the
+request at the token that completes it, as one token a step would (the engine takes the later
+ones back). Plain Python and numpy: no torch.
 """
 
 from __future__ import annotations
@@ -34,11 +33,11 @@ LOOKBACK = 4096  # tokens of a request's context searched for its last n-gram
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these settings may take drafts: its draws depend on the model's
-    logits, its seed, the position and settings that are the same at every position (bias,
-    min-p), nothing its earlier tokens change (penalties on repeats, a grammar). Logprobs are
-    reported for each accepted token: the draw at its position was that token."""
-    return not (params.penalized or params.repeats_seen or params.grammar is not None)
+    """Whether a request with these settings may take drafts: all but a grammar's, whose mask
+    at a position needs the grammar's state after the draft tokens before it. Penalties on
+    repeats count the draft tokens before each position as output; logprobs are reported for
+    each accepted token (the draw at its position was that token)."""
+    return params.grammar is None
 
 
 @dataclass
