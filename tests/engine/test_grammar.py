@@ -26,7 +26,9 @@ from phasefleet.engine.grammar import (
     mask_words,
 )
 from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import Grammar, SamplingParams
+from phasefleet.engine.speculation import NgramProposer
 from phasefleet.engine.tokenizer import eos_token_ids
 from tests.engine.factories import engine_config, finish_all, random_prompts
 
@@ -324,3 +326,102 @@ def test_a_grammar_after_a_thought_lets_everything_through_until_it_is_written(
     opened = eng.grammars.matcher(grammar)
     opened.open_if_in([5, *end, 7])  # a prompt that closed the thought already
     assert opened.active
+
+
+class ScriptedDrafts(NgramProposer):
+    """Drafts of 4 read from a known continuation (its token at draft index `wrong_at` made
+    wrong), instead of looked up."""
+
+    def __init__(self, req: Request, continuation: list[int], wrong_at: int | None) -> None:
+        super().__init__(4, 1, 1)
+        self.req, self.continuation, self.wrong_at = req, continuation, wrong_at
+
+    def propose(self, limit: int) -> list[int]:
+        done = len(self.req.output_token_ids)
+        guess = self.continuation[done : done + min(4, limit)]
+        if self.wrong_at is not None and self.wrong_at < len(guess):
+            guess[self.wrong_at] = (guess[self.wrong_at] + 1) % 500
+        return guess
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1], ids=["right", "wrong_second"])
+def test_drafts_under_each_grammar_give_the_answers_of_no_drafts(
+    tiny_model: Callable[[str], Path], wrong_at: int | None
+) -> None:
+    """Greedy and seeded answers under each grammar, drafted from the answer itself and on past
+    its end (an eos, then tokens the grammar refuses), right or wrong at each draft's second
+    token: each answer is that of no drafts (tokens, text, 'stop'). Drafts are cut where the
+    grammar refuses a token or completes, and each draft position is masked by the grammar
+    after the draft tokens before it."""
+    folder = tiny_model(MODEL)
+    names = list(GRAMMARS) * 2
+    prompts = random_prompts([19, 11, 23, 17, 13, 21, 9, 15], seed=7)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, grammar=GRAMMARS[name])
+        if i < len(GRAMMARS)
+        else SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, grammar=GRAMMARS[name])
+        for i, name in enumerate(names)
+    ]
+    alone = _engine(folder).generate(prompts, params)
+    eng = _engine(folder, num_speculative_tokens=4)
+    eos = min(eng.scheduler.eos_token_ids)
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, alone, strict=True)):
+        eng.add_request(f"r{i}", prompt, p)
+        tail = [eos, *eng.tokenizer.encode("}}]]", add_special_tokens=False)]
+        req = eng.scheduler.requests[f"r{i}"]
+        eng._live[f"r{i}"].drafts = ScriptedDrafts(req, out.output_token_ids + tail, wrong_at)
+    finals = finish_all(eng)
+    for i, (name, out) in enumerate(zip(names, alone, strict=True)):
+        got = finals[f"r{i}"]
+        assert out.finish_reason == "stop" and obeys(name, out.text), (name, out.text)
+        assert (got.output_token_ids, got.text, got.finish_reason) == (
+            out.output_token_ids, out.text, out.finish_reason
+        ), name  # fmt: skip
+    s = eng.scheduler
+    assert s.draft_tokens_total > 0
+    if wrong_at is None:
+        assert s.accepted_tokens_total == s.draft_tokens_total
+    else:
+        assert 0 < s.accepted_tokens_total < s.draft_tokens_total
+    assert s.generation_tokens_total == sum(len(o.output_token_ids) for o in alone)
+    assert eng.stats().num_free_blocks == eng.stats().num_total_blocks
+
+
+def test_a_matchers_draft_prefix_and_masks_leave_it_where_it_was(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """valid_prefix cuts a draft where the grammar refuses a token or completes (while it waits
+    for its `after` tokens, just after they are written); fill_after writes the mask a draft
+    position has. Neither moves the matcher."""
+    eng = _engine(tiny_model(MODEL), num_kv_blocks=16)
+    encode = lambda text: eng.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    width = mask_words(eng.grammars.vocab_size)
+
+    def mask(matcher: Any, before: list[int]) -> np.ndarray:
+        words = np.zeros(width, dtype=np.int32)
+        matcher.fill_after(before, words)
+        return words
+
+    matcher = eng.grammars.matcher(GRAMMARS["regex"])
+    answer = encode("123-abc")
+    start = mask(matcher, [])
+    assert matcher.valid_prefix(answer) == len(answer)
+    assert matcher.valid_prefix([*answer[:2], *encode("x"), *answer[2:]]) == 2
+    middle = mask(matcher, answer[:2])
+    twin = eng.grammars.matcher(GRAMMARS["regex"])
+    for token in answer[:2]:
+        twin.accept(token)
+    assert np.array_equal(middle, mask(twin, [])) and not np.array_equal(middle, start)
+    assert np.array_equal(mask(matcher, []), start)  # rolled back
+    choice = eng.grammars.matcher(GRAMMARS["choice"])
+    red = encode("red")
+    eos = min(eng.scheduler.eos_token_ids)  # which a complete grammar allows
+    assert choice.valid_prefix([*red, eos, *encode("red")]) == len(red)  # complete: cut there
+    end = tuple(encode("</think>"))
+    thinking = eng.grammars.matcher(Grammar("choice", GRAMMARS["choice"].spec, after=end))
+    draft = [*encode("x "), *end, *red, *encode("!")]
+    assert thinking.valid_prefix(draft) == len(draft) - len(red) - 1  # up to the end of thought
+    opened = mask(thinking, draft[: len(draft) - len(red) - 1])
+    fresh = eng.grammars.matcher(GRAMMARS["choice"])
+    assert np.array_equal(opened, mask(fresh, []))
+    assert (mask(thinking, encode("x ")) == -1).all() and not thinking.active

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from phasefleet.engine.config import EngineConfig
-from phasefleet.engine.grammar import Grammar
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.outputs import RequestOutput
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
-from phasefleet.engine.speculation import NgramProposer, accept, speculates
+from phasefleet.engine.speculation import NgramProposer, accept
 from tests.engine.factories import (
     engine_config,
     finish_all,
@@ -73,19 +72,6 @@ def test_accept_keeps_the_agreeing_prefix_then_the_models_token() -> None:
     assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9]  # the model's token at the first miss
     assert accept([4, 5, 6], [8, 5, 6, 7]) == [8]  # wrong at once: one token, as without
     assert accept([], [3]) == [3]
-
-
-def test_every_request_but_a_grammars_speculates() -> None:
-    assert speculates(SamplingParams(temperature=0))
-    assert speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3))
-    assert speculates(SamplingParams(temperature=0.7, min_p=0.1))
-    assert speculates(SamplingParams(temperature=0, logit_bias={3: 1.0}))
-    assert speculates(SamplingParams(temperature=0, stop=["\n"]))
-    assert speculates(SamplingParams(temperature=0, logprobs=2))
-    assert speculates(SamplingParams(temperature=0, frequency_penalty=0.5))
-    assert speculates(SamplingParams(temperature=0, presence_penalty=0.5))
-    assert speculates(SamplingParams(temperature=0, repetition_penalty=1.2))
-    assert not speculates(SamplingParams(temperature=0, grammar=Grammar("regex", "a+")))
 
 
 def decoding(n: int = 2, length: int = 8, **kw: object) -> tuple[list[Request], Scheduler]:

@@ -50,7 +50,7 @@ def counter(worker: Worker, name: str) -> float:
     return sum(v for key, v in metrics.items() if key.startswith(name))
 
 
-def test_drafted_answers_equal_plain_greedy_ones(workers: tuple[Worker, Worker]) -> None:
+def test_drafted_resultsequal_plain_greedy_ones(workers: tuple[Worker, Worker]) -> None:
     drafting, plain = workers
     expected = answers(plain, stream=False)
     assert answers(drafting, stream=False) == expected
@@ -120,4 +120,35 @@ def test_logprobs_of_a_drafting_answer_are_those_of_a_plain_one(
     assert [sorted(t) for t in mine.top_logprobs or []] == [
         sorted(t) for t in theirs.top_logprobs or []
     ]
+    assert counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL) > drafted
+
+
+def test_structured_resultsof_a_drafting_worker_are_those_of_a_plain_one(
+    workers: tuple[Worker, Worker],
+) -> None:
+    """A regex and a JSON schema (vLLM's structured_outputs) on a prompt that repeats what the
+    answer writes: the drafting worker drafts under the grammar and answers as the plain one."""
+    drafting, plain = workers
+    drafted = counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
+        "required": ["a", "b"],
+    }
+    prompt = 'abab-abab-abab {"a": 12, "b": "abab"} {"a": 12, "b": "abab"} {"a": 12'
+    texts = []
+    for worker in (drafting, plain):
+        client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+        results = []
+        for structured in ({"regex": "(ab){1,12}-(ab){1,12}"}, {"json": schema}):
+            c = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=40,
+                temperature=0,
+                extra_body={"structured_outputs": structured},
+            )
+            results.append((c.choices[0].text, c.choices[0].finish_reason))
+        texts.append(results)
+    assert texts[0] == texts[1]
     assert counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL) > drafted

@@ -384,8 +384,8 @@ class RuntimeSpec(ApiModel):
         ge=0,
         le=16,
         description=(
-            "Speculative decoding by prompt lookup: a request (greedy or sampled, any"
-            " setting but a grammar) guesses up to this many next"
+            "Speculative decoding by prompt lookup: every request (greedy or sampled, any"
+            " setting) guesses up to this many next"
             " tokens from its own prompt and output and verifies them in one step, its output"
             " unchanged (the same tokens greedy or seeded, the same distribution unseeded);"
             " it pays where answers repeat their context (code edits, quoting, summaries)."

@@ -131,6 +131,46 @@ class GrammarMatcher:
             return
         self._inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar takes in a row from here, up to
+        the one that completes it (a draft is cut there: speculation.py); while the grammar
+        waits for its `after` tokens, any token, up to the one that opens it. The matcher is
+        left where it was."""
+        if not self.active:
+            recent = self._recent
+            for i, token in enumerate(tokens):
+                recent = [*recent, token][-len(self.after) :]
+                if tuple(recent) == self.after:
+                    return i + 1
+            return len(tokens)
+        taken = 0
+        for token in tokens:
+            if self._inner.validate_tokens([token]) != 1:  # none once the grammar is complete
+                break
+            self._inner.consume_token(token)
+            taken += 1
+        if taken:
+            self._inner.rollback(taken)
+        return taken
+
+    def fill_after(self, tokens: list[int], words: np.ndarray) -> None:
+        """As `fill`, at the place `tokens` lead to (a `valid_prefix`: a draft position's);
+        the matcher is left where it was."""
+        active, recent, taken = self.active, self._recent, 0
+        for token in tokens:
+            if active:
+                self._inner.consume_token(token)
+                taken += 1
+            else:
+                recent = [*recent, token][-len(self.after) :]
+                active = tuple(recent) == self.after
+        if active:
+            self._inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        else:
+            words.fill(-1)
+        if taken:
+            self._inner.rollback(taken)
+
     @property
     def error(self) -> str | None:
         """Why the grammar failed (it then allows nothing), or None."""

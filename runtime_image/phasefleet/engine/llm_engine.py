@@ -35,7 +35,7 @@ from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler, SchedulerOutput
-from phasefleet.engine.speculation import NgramProposer, speculates
+from phasefleet.engine.speculation import NgramProposer
 from phasefleet.engine.startup import StartupTimes
 from phasefleet.engine.tokenizer import eos_token_ids, load_tokenizer
 
@@ -52,7 +52,7 @@ class _Live:
 
     row: SamplingRow
     detok: IncrementalDetokenizer
-    drafts: NgramProposer | None = None  # its drafts, when it speculates
+    drafts: NgramProposer | None = None  # its drafts, when the engine speculates
 
 
 class LLMEngine:
@@ -234,7 +234,7 @@ class LLMEngine:
             row.banned = self._min_tokens_banned(params)
         drafts = None
         k = self.config.num_speculative_tokens
-        if k and speculates(params) and not prefill_only:
+        if k and not prefill_only:
             c = self.config
             drafts = NgramProposer(k, c.prompt_lookup_min, c.prompt_lookup_max)
         self._live[request_id] = _Live(row, detok, drafts)
@@ -521,7 +521,7 @@ class LLMEngine:
         live = self._live[req.request_id]
         detok, row = live.detok, live.row
         if row.matcher is not None:
-            self._follow_grammar(req, row.matcher)
+            new = self._follow_grammar(req, row.matcher, new)
         if detok.stop and len(new) > 1:  # an accepted draft: a stop string may end it midway
             new = _update_until_stopped(detok, new)
         else:
@@ -546,12 +546,16 @@ class LLMEngine:
 
     def _draft(self, req: Request, drafts: NgramProposer) -> None:
         """Guesses at req's next tokens for its next step (none before min_tokens: the eos
-        ban is not applied where drafts are verified)."""
+        ban is not applied where drafts are verified), cut to what its grammar takes."""
         drafts.extend(req.token_ids(drafts.size, req.num_tokens))
         if len(req.output_token_ids) < req.params.min_tokens:
             return
         left = req.params.max_tokens - len(req.output_token_ids) - 1  # the step adds one more
-        req.draft_token_ids = drafts.propose(left)
+        draft = drafts.propose(left)
+        matcher = self._live[req.request_id].row.matcher
+        if matcher is not None and draft:
+            draft = draft[: matcher.valid_prefix(draft)]
+        req.draft_token_ids = draft
 
     def _embedded(self, req: Request, embedding: np.ndarray) -> RequestOutput:
         output = self._output(req, [], "")
@@ -559,20 +563,19 @@ class LLMEngine:
         self._forget(req.request_id)
         return output
 
-    def _follow_grammar(self, req: Request, matcher: GrammarMatcher) -> None:
-        """The grammar takes the request's new token (ValueError when it refuses it: the mask
-        failed); a grammar now complete ends the request, 'stop' (also one that stopped on
-        length or was to be handed off: there is nothing left to generate)."""
-        token = req.output_token_ids[-1]
-        if req.is_finished and token in self.scheduler.eos_token_ids:
-            return  # the end of the sequence, which a complete grammar allows
-        matcher.accept(token)
-        if not matcher.done:
-            return
-        if not req.is_finished:
-            self.scheduler.finish_request(req.request_id, "stop")
-        elif req.finish_reason in ("length", "handoff"):
-            req.finish_reason = "stop"
+    def _follow_grammar(self, req: Request, matcher: GrammarMatcher, new: list[int]) -> list[int]:
+        """The grammar takes the request's new tokens (ValueError when it refuses one: the mask
+        failed); one that completes it ends the request there, 'stop' (the accepted draft
+        tokens after it taken back; also one that stopped on length or was to be handed off:
+        there is nothing left to generate). Returns the new tokens kept."""
+        for i, token in enumerate(new):
+            if req.is_finished and i == len(new) - 1 and token in self.scheduler.eos_token_ids:
+                break  # the end of the sequence, which a complete grammar allows
+            matcher.accept(token)
+            if matcher.done:
+                self.scheduler.stop_at(req, i + 1)
+                return new[: i + 1]
+        return new
 
     def _settle_held_kv(self, req: Request) -> list[int] | None:
         """A finished prefill-only request: lease its prompt's blocks for the hand-off (and

@@ -382,7 +382,7 @@ class ModelRunner:
             return Executed({}, embeddings)
         settings = forward.sampling
         if sampling.grammar:  # on the host while the device runs the forward
-            words = grammar_masks(sampled_rows, self.vocab_size)
+            words = grammar_masks(sampled_rows, self.vocab_size, drafted)
             self.mask_staging.add(words)
             settings.grammar_words = self.mask_staging.upload()[0].view(words.shape)
         tokens = sample(forward.logits, sampled_rows, settings)

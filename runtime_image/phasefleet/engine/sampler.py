@@ -227,13 +227,21 @@ class Adjustments(Generic[A]):
         return [getattr(self, f.name) for f in fields(self)]
 
 
-def grammar_masks(rows: list[SamplingRow], vocab: int) -> np.ndarray:
+def grammar_masks(
+    rows: list[SamplingRow], vocab: int, drafted: list[list[int]] | None = None
+) -> np.ndarray:
     """[G, mask_words(V)] int32: the tokens each grammar row (in `Adjustments.grammar_rows`'
-    order) allows next. A row whose grammar has failed gets its `error` set (and allows
+    order) allows next; at a draft position, after the draft tokens before it (`drafted`, as
+    from_rows takes it). A row whose grammar has failed gets its `error` set (and allows
     nothing). The runner computes them while the device runs the step's forward."""
-    matchers = [r.matcher for r in rows if r.matcher is not None]
+    ruled = [i for i, r in enumerate(rows) if r.matcher is not None]
+    matchers = [m for m in (rows[i].matcher for i in ruled) if m is not None]
     words = np.zeros((len(matchers), mask_words(vocab)), dtype=np.int32)
-    fill_masks(matchers, words)
+    if drafted is not None and any(drafted[i] for i in ruled):
+        for k, (i, matcher) in enumerate(zip(ruled, matchers, strict=True)):
+            matcher.fill_after(drafted[i], words[k])
+    else:
+        fill_masks(matchers, words)
     for row in rows:
         if row.matcher is not None and row.matcher.error is not None:
             row.error = f"the response's grammar failed: {row.matcher.error}"

@@ -380,9 +380,9 @@ class Scheduler:
         return None
 
     def stop_at(self, req: Request, kept: int) -> None:
-        """A stop string ended req at the `kept`-th token its last step appended: the accepted
-        draft tokens after it are taken back, and req finishes 'stop' (also one that ended
-        later in the step, on eos or length)."""
+        """A stop string or a complete grammar ended req at the `kept`-th token its last step
+        appended: the accepted draft tokens after it are taken back, and req finishes 'stop'
+        (also one that ended on that token or later, on eos, length or for a hand-off)."""
         extra = req.num_new_tokens - kept
         if extra > 0:
             del req.output_token_ids[-extra:]

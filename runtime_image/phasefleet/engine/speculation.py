@@ -13,11 +13,12 @@ exactly the tokens they get without drafts; an unseeded one's tokens have the sa
 (a draft token is kept with its probability, else the draw stands: rejection sampling with a
 draft that is sure of its token).
 
-Every request but one with a grammar speculates once min_tokens is reached (penalties on
-repeats count the draft tokens before each position as output there); a grammar's requests
-decode as usual in the same steps. A stop string found inside an accepted draft ends the
-request at the token that completes it, as one token a step would (the engine takes the later
-ones back). Plain Python and numpy: no torch.
+Every request speculates once min_tokens is reached, whatever its sampling settings: penalties
+on repeats count the draft tokens before each position as output there, a grammar's mask at
+each position is the grammar's after them (a draft is cut where the grammar refuses a token or
+completes). A stop string or a grammar completed inside an accepted draft ends the request at
+that token, as one token a step would (the engine takes the later ones back). Plain Python and
+numpy: no torch.
 """
 
 from __future__ import annotations
@@ -26,18 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from phasefleet.engine.sampling_params import SamplingParams
-
 MAX_SPECULATIVE_TOKENS = 16  # the most draft tokens a step verifies per request
 LOOKBACK = 4096  # tokens of a request's context searched for its last n-gram
-
-
-def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these settings may take drafts: all but a grammar's, whose mask
-    at a position needs the grammar's state after the draft tokens before it. Penalties on
-    repeats count the draft tokens before each position as output; logprobs are reported for
-    each accepted token (the draw at its position was that token)."""
-    return params.grammar is None
 
 
 @dataclass
