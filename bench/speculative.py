@@ -1,7 +1,7 @@
 """Speculative decoding by prompt lookup: our engine with drafts vs the same engine without,
 same model, same process, greedy or seeded sampling, on answers that repeat their context (an
-edited passage, a refactored function, a list carried on) and on one that does not (a plain
-question).
+edited passage, a refactored function, a quoted passage, a record written out as JSON under a
+JSON schema) and on one that does not (a plain question).
 
 Each prompt runs alone (batch 1: latency) and all together (a batch); output tokens per second,
 the ratio to no drafts, the share of draft tokens the model accepted and the engine steps each
@@ -16,6 +16,7 @@ seed): checked.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
@@ -26,7 +27,7 @@ import torch
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
-from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.sampling_params import Grammar, SamplingParams
 
 PASSAGE = (
     "PhaseFleet runs prefill and decode as separate pools. The router sends each prompt to a "
@@ -40,12 +41,30 @@ FUNCTION = """def mean(values):
         total = total + value
     return total / len(values)
 """
-# (kind, user message): the first three answers repeat their context, the last does not
-TASKS = [
-    ("edit", f"Rewrite this text, replacing 'pools' with 'groups':\n\n{PASSAGE}"),
-    ("code", f"Add a docstring to this Python function and return it whole:\n\n{FUNCTION}"),
-    ("quote", f"Repeat the following text exactly:\n\n{PASSAGE}"),
-    ("plain", "Write a short story about a lighthouse keeper."),
+RECORD = {
+    "name": "Ada Lovelace",
+    "city": "London",
+    "role": "analyst of the Analytical Engine",
+    "notes": "wrote the first published program, for Bernoulli numbers, in 1843",
+}
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {key: {"type": "string"} for key in RECORD},
+    "required": list(RECORD),
+    "additionalProperties": False,
+}
+# (kind, user message, grammar): all but the story repeat their context
+TASKS: list[tuple[str, str, Grammar | None]] = [
+    ("edit", f"Rewrite this text, replacing 'pools' with 'groups':\n\n{PASSAGE}", None),
+    ("code", f"Add a docstring to this Python function and return it whole:\n\n{FUNCTION}", None),
+    ("quote", f"Repeat the following text exactly:\n\n{PASSAGE}", None),
+    (
+        "json",
+        "Write this record as a JSON object with the keys name, city, role and notes: "
+        + "; ".join(f"{key}: {value}" for key, value in RECORD.items()),
+        Grammar("json", json.dumps(RECORD_SCHEMA)),
+    ),
+    ("plain", "Write a short story about a lighthouse keeper.", None),
 ]
 
 
@@ -72,13 +91,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> Run:
-    """The prompts through the engine together, to the end."""
+def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> Run:
+    """The prompts through the engine together, to the end (each with its params)."""
     s = engine.scheduler
     drafted, accepted = s.draft_tokens_total, s.accepted_tokens_total
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, SamplingParams(**vars(params)))
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, SamplingParams(**vars(p)))
     done: dict[str, list[int]] = {}
     steps = 0
     start = time.perf_counter()
@@ -112,10 +131,14 @@ def main() -> None:
     prompts = [
         list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                            add_generation_prompt=True, tokenize=True))
-        for _, text in TASKS
+        for _, text, _ in TASKS
     ]  # fmt: skip
     seed = args.seed if args.temperature > 0 else None  # seeded: the same tokens either way
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
+    params = [
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed,
+                       grammar=grammar)
+        for _, _, grammar in TASKS
+    ]  # fmt: skip
     print(
         f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
@@ -123,20 +146,23 @@ def main() -> None:
         f"max_tokens {args.max_tokens}, "
         f"prompt lookup n {args.prompt_lookup_min}..{args.prompt_lookup_max}"
     )
-    cases = [(kind, [p]) for (kind, _), p in zip(TASKS, prompts, strict=True)]
-    cases.append(("batch of 4", prompts))
+    cases = [
+        (kind, [prompt], [p])
+        for (kind, _, _), prompt, p in zip(TASKS, prompts, params, strict=True)
+    ]
+    cases.append((f"batch of {len(TASKS)}", prompts, params))
     best: dict[tuple[str, str], Run] = {}
     for _ in range(args.rounds):
-        for case, batch in cases:
+        for case, batch, batch_params in cases:
             for name, engine in engines.items():
-                result = run(engine, batch, params)
+                result = run(engine, batch, batch_params)
                 key = (case, name)
                 if key not in best or result.seconds < best[key].seconds:
                     best[key] = result
     plain, drafted = "no drafts", f"k={args.k}"
     print(f"{'case':<11} {'tokens':>6} {'no drafts tok/s':>16} {drafted + ' tok/s':>11} "
           f"{'ratio':>6} {'accepted':>9} {'steps':>11} same")  # fmt: skip
-    for case, _ in cases:
+    for case, _, _ in cases:
         a, b = best[case, plain], best[case, drafted]
         n = sum(len(t) for t in a.tokens)
         share = f"{b.accepted / b.drafted:.0%}" if b.drafted else "-"
