@@ -32,8 +32,12 @@ def workers(tiny_model: Path) -> Iterator[tuple[Worker, Worker]]:
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 5}
 
 
+def client_of(worker: Worker) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+
+
 def answers(worker: Worker, stream: bool, sampling: dict[str, float] | None = None) -> list[str]:
-    client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+    client = client_of(worker)
     texts = []
     for prompt in PROMPTS:
         kw = dict(model="tiny", prompt=prompt, max_tokens=40, **(sampling or {"temperature": 0}))
@@ -86,7 +90,7 @@ def test_a_stop_string_ends_a_drafting_answer_where_it_ends_a_plain_one(
         assert stop.strip(), text
         results = []
         for worker in (drafting, plain):
-            client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+            client = client_of(worker)
             c = client.completions.create(
                 model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop]
             )
@@ -108,7 +112,7 @@ def test_logprobs_of_a_drafting_answer_are_those_of_a_plain_one(
     drafted = counter(drafting, Metric.SPEC_DECODE_DRAFT_TOKENS_TOTAL)
     got = []
     for worker in (drafting, plain):
-        client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+        client = client_of(worker)
         c = client.completions.create(
             model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, logprobs=2
         )
@@ -138,7 +142,7 @@ def test_structured_resultsof_a_drafting_worker_are_those_of_a_plain_one(
     prompt = 'abab-abab-abab {"a": 12, "b": "abab"} {"a": 12, "b": "abab"} {"a": 12'
     texts = []
     for worker in (drafting, plain):
-        client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", timeout=60)
+        client = client_of(worker)
         results = []
         for structured in ({"regex": "(ab){1,12}-(ab){1,12}"}, {"json": schema}):
             c = client.completions.create(
