@@ -15,10 +15,12 @@ from transformers import AutoModelForCausalLM
 
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.lora import LoraError, read_adapter
+from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.speculation import NgramProposer
 from phasefleet.engine.tiny import make_tiny
 from phasefleet.engine.tiny_lora import make_tiny_lora
-from tests.engine.factories import engine_config, peft_greedy, random_prompts
+from tests.engine.factories import engine_config, finish_all, peft_greedy, random_prompts
 
 MODEL = "llama"
 N = 10
@@ -152,3 +154,32 @@ def test_adapter_files_the_engine_cannot_run_are_refused_naming_the_fix(
     config = EngineConfig(model=str(base), lora_adapters={"a": str(folder)}, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
         config.validate()
+
+
+def test_drafted_steps_of_adapter_requests_equal_peft(
+    tiny_model: Callable[[str], Path], adapters: dict[str, Path]
+) -> None:
+    """Speculation with drafts of 3 that are each adapter's own answer (PEFT's): every draft
+    position must run with its request's adapter for the draws to agree, so all drafts are
+    accepted and every answer is PEFT's."""
+    base = tiny_model(MODEL)
+    eng = _engine(base, adapters, num_speculative_tokens=3)
+    names: list[str | None] = ["every", "attention", "peft", None]
+    prompts = random_prompts([13, 17, 9, 21], seed=12)
+    reference = {
+        f"r{i}": peft_greedy(base, None if name is None else adapters[name], prompt, N)
+        for i, (name, prompt) in enumerate(zip(names, prompts, strict=True))
+    }
+
+    def draft(req: Request, drafts: NgramProposer) -> None:
+        done = len(req.output_token_ids)
+        req.draft_token_ids = reference[req.request_id][done : min(done + 3, N - 1)]
+
+    eng._draft = draft  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        eng.add_request(f"r{i}", prompt, SamplingParams(**vars(greedy)), lora=name)
+    outputs = {k: v.output_token_ids for k, v in finish_all(eng).items()}
+    assert outputs == reference
+    s = eng.scheduler
+    assert s.accepted_tokens_total == s.draft_tokens_total > 0
