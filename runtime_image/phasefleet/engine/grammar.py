@@ -126,10 +126,19 @@ class GrammarMatcher:
 
     def fill(self, words: np.ndarray) -> None:
         """Writes the tokens allowed next into `words` ([mask_words(V)] int32, contiguous)."""
-        if not self.active:
+        self._write_mask(self.active, words)
+
+    def _write_mask(self, active: bool, words: np.ndarray) -> None:
+        if not active:
             words.fill(-1)  # every bit: any token
             return
         self._inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+
+    def _waited(self, recent: list[int], token: int) -> tuple[list[int], bool]:
+        """While the grammar waits for its `after` tokens: the last len(after) tokens once
+        `token` is written, and whether they open it."""
+        recent = [*recent, token][-len(self.after) :]
+        return recent, tuple(recent) == self.after
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, from the first, the grammar takes in a row from here, up to
@@ -139,8 +148,8 @@ class GrammarMatcher:
         if not self.active:
             recent = self._recent
             for i, token in enumerate(tokens):
-                recent = [*recent, token][-len(self.after) :]
-                if tuple(recent) == self.after:
+                recent, opened = self._waited(recent, token)
+                if opened:
                     return i + 1
             return len(tokens)
         taken = 0
@@ -162,12 +171,8 @@ class GrammarMatcher:
                 self._inner.consume_token(token)
                 taken += 1
             else:
-                recent = [*recent, token][-len(self.after) :]
-                active = tuple(recent) == self.after
-        if active:
-            self._inner.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        else:
-            words.fill(-1)
+                recent, active = self._waited(recent, token)
+        self._write_mask(active, words)
         if taken:
             self._inner.rollback(taken)
 
@@ -180,8 +185,7 @@ class GrammarMatcher:
         """Moves past `token`; ValueError, the matcher unchanged, when the grammar does not allow
         it there."""
         if not self.active:
-            self._recent = [*self._recent, token][-len(self.after) :]
-            self.active = tuple(self._recent) == self.after
+            self._recent, self.active = self._waited(self._recent, token)
             return
         if self._inner.validate_tokens([token]) != 1:
             raise ValueError(f"token {token} does not follow the response's grammar")

@@ -353,14 +353,15 @@ class ModelRunner:
         # its position's seed, and the draft is kept while the draws agree (speculation.py)
         sampled_rows: list[SamplingRow] = []
         positions: list[int] = []
-        drafted: list[list[int]] = []  # the draft tokens before each row's position
         starts: list[int] = []  # each request's first row
         for s in plan.sampled:
             row, first = row_of(s.request.request_id), s.start + s.num_tokens - len(s.draft)
             starts.append(len(sampled_rows))
             sampled_rows += [row] * (1 + len(s.draft))
             positions += range(first, first + 1 + len(s.draft))
-            drafted += [s.draft[:j] for j in range(1 + len(s.draft))]
+        drafted = None  # the draft tokens before each row's position, in a step with drafts
+        if any(s.draft for s in plan.sampled):
+            drafted = [s.draft[:j] for s in plan.sampled for j in range(1 + len(s.draft))]
         sampling = SamplingBatch.from_rows(sampled_rows, positions, self.vocab_size, drafted)
         spans = _prompt_logprob_spans(plan, row_of)
         step = RankStep(

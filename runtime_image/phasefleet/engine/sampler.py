@@ -234,14 +234,13 @@ def grammar_masks(
     order) allows next; at a draft position, after the draft tokens before it (`drafted`, as
     from_rows takes it). A row whose grammar has failed gets its `error` set (and allows
     nothing). The runner computes them while the device runs the step's forward."""
-    ruled = [i for i, r in enumerate(rows) if r.matcher is not None]
-    matchers = [m for m in (rows[i].matcher for i in ruled) if m is not None]
-    words = np.zeros((len(matchers), mask_words(vocab)), dtype=np.int32)
-    if drafted is not None and any(drafted[i] for i in ruled):
-        for k, (i, matcher) in enumerate(zip(ruled, matchers, strict=True)):
+    ruled = [(i, r.matcher) for i, r in enumerate(rows) if r.matcher is not None]
+    words = np.zeros((len(ruled), mask_words(vocab)), dtype=np.int32)
+    if drafted is not None and any(drafted[i] for i, _ in ruled):
+        for k, (i, matcher) in enumerate(ruled):
             matcher.fill_after(drafted[i], words[k])
     else:
-        fill_masks(matchers, words)
+        fill_masks([matcher for _, matcher in ruled], words)
     for row in rows:
         if row.matcher is not None and row.matcher.error is not None:
             row.error = f"the response's grammar failed: {row.matcher.error}"
