@@ -233,8 +233,9 @@ class Fleet:
             self._write_members()
             if child.started_at is not None and child.ready_at is not None:
                 self.load_seconds.append(child.ready_at - child.started_at)
-        restarted = f"; restart {child.restarts}" if child.restarts else ""
-        logger.info("%s joined (%s%s)", child.name, child.url, restarted)
+            # logged under the lock: whoever sees it in the members has its line too
+            restarted = f"; restart {child.restarts}" if child.restarts else ""
+            logger.info("%s joined (%s%s)", child.name, child.url, restarted)
         return True
 
     def _starting_pool(self, child: Child) -> str | None:
