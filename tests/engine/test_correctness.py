@@ -183,3 +183,8 @@ def test_longrope_short_or_long_factors_by_max_model_len(tmp_path: Path) -> None
     short_cos, long_cos = within.runner.model.rope_cos, past.runner.model.rope_cos
     assert short_cos is not None and long_cos is not None
     assert not torch.equal(short_cos, long_cos[:64])
+    # and their KV cannot be handed from one to the other: the layouts name the factors
+    assert (within.kv_layout.rope, past.kv_layout.rope) == ("longrope-short", "longrope-long")
+    assert within.kv_layout.unconvertible(past.kv_layout) == (
+        "rope differs (here longrope-short, sender longrope-long)"
+    )

@@ -135,6 +135,8 @@ def test_layout_sizes_and_what_cannot_be_converted() -> None:
     assert layout.unconvertible(other) is None  # block size and dtype convert
     deeper = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
     assert layout.unconvertible(deeper) == "num_layers differs (here 2, sender 3)"
+    rotated = KVLayout(2, 2, 8, 4, "bfloat16", rope="longrope-long")
+    assert layout.unconvertible(rotated) == "rope differs (here default, sender longrope-long)"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -23,8 +23,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one worker's KV blocks on the wire. KV converts between two layouts of the
-    same model shape (layers, KV heads, head dim): block size, dtype and head shards may differ
-    (engine/kv_convert.py)."""
+    same model shape (layers, KV heads, head dim) and rotation: block size, dtype and head shards
+    may differ (engine/kv_convert.py)."""
 
     num_layers: int
     num_kv_heads: int
@@ -35,6 +35,9 @@ class KVLayout:
     # layer's keys (then values) are sent group after group, [blocks, block_size, kv_heads /
     # head_shards, head_dim] each; 1 is one group, the plain layout
     head_shards: int = 1
+    # the rotation the keys were written with (models.rope.rope_variant): LongRoPE's short and
+    # long factors give two variants of one model, whose KV cannot be shared
+    rope: str = "default"
 
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, keys and values."""
@@ -46,7 +49,7 @@ class KVLayout:
 
     def unconvertible(self, other: KVLayout) -> str | None:
         """Why KV in `other`'s layout cannot be converted to this one; None when it can."""
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "rope"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs (here {mine}, sender {theirs})"

@@ -36,7 +36,7 @@ from phasefleet.engine.models.cpu_linear import choose_cpu_linear
 from phasefleet.engine.models.llama import KVCache
 from phasefleet.engine.models.loader import load_model
 from phasefleet.engine.models.moe_shape import activation_width
-from phasefleet.engine.models.rope import head_dim
+from phasefleet.engine.models.rope import head_dim, rope_variant
 from phasefleet.engine.parallel.group import TPGroup
 from phasefleet.engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, RankSet, RankSpec, free_address
 from phasefleet.engine.parallel.shard import Shard, unsupported
@@ -288,7 +288,7 @@ class ModelRunner:
         shards = self.kv_head_shards()
         return KVLayout(
             self.num_layers, self.num_kv_heads * shards, self.head_dim, self.block_size, dtype,
-            head_shards=shards,
+            head_shards=shards, rope=rope_variant(self.model.config, self.max_model_len),
         )  # fmt: skip
 
     def read_kv(self, block_ids: list[int], chunk_bytes: int | None = None) -> Iterator[memoryview]:

@@ -216,6 +216,7 @@ class LayoutWire(_Wire):
     block_size: int = Field(ge=1)
     dtype: Literal["float32", "bfloat16", "float16"]
     head_shards: int = Field(default=1, ge=1)
+    rope: str = Field(default="default", min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _shards_split_the_heads(self) -> LayoutWire:

@@ -39,6 +39,16 @@ def long_factors_from(config: Any) -> int | None:
     return int(original or config.max_position_embeddings)
 
 
+def rope_variant(config: Any, max_positions: int) -> str:
+    """The rotation a KV cache was written with, as the hand-off compares it: the RoPE type, and
+    for LongRoPE which factors max_positions chose ("longrope-long" / "longrope-short"). Two
+    workers of one model whose variants differ hold KV rotated differently."""
+    short_up_to = long_factors_from(config)
+    if short_up_to is None:
+        return rope_type(config)
+    return "longrope-long" if max_positions > short_up_to else "longrope-short"
+
+
 def rope_tables(config: Any, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin_rot: [max_positions, rotary dim] float32 on CPU (the head, or the part of it
     partial_rotary_factor gives), scaled like transformers does; sin_rot is sin with its first
