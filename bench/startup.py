@@ -75,6 +75,7 @@ def old_load_model(folder: Path, config: Any, dtype: Any, device: Any, max_posit
     del state
     model = model.to(device=device, dtype=dtype).eval()
     model.fuse()
+    model.fold_norms()
     cos, sin = rope_tables(config, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
     return model

@@ -106,5 +106,30 @@ def test_the_offset_norm_is_gemmas_bit_for_bit(dtype: torch.dtype) -> None:
         theirs.weight.normal_(0, 0.5)
         ours.weight.copy_(theirs.weight)
     theirs, ours = theirs.to(dtype), ours.to(dtype)
+    ours.fold_offset()
     x = torch.randn(5, 64).to(dtype) * 3
     assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_and_k_heads_normalized_in_one_call_as_by_their_own_norms(
+    dtype: torch.dtype, offset: bool
+) -> None:
+    """The layer folds q_norm's and k_norm's scales into one [q + k heads, head_dim] tensor:
+    bit for bit each head through its own norm (Qwen3's, Gemma 3's)."""
+    from phasefleet.engine.models.llama import rms_norm
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 6, 2, 16
+    q_norm, k_norm = RMSNorm(dim, 1e-6, offset), RMSNorm(dim, 1e-6, offset)
+    with torch.no_grad():
+        q_norm.weight.normal_(0, 0.5)
+        k_norm.weight.normal_(1, 0.5)
+    q_norm, k_norm = q_norm.to(dtype), k_norm.to(dtype)
+    q_norm.fold_offset()
+    k_norm.fold_offset()
+    scale = torch.cat([q_norm.scale().expand(heads, -1), k_norm.scale().expand(kv_heads, -1)])
+    qk = (torch.randn(5, heads + kv_heads, dim) * 3).to(dtype)
+    each = torch.cat([q_norm(qk[:, :heads]), k_norm(qk[:, heads:])], dim=1)
+    assert torch.equal(rms_norm(qk, scale, 1e-6, offset), each)

@@ -49,25 +49,44 @@ def attention_biases(config: Any) -> tuple[bool, bool]:
     return both, both
 
 
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, in_float32: bool) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32, times `scale` (which broadcasts): in float32
+    (Gemma's 1 + w) or in x's dtype after the cast (Llama's w), as transformers orders it."""
+    if x.dtype == torch.float32:  # one op for the normalizing, bit for bit the lines below
+        return torch.rms_norm(x, (x.shape[-1],), None, eps) * scale
+    wide = x.float()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    if in_float32:
+        return (normed * scale).to(x.dtype)
+    return scale * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * w; with `offset` (Gemma), * (1 + w) with the product in float32 too."""
+    """x / rms(x) * w; with `offset` (Gemma), * (1 + w) with the product in float32 too: that
+    scale is computed once, by `fold_offset` after the weights load, not per call."""
 
     def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.offset = offset
+        self.register_buffer("offset_scale", None, persistent=False)  # float32 1 + w
+
+    def fold_offset(self) -> None:
+        if self.offset:
+            self.offset_scale = self.weight.detach().float() + 1.0
+
+    def scale(self) -> torch.Tensor:
+        """What normalized x is multiplied by: w, or Gemma's 1 + w (float32)."""
+        if not self.offset:
+            return self.weight
+        assert self.offset_scale is not None, "fold_offset() after the weights load"
+        return self.offset_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:
-            scale = self.weight.float() + 1.0
-            return torch.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
-        if x.dtype == torch.float32:  # one fused op, bit for bit the arithmetic below
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype  # 16-bit: normalized in float32, scaled in the model's dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32 and not self.offset:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op
+        return rms_norm(x, self.scale(), self.eps, self.offset)
 
 
 class Attention(nn.Module):
@@ -95,6 +114,15 @@ class Attention(nn.Module):
         if traits.qk_norm:  # the same weights on every rank
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, traits.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, traits.norm_offset)
+        # both norms' scales, one row per q then k head: the heads normalized in one call
+        self.register_buffer("qk_scale", None, persistent=False)
+
+    def fold_qk_norm(self) -> None:
+        """After the norms' own folding: q_norm's scale for every query head, then k_norm's."""
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.scale(), self.k_norm.scale()
+            rows = (q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1))
+            self.qk_scale = torch.cat(rows).contiguous()
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer kernel launches per layer)."""
@@ -115,8 +143,9 @@ class Attention(nn.Module):
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, self.head_dim)
         qk = qkv[:, : heads + kv_heads]
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        if self.q_norm is not None:
+            assert self.qk_scale is not None, "fold_norms() after the weights load"
+            qk = rms_norm(qk, self.qk_scale, self.q_norm.eps, self.q_norm.offset)
         if self.rotary_dim == self.head_dim:
             qk = apply_rope(qk, cos, sin)  # q and k heads in one pass
         else:  # the tables cover the rotary part only
@@ -249,6 +278,16 @@ class CausalLM(nn.Module):
             decoder = cast(DecoderLayer, layer)
             decoder.self_attn.fuse()
             decoder.mlp.fuse()
+
+    def fold_norms(self) -> None:
+        """Once the weights load: Gemma's norms' 1 + w, and each layer's q and k norm scales
+        as one tensor."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fold_offset()
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.fold_qk_norm()
 
     def pack_for_cpu(self) -> None:
         """Every linear, the output projection included, to a CpuLinear: oneDNN's packed layout

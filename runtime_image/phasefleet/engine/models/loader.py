@@ -132,6 +132,7 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
+    model.fold_norms()
     model.eval()
     cos, sin = rope_tables(config, max_positions)
     model.rope_cos = cos.to(device=device, dtype=dtype)
