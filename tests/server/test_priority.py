@@ -31,12 +31,19 @@ def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
         client = openai.AsyncOpenAI(
             base_url=f"{worker.base_url}/v1", api_key="x", timeout=300, max_retries=0
         )
-        done: list[str] = []
-        kw = {"model": "tiny", "prompt": "The sea", "temperature": 0, "max_tokens": 4}
+        done: list[str] = []  # by the first token's arrival (one sequence at a time: each
+        # request starts only after the one before has sent all its 24 tokens, so a client
+        # stalled by a busy machine cannot see two of them out of their order)
+        kw = {"model": "tiny", "prompt": "The sea", "temperature": 0, "max_tokens": 24}
 
         async def one(name: str, priority: int) -> None:
-            await client.completions.create(**kw, extra_body={"priority": priority})  # type: ignore[call-overload]
+            stream = await client.completions.create(
+                **kw, stream=True, extra_body={"priority": priority, "ignore_eos": True}
+            )  # type: ignore[call-overload]
+            await anext(stream)
             done.append(name)
+            async for _ in stream:
+                pass
 
         async def embed(name: str, priority: int) -> None:
             await client.embeddings.create(
