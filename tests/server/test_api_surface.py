@@ -268,9 +268,12 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         "spaces_between_special_tokens",
     ),
     ("completions", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
-    ("completions", {"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
+    ("completions", {"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ("completions", {"extra_body": {"allowed_token_ids": [5, 512]}}, "allowed_token_ids"),
+    ("completions", {"extra_body": {"allowed_token_ids": [-1]}}, "allowed_token_ids.0"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
-    ("chat", {"extra_body": {"bad_words": ["x"]}}, "bad_words"),
+    ("chat", {"extra_body": {"bad_words": ["x", "  "]}}, "bad_words"),
+    ("chat", {"extra_body": {"bad_words": [f"w{i}" for i in range(65)]}}, "bad_words"),
     ("chat", {"extra_body": {"priority": 1}}, "priority"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
     ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
@@ -387,6 +390,50 @@ def test_logit_bias_and_the_penalties_are_served(client: openai.OpenAI) -> None:
         model="tiny", messages=MESSAGES, max_tokens=4, logit_bias={"42": 100}, presence_penalty=1.0
     )
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_allowed_token_ids_and_bad_words_are_served(client: openai.OpenAI, worker: Worker) -> None:
+    """vLLM's token restrictions (tests/engine/test_token_rules.py checks them against
+    transformers): only allowed tokens are sampled; a banned word's tokens never follow."""
+
+    def token_ids(api: str = "completions", **extra_body: Any) -> list[int]:
+        body = {"return_token_ids": True, "ignore_eos": True, **extra_body}
+        if api == "chat":
+            chat = client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, extra_body=body
+            )
+            return list(extra(chat.choices[0], "token_ids"))
+        done = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=body
+        )
+        return list(extra(done.choices[0], "token_ids"))
+
+    free = token_ids()
+    allowed = sorted({free[1], 42, 77})
+    restricted = token_ids(allowed_token_ids=allowed)
+    assert set(restricted) <= set(allowed) and len(restricted) == 8
+    assert set(token_ids("chat", allowed_token_ids=[42])) == {42}
+    # a word of the free answer: banned, its token sequences (as written, after a space)
+    # never appear, and the answer changes
+    post = httpx.Client(base_url=worker.base_url).post
+    for token in free:
+        word = post("/detokenize", json={"tokens": [token]}).json()["prompt"].strip()
+        forms = [
+            post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+            for text in (word, " " + word)
+        ]
+        if word and any(contains(free, form) for form in forms):
+            break
+    else:
+        pytest.fail(f"no token of {free} spells a word that tokenizes back into the answer")
+    without = token_ids(bad_words=[word])
+    assert without != free and len(without) == 8
+    assert not any(contains(without, form) for form in forms)
+    assert not any(contains(token_ids("chat", bad_words=[word]), form) for form in forms)
+
+
+def contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i : i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
 
 
 STRUCTURED_SCHEMA = {

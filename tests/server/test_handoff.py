@@ -114,8 +114,8 @@ def test_bias_penalties_and_min_p_cross_the_hand_off(
     workers: tuple[Worker, Worker, Worker],
 ) -> None:
     """The prefill worker samples the first token with the request's bias, repetition penalty
-    and min-p (wire version 2), the decode worker the rest with its penalties too: the same
-    tokens as one worker, greedy and seeded."""
+    and min-p (wire version 2) and allowed tokens (version 6), the decode worker the rest with
+    its penalties too: the same tokens as one worker, greedy and seeded."""
     prefill, decode, reference = workers
     remote_before = decode.counter("phasefleet_prefills_total", where="remote")
     settings: list[dict[str, Any]] = [
@@ -125,6 +125,8 @@ def test_bias_penalties_and_min_p_cross_the_hand_off(
             "temperature": 0.8, "seed": 11, "presence_penalty": 1.0, "frequency_penalty": 0.5,
             "extra_body": {"repetition_penalty": 1.8, "min_p": 0.2},
         },
+        # wire version 6: the first token (the prefill worker's) is one of these too
+        {"temperature": 0, "extra_body": {"allowed_token_ids": [42, 77]}},
     ]  # fmt: skip
 
     def token_ids(client: openai.OpenAI, setting: dict[str, Any]) -> list[int]:
@@ -140,7 +142,8 @@ def test_bias_penalties_and_min_p_cross_the_hand_off(
     assert answers[0] == answers[1]
     assert answers[0][0] == [42] * 8
     assert answers[0][1] != answers[0][0]  # the penalty pushes 42 back
-    assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 3
+    assert set(answers[0][3]) <= {42, 77}
+    assert decode.counter("phasefleet_prefills_total", where="remote") == remote_before + 4
 
 
 def test_structured_output_crosses_the_hand_off(workers: tuple[Worker, Worker, Worker]) -> None:
@@ -429,6 +432,8 @@ def test_a_bad_prefill_request_is_a_400_naming_the_field(
         ({"wire_version": 2, "logit_bias": {"100000": 1.0}}, "logit_bias"),  # past the vocabulary
         ({"wire_version": 2, "repetition_penalty": 0}, "repetition_penalty"),
         ({"wire_version": 3, "grammar": {"kind": "regex", "spec": "[0-9"}}, "grammar"),
+        ({"wire_version": 6, "allowed_token_ids": [5, 100000]}, "allowed_token_ids"),
+        ({"wire_version": 6, "bad_words": [[5], []]}, "bad_words.1"),
     ):
         answer = httpx.post(
             prefill.base_url + "/internal/prefill",

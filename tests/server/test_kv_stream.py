@@ -439,6 +439,8 @@ def test_a_newer_peers_unknown_fields_are_ignored_both_ways(responder: Responder
         ({"grammar": Grammar("regex", "[a-z]+")}, 3),
         ({"grammar": Grammar("json", '{"type": "object"}'), "min_p": 0.1}, 3),
         ({"grammar": Grammar("regex", "a|b", after=(151668,))}, 5),  # after the thought
+        ({"allowed_token_ids": [3, 7]}, 6),
+        ({"bad_words": [[5], [6, 7]], "logit_bias": {2: 1.0}}, 6),
     ],
 )
 def test_a_request_goes_in_the_lowest_wire_version_that_carries_it(
@@ -447,7 +449,8 @@ def test_a_request_goes_in_the_lowest_wire_version_that_carries_it(
     """A prefill worker of version 1 would sample the first token without the bias, the
     repetition penalty or min-p: such a request asks for version 2 (refused by that worker:
     the decode worker prefills it itself), one with a grammar for version 3, one whose grammar
-    starts after a thought for version 5; any other stays answerable by every version."""
+    starts after a thought for version 5, one with allowed tokens or bad words for version 6;
+    any other stays answerable by every version."""
     from phasefleet.engine.sampling_params import SamplingParams
     from phasefleet.server.kv_wire import WIRE_VERSION, PrefillRequest
 

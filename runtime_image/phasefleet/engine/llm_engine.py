@@ -179,10 +179,14 @@ class LLMEngine:
         params.validate()
         self._check_prompt(prompt_token_ids, params.max_tokens)
         vocab = self.hf_config.vocab_size
-        if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(
-                f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}"
-            )
+        listed = {
+            "logit_bias": list(params.logit_bias),
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "bad_words": [t for word in params.bad_words for t in word],
+        }
+        for name, ids in listed.items():
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}")
         if first_token_id is not None:
             if not 0 <= first_token_id < vocab:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")

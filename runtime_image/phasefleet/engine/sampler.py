@@ -1,6 +1,7 @@
 """Sampler: picks one token per request from its logits (greedy, temperature, top-k, top-p,
 min-p), after its logit bias and its penalties on repeats (repetition, presence, frequency),
-with the tokens a row bans and those its grammar does not allow masked out, and the logprobs
+with the tokens a row bans (min_tokens' stop tokens, bad words) and those its grammar or its
+allowed_token_ids do not allow masked out, and the logprobs
 of the rows that ask for them (of the model's logits, before any of that).
 
 Every row is sampled by the same few batched ops, with no loop over rows: the draw is an
@@ -48,6 +49,7 @@ class SamplingRow:
     adjusts: bool = field(init=False)  # params.adjusts_logits, read at every step
     bias_ids: np.ndarray = field(init=False)  # params.logit_bias as arrays, made once
     bias_values: np.ndarray = field(init=False)
+    allowed_ids: np.ndarray = field(init=False)  # params.allowed_token_ids as an array, or []
     # Set by the engine for a row that penalizes repeats: the prompt's tokens (each once, for
     # repetition_penalty) and the request's output, the list the scheduler appends to.
     prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -68,6 +70,16 @@ class SamplingRow:
         bias = self.params.logit_bias
         self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias))
         self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        self.allowed_ids = np.unique(np.asarray(self.params.allowed_token_ids or [], np.int64))
+
+    def bad_words_banned(self, drafted: list[int]) -> list[int]:
+        """The last token of each bad word whose other tokens end the output so far (the
+        output, then `drafted`: the draft tokens before this position); a one-token word's
+        always."""
+        words = self.params.bad_words
+        longest = max(len(w) for w in words) - 1
+        tail = (self.output_ids[-longest:] if longest else []) + drafted
+        return [w[-1] for w in words if len(w) == 1 or tail[len(tail) - len(w) + 1 :] == w[:-1]]
 
     def output_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """The output's distinct tokens so far, [n] int64, and how often each occurs, [n]
@@ -129,6 +141,12 @@ class SamplingBatch:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
+        banned += [
+            (i, t)
+            for i, r in enumerate(rows)
+            if r.params.bad_words
+            for t in r.bad_words_banned(drafted[i] if drafted is not None else [])
+        ]
         greedy = [p.greedy for p in params]
         return cls(
             sampled=np.array([not g for g in greedy], dtype=np.bool_),
@@ -184,6 +202,9 @@ class Adjustments(Generic[A]):
     count_ids: A  # [M] int64
     count_values: A  # [M] float32
     grammar_rows: A  # [G] int64: the rows with a grammar (their masks: `grammar_masks`)
+    allowed_rows: A  # [R] int64: the rows with allowed_token_ids (every other token masked)
+    allowed_slots: A  # [N] int64: (slot in allowed_rows, token) pairs of the allowed tokens
+    allowed_ids: A  # [N] int64
 
     @classmethod
     def of(
@@ -204,6 +225,10 @@ class Adjustments(Generic[A]):
                 (i, (np.array(t, np.int64), np.ones(len(t), np.float32))) for i, t in before
             ]
         count_rows, count_ids = _pairs([(i, ids) for i, (ids, _) in counted])
+        allowed = [(i, r) for i, r in enumerate(rows) if r.allowed_ids.size]
+        allowed_slots, allowed_ids = _pairs(
+            [(k, r.allowed_ids) for k, (_, r) in enumerate(allowed)]
+        )
         return Adjustments(
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
             bias_rows=bias_rows,
@@ -221,6 +246,9 @@ class Adjustments(Generic[A]):
             grammar_rows=np.array(
                 [i for i, r in enumerate(rows) if r.matcher is not None], dtype=np.int64
             ),
+            allowed_rows=np.array([i for i, _ in allowed], dtype=np.int64),
+            allowed_slots=allowed_slots,
+            allowed_ids=allowed_ids,
         )
 
     def arrays(self) -> list[A]:
@@ -336,6 +364,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
         if s.adjustments is None or s.grammar_words is None:
             raise ValueError("a batch with grammar rows needs their masks (grammar_words)")
         logits = _grammar_masked(logits, s.adjustments.grammar_rows, s.grammar_words)
+    if s.adjustments is not None and len(s.adjustments.allowed_rows):
+        logits = _allowed_only(logits, s.adjustments)
     if len(s.batch.banned_rows):
         logits[s.banned_rows, s.banned_ids] = float("-inf")
     tokens = logits.argmax(dim=-1)  # [B]
@@ -353,8 +383,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], s: DeviceSampling) -> 
             result[i] = FAILED
         elif token == FAILED:
             why = "the logits or probabilities are not finite"
-            if rows[i].matcher is not None:
-                why += " (or min_tokens holds back every token the grammar allows)"
+            if rows[i].matcher is not None or rows[i].allowed_ids.size:
+                why += (
+                    " (or min_tokens, bad_words, allowed_token_ids and the grammar together"
+                    " leave no token)"
+                )
             rows[i].error = f"sampling failed: {why}"
     if raw is not None:
         chosen = [result[i] for i in asking]
@@ -397,6 +430,16 @@ def _biased_and_penalized(
         logits = logits - counts * a.frequency.unsqueeze(1)
         logits = logits - (counts > 0).float() * a.presence.unsqueeze(1)
     return logits
+
+
+def _allowed_only(logits: torch.Tensor, a: Adjustments[torch.Tensor]) -> torch.Tensor:
+    """logits [B, V] with -inf at every token outside each restricted row's allowed_token_ids."""
+    keep = torch.zeros(
+        (len(a.allowed_rows), logits.shape[-1]), dtype=torch.bool, device=logits.device
+    )
+    keep[a.allowed_slots, a.allowed_ids] = True
+    restricted = logits[a.allowed_rows].masked_fill(~keep, float("-inf"))
+    return logits.index_put((a.allowed_rows,), restricted)
 
 
 def _grammar_masked(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

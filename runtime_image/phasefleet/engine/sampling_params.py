@@ -40,6 +40,11 @@ MAX_LOGIT_BIAS_TOKENS = 300
 """Tokens one request may bias: each is a (row, token) entry of every step's upload."""
 GrammarKind = Literal["json", "regex", "choice", "grammar"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+"""allowed_token_ids holds at most this many ids (a 262k vocabulary's)."""
+MAX_BAD_WORDS = 128
+"""bad_words holds at most this many token sequences, each of at most MAX_BAD_WORD_TOKENS."""
+MAX_BAD_WORD_TOKENS = 64
 MAX_GRAMMAR_CHARS = 100_000
 MAX_GRAMMAR_AFTER = 16  # tokens of the sequence that opens a grammar (Grammar.after)
 """The longest grammar text (a JSON schema, a regex, the choices as JSON) a request may send."""
@@ -112,6 +117,13 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> a number added to its logit before sampling, in [-MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS]; at most MAX_LOGIT_BIAS_TOKENS tokens."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled (vLLM's), 1 to MAX_ALLOWED_TOKEN_IDS of them; None:
+    any."""
+    bad_words: list[list[int]] = field(default_factory=list)
+    """Token sequences the output never contains (vLLM's `bad_words`, which the server
+    tokenizes): a sequence's last token is masked wherever the output so far ends with the rest
+    of it (a one-token sequence: everywhere)."""
     grammar: Grammar | None = None
     """The output must match it (tokens it does not allow are masked); the request stops when the
     grammar is complete. None: any output."""
@@ -188,6 +200,31 @@ class SamplingParams:
                 f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} non-negative token ids to"
                 f" numbers in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {_short(bias)}"
             )
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (
+            isinstance(allowed, list)
+            and 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS
+            and all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be None or a list of 1 to {MAX_ALLOWED_TOKEN_IDS} "
+                f"non-negative token ids, got {_short(allowed)}"
+            )
+        words = self.bad_words
+        if not (
+            isinstance(words, list)
+            and len(words) <= MAX_BAD_WORDS
+            and all(
+                isinstance(w, list)
+                and 0 < len(w) <= MAX_BAD_WORD_TOKENS
+                and all(_is_int(t) and t >= 0 for t in w)
+                for w in words
+            )
+        ):
+            raise ValueError(
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} token sequences of 1 to "
+                f"{MAX_BAD_WORD_TOKENS} non-negative ids, got {_short(words)}"
+            )
         grammar = self.grammar
         if grammar is not None and not (
             isinstance(grammar, Grammar)
@@ -221,16 +258,28 @@ class SamplingParams:
     @property
     def changes_first_token(self) -> bool:
         """A setting that applies before any output: a bias, the repetition penalty, min-p, a
-        grammar."""
+        grammar, allowed or banned tokens."""
         return (
-            bool(self.logit_bias) or self.repeats_seen or self.min_p > 0 or self.grammar is not None
+            bool(self.logit_bias)
+            or self.repeats_seen
+            or self.min_p > 0
+            or self.grammar is not None
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )
 
     @property
     def adjusts_logits(self) -> bool:
-        """Its logits are more than the model's: a bias, a penalty on repeats, min-p, or a
-        grammar."""
-        return self.changes_first_token or self.penalized
+        """Its logits are more than the model's and the banned tokens': a bias, a penalty on
+        repeats, min-p, a grammar, or allowed tokens (bad words are banned tokens)."""
+        return (
+            bool(self.logit_bias)
+            or self.repeats_seen
+            or self.min_p > 0
+            or self.grammar is not None
+            or self.allowed_token_ids is not None
+            or self.penalized
+        )
 
 
 def _is_int(value: object) -> bool:

@@ -38,6 +38,7 @@ from phasefleet.server.reasoning import ReasoningStream, split_reasoning
 from phasefleet.server.responses import collect_or_abort, sse_response
 from phasefleet.server.state import WorkerState
 from phasefleet.server.structured import checked_grammar
+from phasefleet.server.token_rules import token_rules
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
@@ -111,6 +112,7 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
     state.check_accepting()
     check_queue_room(1, req.n, state.engine.max_queue_len, "messages")
     grammar = await checked_grammar(req, state)
+    rules = await token_rules(req, state)
     if grammar is not None and state.reasoning_parser is not None:  # the thought goes first
         grammar = replace(grammar, after=state.thought_end_ids)
     prompt = await state.off_loop(render, req, state)
@@ -125,7 +127,7 @@ async def start_chat(req: ChatCompletionRequest, raw: Request, state: WorkerStat
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [
         sampling_params(
-            req, budget, i, state.sampling_defaults, logprobs, req.prompt_logprobs, grammar
+            req, budget, i, state.sampling_defaults, logprobs, req.prompt_logprobs, grammar, rules
         )
         for i in range(req.n)
     ]

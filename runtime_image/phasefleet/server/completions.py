@@ -34,6 +34,7 @@ from phasefleet.server.openai_protocol import (
 from phasefleet.server.responses import collect_or_abort, sse_response
 from phasefleet.server.state import WorkerState
 from phasefleet.server.structured import checked_grammar
+from phasefleet.server.token_rules import token_rules
 
 if TYPE_CHECKING:
     from phasefleet.engine.llm_engine import RequestOutput
@@ -97,6 +98,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
     state.check_accepting()
     check_queue_room(num_prompts(req.prompt), req.n, state.engine.max_queue_len, "prompt")
     grammar = await checked_grammar(req, state)
+    rules = await token_rules(req, state)
     prompts = await state.off_loop(prompts_of, req.prompt, state, "prompt")
     max_len = state.engine.max_model_len
     prompts = [truncated(p, req.truncate_prompt_tokens, max_len) for p in prompts]
@@ -120,6 +122,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: WorkerS
                     req.logprobs,
                     prompt_logprobs,
                     grammar,
+                    rules,
                 )  # fmt: skip
             )
             echoes.append(Echo(texts[p], prompt) if req.echo else None)

@@ -48,6 +48,7 @@ from phasefleet.server.sampling_defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     from phasefleet.engine.sampling_params import Grammar, SamplingParams
+    from phasefleet.server.token_rules import TokenRules
 
 __all__ = ["EngineOptions", "Generation"]
 
@@ -60,11 +61,13 @@ def sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     grammar: Grammar | None = None,
+    rules: TokenRules | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for choice `choice`; a choice's seed is `seed + choice`.
     `defaults`: for the sampling fields the request leaves out (the model's, or the API's).
     `logprobs`, `prompt_logprobs`: alternatives per token, None for no logprobs. `grammar`: the
-    request's structured output (server/structured.py)."""
+    request's structured output (server/structured.py). `rules`: its allowed tokens and bad
+    words (server/token_rules.py)."""
     from phasefleet.engine.sampling_params import SamplingParams
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -91,6 +94,8 @@ def sampling_params(
         ),
         min_p=defaults.min_p if req.min_p is None else req.min_p,
         logit_bias=req.logit_bias_ids(),
+        allowed_token_ids=None if rules is None else rules.allowed_token_ids,
+        bad_words=[] if rules is None else [list(w) for w in rules.bad_words],
         grammar=grammar,
     )
     return checked(params)

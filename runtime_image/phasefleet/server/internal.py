@@ -89,6 +89,10 @@ def internal_routes() -> APIRouter:
         ids = state.check_token_ids(body.prompt_token_ids, "prompt_token_ids")
         params = checked(body.sampling())
         state.check_logit_bias(params.logit_bias)
+        if params.allowed_token_ids is not None:
+            state.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
+        for word in params.bad_words:
+            state.check_token_ids(word, "bad_words")
         if params.grammar is not None:
             await state.check_grammar(params.grammar, "grammar")
         if body.lora is not None:

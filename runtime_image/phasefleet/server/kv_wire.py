@@ -38,7 +38,8 @@ Versions: 1, the first; 2 adds the sampling fields that change the first token
 ignore; 3 adds `grammar` (structured output), which a prefill worker of version 2 would ignore;
 4 adds `lora` (the request's LoRA adapter), which a prefill worker of version 3 would ignore;
 5 adds the grammar's `after` (structured output after a reasoning model's thought), which a
-prefill worker of version 4 would ignore, shaping the first token.
+prefill worker of version 4 would ignore, shaping the first token; 6 adds `allowed_token_ids` and
+`bad_words` (vLLM's token restrictions), which a prefill worker of version 5 would ignore.
 A request goes as the lowest version that carries what it sets (`lowest_version`); the
 penalties on the output (`presence_penalty`, `frequency_penalty`) travel as hints in any, as
 they change nothing before the second token.
@@ -55,6 +56,9 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_GRAMMAR_AFTER,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
@@ -71,12 +75,13 @@ from phasefleet.engine.sampling_params import (
 
 PREFILL_PATH = "/internal/prefill"
 MEDIA_TYPE = "application/x-phasefleet-kv-stream"
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 MIN_WIRE_VERSION = 1  # the oldest version this release still answers
 BIAS_WIRE_VERSION = 2  # the version that added the bias, repetition penalty and min-p
 GRAMMAR_WIRE_VERSION = 3  # the version that added the grammar
 LORA_WIRE_VERSION = 4  # the version that added the LoRA adapter
 AFTER_WIRE_VERSION = 5  # the version that added the grammar's `after` tokens
+RULES_WIRE_VERSION = 6  # the version that added allowed_token_ids and bad_words
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -89,6 +94,8 @@ class _Wire(BaseModel):
 def lowest_version(params: SamplingParams, lora: str | None = None) -> int:
     """The lowest wire version that carries every setting of `params` (and the adapter) that
     changes the first token."""
+    if params.allowed_token_ids is not None or params.bad_words:
+        return RULES_WIRE_VERSION
     if params.grammar is not None and params.grammar.after:
         return AFTER_WIRE_VERSION
     if lora is not None:
@@ -134,6 +141,15 @@ class PrefillRequest(_Wire):
     ] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
     # GRAMMAR_WIRE_VERSION
     grammar: GrammarWire | None = None
+    # RULES_WIRE_VERSION
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    bad_words: list[
+        Annotated[
+            list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_BAD_WORD_TOKENS)
+        ]
+    ] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     # LORA_WIRE_VERSION: the adapter the prompt is computed with (the prefill worker must have
     # it loaded under this name); None: the base model
     lora: str | None = Field(default=None, min_length=1, max_length=200)
@@ -176,6 +192,8 @@ class PrefillRequest(_Wire):
             repetition_penalty=params.repetition_penalty,
             min_p=params.min_p,
             logit_bias=dict(params.logit_bias),
+            allowed_token_ids=params.allowed_token_ids,
+            bad_words=[list(w) for w in params.bad_words],
             grammar=None
             if params.grammar is None
             else GrammarWire(
@@ -203,6 +221,10 @@ class PrefillRequest(_Wire):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             logit_bias=dict(self.logit_bias),
+            allowed_token_ids=None
+            if self.allowed_token_ids is None
+            else list(self.allowed_token_ids),
+            bad_words=[list(w) for w in self.bad_words],
             grammar=None
             if self.grammar is None
             else Grammar(self.grammar.kind, self.grammar.spec, tuple(self.grammar.after)),

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from phasefleet.engine.sampling_params import (
     API_SEED_MAX,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -148,6 +149,11 @@ class SamplingFields(BaseModel):
         ]
         | None
     ) = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    # vLLM's: only these tokens may be sampled; these words never appear (server/token_rules.py)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    bad_words: list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]] | None = None
     user: str | None = None
     # structured output (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones
     response_format: ResponseFormat | None = None
@@ -160,8 +166,6 @@ class SamplingFields(BaseModel):
     # vLLM's sampling extensions this worker does not implement, accepted at their neutral
     # value only: refused otherwise, never ignored (the answer would not be what was asked)
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     logits_processors: list[Any] | None = None
@@ -169,8 +173,7 @@ class SamplingFields(BaseModel):
     def unsupported(self) -> list[str]:
         """Names of set fields this worker does not implement."""
         neutral = {
-            "spaces_between_special_tokens": True,
-            "allowed_token_ids": None, "bad_words": None, "use_beam_search": False,
+            "spaces_between_special_tokens": True, "use_beam_search": False,
             "length_penalty": 1.0, "logits_processors": None,
         }  # fmt: skip
         return [name for name, value in neutral.items() if getattr(self, name) not in (value, [])]
