@@ -256,30 +256,27 @@ class SamplingParams:
         return self.repetition_penalty != 1
 
     @property
-    def changes_first_token(self) -> bool:
-        """A setting that applies before any output: a bias, the repetition penalty, min-p, a
-        grammar, allowed or banned tokens."""
+    def masks_or_shifts_logits(self) -> bool:
+        """A bias, the repetition penalty, min-p, a grammar or allowed tokens: each applies to
+        the first token too, and each rides in the sampler's adjustments."""
         return (
             bool(self.logit_bias)
             or self.repeats_seen
             or self.min_p > 0
             or self.grammar is not None
             or self.allowed_token_ids is not None
-            or bool(self.bad_words)
         )
 
     @property
+    def changes_first_token(self) -> bool:
+        """A setting that applies before any output: the above, or bad words."""
+        return self.masks_or_shifts_logits or bool(self.bad_words)
+
+    @property
     def adjusts_logits(self) -> bool:
-        """Its logits are more than the model's and the banned tokens': a bias, a penalty on
-        repeats, min-p, a grammar, or allowed tokens (bad words are banned tokens)."""
-        return (
-            bool(self.logit_bias)
-            or self.repeats_seen
-            or self.min_p > 0
-            or self.grammar is not None
-            or self.allowed_token_ids is not None
-            or self.penalized
-        )
+        """The sampler uploads adjustments for it: the above, or a penalty on the output's
+        repeats (bad words are banned tokens, not adjustments)."""
+        return self.masks_or_shifts_logits or self.penalized
 
 
 def _is_int(value: object) -> bool:
