@@ -31,9 +31,11 @@ def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
         client = openai.AsyncOpenAI(
             base_url=f"{worker.base_url}/v1", api_key="x", timeout=300, max_retries=0
         )
-        done: list[str] = []  # by the first token's arrival (one sequence at a time: each
-        # request starts only after the one before has sent all its 24 tokens, so a client
-        # stalled by a busy machine cannot see two of them out of their order)
+        # by the first token's arrival, the embedding's by its answer: one sequence at a time,
+        # each starts only after the one before has sent all its 24 tokens, so a client
+        # stalled by a busy machine cannot see two of them out of their order (the embedding,
+        # with no tokens to wait for, is served last)
+        done: list[str] = []
         kw = {"model": "tiny", "prompt": "The sea", "temperature": 0, "max_tokens": 24}
 
         async def one(name: str, priority: int) -> None:
@@ -56,11 +58,11 @@ def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         await anext(long)  # running: every request after it waits
-        queued = []
+        queued = [asyncio.create_task(embed("embedding", 9))]
+        await asyncio.sleep(0.05)
         for name, priority in [("batch", 5), ("normal", 0), ("urgent", -2)]:
             queued.append(asyncio.create_task(one(name, priority)))
-            await asyncio.sleep(0.05)  # arrival order: batch, normal, urgent
-        queued.append(asyncio.create_task(embed("embedding", 1)))
+            await asyncio.sleep(0.05)  # arrival order: embedding, batch, normal, urgent
         await _until_waiting(worker, 4)  # all queued in the engine, behind the long one
         async for _ in long:
             pass
@@ -68,7 +70,7 @@ def test_queued_requests_are_served_by_priority(worker: Worker) -> None:
         await client.close()
         return done
 
-    assert asyncio.run(run()) == ["urgent", "normal", "embedding", "batch"]
+    assert asyncio.run(run()) == ["urgent", "normal", "batch", "embedding"]
 
 
 async def _until_waiting(worker: Worker, n: int, timeout: float = 60.0) -> None:
