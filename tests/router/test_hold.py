@@ -1,5 +1,6 @@
 """Requests held while a pool has no ready worker (scaled to zero, waking): the bounds (count and
-wait), release in arrival order, a client that leaves frees its place; and through a real router
+wait), release by priority then arrival, a full queue making room for a request that ranks
+before its last, a client that leaves frees its place; and through a real router
 process, held requests answered once a worker joins, and 503 with Retry-After past the bound."""
 
 from __future__ import annotations
@@ -56,6 +57,48 @@ def test_a_request_past_the_count_bound_is_not_held() -> None:
         assert await held.wait("worker") is Held.FULL
         held.release("worker")
         assert await asyncio.gather(*waiting) == [Held.RELEASED, Held.RELEASED]
+
+    asyncio.run(scenario())
+
+
+def test_held_requests_are_released_by_priority_then_arrival() -> None:
+    async def scenario() -> None:
+        held, _ = make_held()
+        order: list[str] = []
+
+        async def request(name: str, priority: int) -> None:
+            assert await held.wait("worker", priority) is Held.RELEASED
+            order.append(name)
+
+        tasks = []
+        for name, priority in [("batch", 5), ("a", 0), ("urgent", -2), ("b", 0)]:
+            tasks.append(asyncio.create_task(request(name, priority)))
+            await asyncio.sleep(0)
+        assert held.release("worker") == 4
+        await asyncio.gather(*tasks)
+        assert order == ["urgent", "a", "b", "batch"]
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_makes_room_for_a_request_that_ranks_before_its_last() -> None:
+    """The last in line (the lowest priority, the latest of it) leaves for one that ranks
+    before it; one that does not is refused, as is any when all rank before it."""
+
+    async def scenario() -> None:
+        held, seen = make_held(max_held=2)
+        batch = asyncio.create_task(held.wait("worker", 5))
+        normal = asyncio.create_task(held.wait("worker", 0))
+        await asyncio.sleep(0)
+        assert await held.wait("worker", 5) is Held.FULL  # ranks after batch: not held
+        urgent = asyncio.create_task(held.wait("worker", -1))
+        await asyncio.sleep(0)
+        assert await batch is Held.FULL  # out of the queue, for urgent
+        assert held.count("worker") == 2
+        assert await held.wait("worker", 0) is Held.FULL  # after normal (same rank, later)
+        held.release("worker")
+        assert await asyncio.gather(normal, urgent) == [Held.RELEASED, Held.RELEASED]
+        assert seen == [1, 2, 2, 0]
 
     asyncio.run(scenario())
 

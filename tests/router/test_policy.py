@@ -157,3 +157,8 @@ def test_the_prefix_key_is_the_prompt_after_the_model_so_adapters_keep_their_own
     assert request_key(b"not json") == RequestKey(None, "")
     assert request_key(b'{"model": "x"}') == RequestKey("x", "")
     assert request_key(b'{"model": 3, "prompt": "p"}') == RequestKey(None, "p")
+    # vLLM's priority, for the order of held requests; anything but an integer counts as 0
+    assert request_key(b'{"model": "x", "priority": -3}') == RequestKey("x", "", -3)
+    assert request_key(b'{"prompt": "p", "priority": 2}') == RequestKey(None, "p", 2)
+    for odd in (b'"1"', b"true", b"1.5", b"null"):
+        assert request_key(b'{"prompt": "p", "priority": ' + odd + b"}").priority == 0

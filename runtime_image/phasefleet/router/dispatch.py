@@ -145,6 +145,7 @@ class RequestKey:
 
     model: str | None  # the `model` field: the base model's served name or a LoRA adapter's
     prompt: str  # what a prefix cache keys on: the prompt after the model's name ('' if none)
+    priority: int = 0  # vLLM's `priority` (lower first): the order held requests are released
 
 
 def request_key(body: bytes) -> RequestKey:
@@ -157,14 +158,16 @@ def request_key(body: bytes) -> RequestKey:
     if not isinstance(payload, dict):
         return RequestKey(None, "")
     model = payload.get("model") if isinstance(payload.get("model"), str) else None
+    rank = payload.get("priority", 0)
+    priority = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
     prompt = payload.get("messages", payload.get("prompt", payload.get("input")))
     if not prompt:
-        return RequestKey(model, "")
+        return RequestKey(model, "", priority)
     head = f"{model}\n" if model is not None else ""
     if isinstance(prompt, str):
-        return RequestKey(model, head + prompt)
+        return RequestKey(model, head + prompt, priority)
     # A JSON dump keeps prefixes: a conversation that grows by messages dumps to a longer text.
-    return RequestKey(model, head + json.dumps(prompt, separators=(",", ":")))
+    return RequestKey(model, head + json.dumps(prompt, separators=(",", ":")), priority)
 
 
 class Router:
@@ -260,11 +263,11 @@ class Router:
         header."""
         embedding = path == EMBEDDINGS_PATH
         pool = self._embedding_pool() if embedding else self.generation_pool
+        key = request_key(body)
         if not pool.candidates(self.clock()):
-            held = await self.held.wait(pool.name)
+            held = await self.held.wait(pool.name, key.priority)
             if held is Held.FULL or held is Held.TIMED_OUT:
                 return self._not_woken(pool, held)
-        key = request_key(body)
         affinity = self.config.policy == "prefix-aware" or "prefill" in self.pools
         chunks = prefix_chunks(key.prompt) if affinity else []
         prefill = None if embedding else self.choose_prefill(chunks, key.model)
@@ -303,7 +306,10 @@ class Router:
 
     def _not_woken(self, pool: WorkerPool, held: Held) -> Response:
         if held is Held.FULL:
-            why = f"{self.held.max_held} requests are already held for it"
+            why = (
+                f"{self.held.max_held} requests are held for it, none after this one in line"
+                " (by priority, then arrival)"
+            )
         else:
             why = f"none became ready within {self.held.hold_seconds:g} s"
         return APIError(

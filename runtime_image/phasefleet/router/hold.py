@@ -2,17 +2,20 @@
 
 A request that finds no ready worker waits here, up to `hold_seconds`, instead of failing at
 once; at most `max_held` wait per pool. When a refresh finds a ready worker the pool's held
-requests are released in arrival order (their futures are resolved in that order, so their
-tasks resume in it). A request past the wait bound, or one that finds the queue full, is not
-held: the router answers it 503 with Retry-After. A request whose client leaves is cancelled,
-which frees its place. `hold_seconds` 0 turns holding off (503 at once, the router's default).
+requests are released by their `priority` (the request body's, vLLM's: lower first; 0 when
+absent), in arrival order within one (their futures are resolved in that order, so their tasks
+resume in it). A request past the wait bound is not held any more, and one that finds the queue
+full is not held either, unless it ranks before the last held one: that one leaves the queue in
+its place. Either way the router answers the one left out 503 with Retry-After. A request whose
+client leaves is cancelled, which frees its place. `hold_seconds` 0 turns holding off (503 at
+once, the router's default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections import deque
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,9 +27,16 @@ class Held(enum.Enum):
     """How a hold ended."""
 
     RELEASED = "released"  # the pool has a ready worker: try it
-    FULL = "full"  # max_held requests were already waiting: not held
+    FULL = "full"  # max_held requests that rank before it were waiting: not held (any more)
     TIMED_OUT = "timed_out"  # waited hold_seconds, no worker came
     OFF = "off"  # holding is off (hold_seconds 0)
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    arrival: int  # a counter: the order requests came in
+    future: asyncio.Future[Held] = field(compare=False)
 
 
 @dataclass
@@ -34,41 +44,45 @@ class HeldRequests:
     hold_seconds: float = DEFAULT_HOLD_SECONDS  # longest wait for a ready worker; 0: off
     max_held: int = DEFAULT_MAX_HELD  # requests held per pool at once
     on_change: Callable[[str, int], None] = lambda pool, held: None  # e.g. a gauge's set
-    waiting: dict[str, deque[asyncio.Future[None]]] = field(default_factory=dict)
+    waiting: dict[str, list[_Waiter]] = field(default_factory=dict)
+    _arrivals: itertools.count[int] = field(default_factory=itertools.count)
 
     def count(self, pool: str) -> int:
         return len(self.waiting.get(pool, ()))
 
-    async def wait(self, pool: str) -> Held:
+    async def wait(self, pool: str, priority: int = 0) -> Held:
         """Waits for `release(pool)`, at most `hold_seconds`."""
         if self.hold_seconds <= 0:
             return Held.OFF
-        queue = self.waiting.setdefault(pool, deque())
+        queue = self.waiting.setdefault(pool, [])
+        me = _Waiter(priority, next(self._arrivals), asyncio.get_running_loop().create_future())
         if len(queue) >= self.max_held:
-            return Held.FULL
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue.append(future)
+            last = max(queue)
+            if not me < last:
+                return Held.FULL
+            queue.remove(last)  # it ranks after this one: out of the queue, answered FULL
+            last.future.set_result(Held.FULL)
+        queue.append(me)
         self.on_change(pool, len(queue))
         try:
-            await asyncio.wait_for(future, self.hold_seconds)
+            return await asyncio.wait_for(asyncio.shield(me.future), self.hold_seconds)
         except TimeoutError:
             return Held.TIMED_OUT
         finally:
-            if future in queue:  # timed out or cancelled (the client left): free the place
-                queue.remove(future)
+            if me in queue:  # timed out or cancelled (the client left): free the place
+                queue.remove(me)
                 self.on_change(pool, len(queue))
-        return Held.RELEASED
 
     def release(self, pool: str) -> int:
-        """Wakes every request held for `pool`, oldest first; returns how many."""
+        """Wakes every request held for `pool`, by priority, then arrival; returns how many."""
         queue = self.waiting.get(pool)
         if not queue:
             return 0
         released = 0
-        while queue:
-            future = queue.popleft()
-            if not future.done():
-                future.set_result(None)
+        for waiter in sorted(queue):
+            if not waiter.future.done():
+                waiter.future.set_result(Held.RELEASED)
                 released += 1
+        queue.clear()
         self.on_change(pool, 0)
         return released
