@@ -107,13 +107,26 @@ def test_allowed_tokens_and_bad_words_give_transformers_tokens_under_the_same_ru
         assert 0 < s.accepted_tokens_total < s.draft_tokens_total
 
 
-def test_tokens_outside_the_vocabulary_are_refused(tiny_model: ModelPath) -> None:
+def test_tokens_outside_the_vocabulary_and_rules_that_leave_no_token_are_refused(
+    tiny_model: ModelPath,
+) -> None:
     eng = LLMEngine(engine_config(tiny_model("llama")))
     vocab = eng.hf_config.vocab_size
     for field, value in (("allowed_token_ids", [1, vocab]), ("bad_words", [[1], [2, vocab]])):
         params = SamplingParams(max_tokens=2, **{field: value})  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=f"{field} token ids must be in"):
             eng.add_request("r", [1, 2], params)
+    eos = sorted(eng.scheduler.eos_token_ids)
+    impossible = [
+        {"allowed_token_ids": [5, 6], "bad_words": [[5], [6]]},
+        {"allowed_token_ids": [eos[0], 7], "bad_words": [[7]], "min_tokens": 1},
+        {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2},
+    ]
+    for rules in impossible:
+        with pytest.raises(ValueError, match="allowed_token_ids holds no token that may be"):
+            eng.add_request("r", [1, 2], SamplingParams(max_tokens=2, **rules))  # type: ignore[arg-type]
+    possible = {"allowed_token_ids": [eos[0], 7], "bad_words": [[7]], "min_tokens": 0}
+    eng.add_request("ok", [1, 2], SamplingParams(max_tokens=2, **possible))  # type: ignore[arg-type]
     for field, value in (("allowed_token_ids", []), ("bad_words", [[]])):
         with pytest.raises(ValueError, match=field):
             SamplingParams(max_tokens=2, **{field: value}).validate()  # type: ignore[arg-type]

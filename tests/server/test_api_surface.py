@@ -273,6 +273,12 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"extra_body": {"allowed_token_ids": [-1]}}, "allowed_token_ids.0"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("chat", {"extra_body": {"bad_words": ["x", "  "]}}, "bad_words"),
+    # every allowed token banned: a 400 naming the field, not a failed answer
+    (
+        "completions",
+        {"extra_body": {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 1}},
+        "allowed_token_ids",
+    ),
     ("chat", {"extra_body": {"bad_words": [f"w{i}" for i in range(65)]}}, "bad_words"),
     ("chat", {"extra_body": {"priority": 1}}, "priority"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),

@@ -187,6 +187,7 @@ class LLMEngine:
         for name, ids in listed.items():
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}")
+        self._check_some_token_allowed(params)
         if first_token_id is not None:
             if not 0 <= first_token_id < vocab:
                 raise ValueError(f"first_token_id must be in [0, {vocab}), got {first_token_id}")
@@ -381,6 +382,20 @@ class LLMEngine:
         for request_id in [*out.admitted, *out.preempted]:
             if request_id not in loaded:
                 self.imports.dropped(request_id)  # a gap before it, hits, or its blocks gone
+
+    def _check_some_token_allowed(self, params: SamplingParams) -> None:
+        """ValueError when allowed_token_ids holds only tokens that are banned from the start:
+        one-token bad words, and while min_tokens holds them back, the stop tokens."""
+        if params.allowed_token_ids is None:
+            return
+        banned = {w[0] for w in params.bad_words if len(w) == 1}
+        if params.min_tokens > 0:
+            banned |= set(self._min_tokens_banned(params))
+        if set(params.allowed_token_ids) <= banned:
+            raise ValueError(
+                "allowed_token_ids holds no token that may be sampled: each is a one-token bad"
+                " word or, while min_tokens holds them back, an end-of-sequence or stop token"
+            )
 
     def _min_tokens_banned(self, params: SamplingParams) -> list[int]:
         """The tokens that would end a request early: masked until it has min_tokens."""

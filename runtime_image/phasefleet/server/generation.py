@@ -8,6 +8,7 @@ histograms as tokens arrive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -227,9 +228,11 @@ class Generation:
         self.stream = stream
         try:
             await self.stream.accepted
-        except ValueError as exc:
+        except ValueError as exc:  # the engine names a sampling field first, else the prompt
             self.close()
-            raise bad_request(str(exc), self.prompt_field) from None
+            named = str(exc).split(" ", 1)[0]
+            sampling = {f.name for f in dataclasses.fields(self.params[0])}
+            raise bad_request(str(exc), named if named in sampling else self.prompt_field) from None
         except RequestFailedError as exc:
             self.close()
             raise request_failed(str(exc)) from None
