@@ -182,6 +182,18 @@ def test_banned_tokens_are_never_sampled_but_keep_their_raw_logprob() -> None:
     assert drawn == {0}
 
 
+def test_allowed_tokens_all_banned_fail_their_row_alone() -> None:
+    """allowed_token_ids that a step's bans leave empty (a stop token held back by min_tokens,
+    a bad word): that row fails with a reason naming the rules; its neighbour samples."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 2)
+    stuck = row(temperature=0, allowed_token_ids=[2, 3], bad_words=[[3]])
+    stuck.banned = [2]
+    free = row(temperature=0, allowed_token_ids=[2, 3])
+    assert sample(logits, [stuck, free]) == [FAILED, 3]
+    assert stuck.error is not None and "allowed_token_ids" in stuck.error
+    assert free.error is None
+
+
 def adjusted(
     logits: torch.Tensor, rows: list[SamplingRow], drafted: list[list[int]] | None = None
 ) -> torch.Tensor:
