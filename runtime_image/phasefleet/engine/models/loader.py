@@ -4,7 +4,8 @@ Each checkpoint tensor is read once and copied straight into its place: the fuse
 gate/up weights are allocated on the device in the model's dtype and filled slice by slice, the
 others are moved (and cast) one at a time; a mixture-of-experts layer's experts go into its
 stacked weights, expert by expert; checkpoints that name or fuse tensors otherwise (Mixtral,
-Phi-3) are read through checkpoint.py. The host never holds more than one tensor of the checkpoint,
+Phi-3) are read through checkpoint.py, an FP8 checkpoint's weights dequantized as they are read
+(fp8.py). The host never holds more than one tensor of the checkpoint,
 and nothing is concatenated or cast after loading. A tensor-parallel rank reads the same files
 and keeps its own slice of each tensor (parallel/shard.py).
 """
@@ -12,6 +13,7 @@ and keeps its own slice of each tensor (parallel/shard.py).
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,11 +24,14 @@ import torch
 from safetensors import safe_open
 
 from phasefleet.engine.models.checkpoint import our_tensors
+from phasefleet.engine.models.fp8 import dequantized, fp8_scheme
 from phasefleet.engine.models.fused import FUSED_PARTS
 from phasefleet.engine.models.llama import CausalLM
 from phasefleet.engine.models.meta import no_init
 from phasefleet.engine.models.rope import head_dim, rope_tables
 from phasefleet.engine.parallel.group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 IGNORED = ("rotary_emb.inv_freq",)  # old checkpoints store the rope frequencies
 # ...layers.3.mlp.experts.7.gate_proj.weight: one expert's projection
@@ -91,6 +96,12 @@ def load_model(
     folder = Path(folder)
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors files")
+    scheme = fp8_scheme(config)
+    if scheme is not None:
+        logger.info(
+            "FP8 checkpoint (%s): weights dequantized to %s at load, activations not quantized",
+            scheme.describe(), dtype,
+        )  # fmt: skip
     with torch.device("meta"), no_init():
         whole = {k: v.shape for k, v in CausalLM(config).state_dict().items()}
         model = CausalLM(config, tp)
@@ -105,7 +116,8 @@ def load_model(
     seen: set[str] = set()
     unexpected: list[str] = []
     mismatch = f"weights in {folder} do not match {config.model_type}"
-    for stored, tensors in _our_tensors(read_checkpoint(folder), config, mismatch):
+    checkpoint = dequantized(folder, read_checkpoint(folder), scheme, device)
+    for stored, tensors in _our_tensors(checkpoint, config, mismatch):
         for name, tensor in tensors:
             place = where.get(name)
             if place is None:
