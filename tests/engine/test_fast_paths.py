@@ -49,13 +49,21 @@ STRIDES = ("stride_qb", "stride_qh", "stride_kn", "stride_kt", "stride_kh", "str
 
 
 @pytest.mark.parametrize(
-    ("dtype", "group", "head_dim"),
-    [("bf16", 4, 128), ("fp16", 3, 64), ("bf16", 8, 64), ("fp32", 1, 128), ("bf16", 4, 256)],
-    ids=["llama3-8b", "smollm2", "group8", "mha-fp32", "gemma3-1b"],
+    ("dtype", "kv", "group", "head_dim"),
+    [
+        ("bf16", "bf16", 4, 128),
+        ("fp16", "fp16", 3, 64),
+        ("bf16", "bf16", 8, 64),
+        ("fp32", "fp32", 1, 128),
+        ("bf16", "bf16", 4, 256),
+        ("bf16", "fp8e4nv", 4, 128),
+    ],
+    ids=["llama3-8b", "smollm2", "group8", "mha-fp32", "gemma3-1b", "llama3-8b-fp8-kv"],
 )
-def test_split_kernel_compiles_for_sm90(dtype: str, group: int, head_dim: int) -> None:
+def test_split_kernel_compiles_for_sm90(dtype: str, kv: str, group: int, head_dim: int) -> None:
     signature = {
-        **{name: f"*{dtype}" for name in ("Q", "K", "V", "Out")},
+        **{name: f"*{dtype}" for name in ("Q", "Out")},
+        **{name: f"*{kv}" for name in ("K", "V")},
         **{name: "*fp32" for name in ("Acc", "Max", "Sum")},
         "tables": "*i64",
         "ctx_lens": "*i64",
@@ -74,7 +82,8 @@ def test_split_kernel_compiles_for_sm90(dtype: str, group: int, head_dim: int) -
     }
     asm = _compile_sm90(triton_decode.split_kernel, signature, constexprs)
     assert asm["cubin"]
-    # 16-bit caches score and weight on the tensor cores; float32 stays exact (no tf32 mma)
+    # 16-bit queries score and weight on the tensor cores (a float8 pool's values cast to
+    # theirs); float32 stays exact (no tf32 mma)
     assert ("mma.sync" in asm["ptx"]) == (dtype != "fp32")
 
 

@@ -50,6 +50,7 @@ from phasefleet.engine.attention.triton_decode import (  # noqa: E402
     paged_decode,
     plan_splits,
 )
+from phasefleet.engine.kv_dtype import FLOAT8, to_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # max abs error
 
@@ -136,6 +137,25 @@ def check_small_shapes() -> None:
     expect_close(batch, None, "one split", min_split_tokens=32, num_splits=1)
 
 
+def check_float8_pools() -> None:
+    """A float8 pool (kv_cache_dtype fp8) under float32 and bfloat16 queries: the kernel reads
+    keys and values as stored, in the queries' dtype, and its output is in that dtype."""
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = make_batch([5, 1, 77, 12], 9, 3, 64, 4, dtype)
+        batch["k_cache"], batch["v_cache"] = (
+            to_kv(batch[c], FLOAT8) for c in ("k_cache", "v_cache")
+        )
+        got = paged_decode(**batch, scale=0.3, min_split_tokens=32)
+        read_back = {
+            **batch,
+            "k_cache": batch["k_cache"].to(dtype),
+            "v_cache": batch["v_cache"].to(dtype),
+        }
+        err = (got.float() - reference(**read_back, scale=0.3, window=None)).abs().max().item()
+        if got.dtype != dtype or not err <= TOLERANCE[dtype]:
+            sys.exit(f"float8 pool, {dtype} queries: {got.dtype} output, off by {err}")
+
+
 def check_real_shape() -> None:
     """Llama 3 8B's attention (32 heads over 8 KV heads of 128, bf16, 16-token blocks) with the
     default plan: a mixed batch (the 300-token context runs as 2 splits, the rest as one) and a
@@ -185,10 +205,25 @@ def check_engine(folder: str) -> None:
                 ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
         if out.output_token_ids != ids[len(prompt) :]:
             sys.exit(f"{folder}: engine with the triton kernel differs from transformers")
+    # a float8 pool: the kernel's answers are the torch path's (which test_kv_fp8.py holds to
+    # transformers with keys and values rounded alike)
+    answers = {}
+    for backend in ("triton", "torch"):
+        os.environ["PHASEFLEET_ATTENTION"] = backend
+        config = EngineConfig(
+            model=folder, device="cpu", block_size=4, num_kv_blocks=64, kv_cache_dtype="fp8"
+        )
+        fp8 = LLMEngine(config)
+        if fp8.runner.decode_backend != backend:
+            sys.exit(f"the float8 engine did not pick the {backend} backend")
+        answers[backend] = [o.output_token_ids for o in fp8.generate(prompts, params)]
+    if answers["triton"] != answers["torch"]:
+        sys.exit(f"{folder}: a float8 pool's answers differ between triton and torch")
 
 
 if __name__ == "__main__":
     check_small_shapes()
+    check_float8_pools()
     check_real_shape()
     for model in sys.argv[1:]:
         check_engine(model)

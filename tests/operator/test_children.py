@@ -335,6 +335,7 @@ def test_worker_args_parse_with_the_worker_cli():
             "reasoningParser": "qwen3",
             "schedulingPolicy": "priority",
             "numSpeculativeTokens": 4,
+            "kvCacheDtype": "fp8",
         },
     )
     for role, engine_role in ((Role.PREFILL, "prefill"), (Role.DECODE, "decode")):
@@ -344,9 +345,13 @@ def test_worker_args_parse_with_the_worker_cli():
         assert args.dtype == "bfloat16" and args.max_model_len == 2048 and args.no_prefix_caching
         assert args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
         assert args.scheduling_policy == "priority" and args.num_speculative_tokens == 4
+        assert args.kv_cache_dtype == "fp8"
     aggregated = make_spec(mode="aggregated", prefill=None, decode=None, worker={})
     dep = worker_deployment(make_owner(), aggregated, Role.WORKER, replicas=1)
-    assert build_parser().parse_args(_pod(dep)["containers"][0]["args"]).role == "both"
+    container_args = _pod(dep)["containers"][0]["args"]
+    assert "--kv-cache-dtype" not in container_args  # auto: the worker's own default
+    parsed = build_parser().parse_args(container_args)
+    assert parsed.role == "both" and parsed.kv_cache_dtype == "auto"
 
 
 def test_the_decode_pool_gets_the_phase_boundary_and_the_router_the_tpot_target():

@@ -193,6 +193,20 @@ def test_megabytes_of_payload_arrive_exactly(responder: Responder, size: int | N
     assert bytes(chunks[1].payload) == blocks[: len(blocks) // 2]
 
 
+def test_a_float8_layout_streams_one_byte_a_value(responder: Responder) -> None:
+    """A `--kv-cache-dtype fp8` prefill worker's layout: the start frame names float8_e4m3fn
+    and its blocks are half a float16 layout's bytes."""
+    fp8 = SMALL.model_copy(update={"dtype": "float8_e4m3fn"})
+    assert 2 * fp8.layout().block_bytes() == SMALL.layout().block_bytes()
+    blocks = payload(fp8, 3, seed=5)
+    stream = start(3, layout=fp8) + encode_header(FIRST) + kv(0, blocks, fp8) + end(3)
+    responder.handlers.append(send(ok_head() + chunked(stream)))
+    result, _, chunks = pull(responder)
+    assert result.failure is None and result.start is not None
+    assert result.start.layout.layout() == fp8.layout()
+    assert bytes(chunks[0].payload) == blocks
+
+
 def test_the_first_token_is_handed_over_while_kv_still_arrives(responder: Responder) -> None:
     handed_over = threading.Event()
     waited: list[bool] = []

@@ -89,6 +89,7 @@ class WorkerFlag:
     MAX_NUM_SEQS = "--max-num-seqs"
     MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
     BLOCK_SIZE = "--block-size"
+    KV_CACHE_DTYPE = "--kv-cache-dtype"
     NO_PREFIX_CACHING = "--no-prefix-caching"
     PORT = "--port"
     DRAIN_TIMEOUT = "--drain-timeout"

@@ -338,6 +338,14 @@ class RuntimeSpec(ApiModel):
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     block_size: int = Field(default=16, ge=1, le=256, description="KV cache block (tokens).")
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV of shared prefixes.")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto",
+        description=(
+            "KV cache element type, every pool alike: auto (the model's dtype) or fp8 (float8"
+            " e4m3, unscaled: twice the KV blocks of a bfloat16 pool in the same memory, the"
+            " hand-off half the bytes; keys and values rounded to 8 bits) (--kv-cache-dtype)."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="Appended to `phasefleet worker`."
     )

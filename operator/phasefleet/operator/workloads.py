@@ -130,6 +130,8 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args += [WorkerFlag.MAX_MODEL_LEN, str(spec.model.max_model_len)]
     if not spec.runtime.enable_prefix_caching:
         args.append(WorkerFlag.NO_PREFIX_CACHING)
+    if spec.runtime.kv_cache_dtype != "auto":  # every pool: a hand-off keeps the bytes as they are
+        args += [WorkerFlag.KV_CACHE_DTYPE, spec.runtime.kv_cache_dtype]
     if pool.tensor_parallel_size > 1:
         args += [WorkerFlag.TENSOR_PARALLEL_SIZE, str(pool.tensor_parallel_size)]
     if role is Role.DECODE and spec.runtime.adaptive_phase_boundary:

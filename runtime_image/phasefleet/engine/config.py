@@ -8,6 +8,7 @@ from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
 from phasefleet.engine.speculation import MAX_SPECULATIVE_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (kv_dtype.py)
 DEVICES = ("cpu", "cuda", "auto")
 MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
 
@@ -46,6 +47,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV blocks in the pool (block 0 is the reserved null block); None: sized automatically,
     on GPU from free memory after loading the model, on CPU from a fixed memory budget."""
+    kv_cache_dtype: str = "auto"
+    """auto | fp8. auto: the model's dtype; fp8: keys and values stored as float8 e4m3, unscaled
+    (one byte each: twice the blocks of a 16-bit pool in the same memory)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
 
@@ -100,6 +104,11 @@ class EngineConfig:
         if self.num_lora_slots and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")
         _positive("block_size", self.block_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(
                 f"num_kv_blocks must be >= 2 (one is the null block) or None, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from phasefleet.engine.kv_cache_manager import cdiv
+from phasefleet.engine.kv_dtype import to_kv
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout
 
 
@@ -46,7 +47,7 @@ def tokens_chunk(tokens: torch.Tensor, layout: KVLayout, first_block: int) -> KV
     num_layers, _, num_tokens, heads, head_dim = tokens.shape
     num_blocks = num_tokens // bs
     blocks = tokens.reshape(num_layers, 2, num_blocks, bs, shards, heads // shards, head_dim)
-    wire = blocks.permute(0, 1, 4, 2, 3, 5, 6).to(_torch_dtype(layout)).contiguous()
+    wire = to_kv(blocks.permute(0, 1, 4, 2, 3, 5, 6), _torch_dtype(layout)).contiguous()
     return KVChunk(first_block, num_blocks, wire.view(torch.uint8).reshape(-1))
 
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from phasefleet.engine.kv_dtype import as_rows, select_rows
+
 CHUNK_BYTES = 32 << 20
 
 
@@ -114,9 +116,9 @@ def _gather(
     """out = cache's rows at index, straight into out when both live on one device."""
     rows = index[cache.device]
     if cache.device == out.device and out.is_contiguous():
-        torch.index_select(cache, 0, rows, out=out)
+        torch.index_select(as_rows(cache), 0, rows, out=as_rows(out))
     else:
-        out.copy_(cache.index_select(0, rows), non_blocking=True)
+        out.copy_(select_rows(cache, rows), non_blocking=True)
 
 
 def _send(

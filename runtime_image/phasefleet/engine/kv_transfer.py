@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int  # tokens per block
-    dtype: str  # float32 | bfloat16 | float16
+    dtype: str  # float32 | bfloat16 | float16 | float8_e4m3fn (kv_cache_dtype fp8)
     # the KV heads in this many equal groups, one per tensor-parallel rank of the worker: each
     # layer's keys (then values) are sent group after group, [blocks, block_size, kv_heads /
     # head_shards, head_dim] each; 1 is one group, the plain layout

@@ -109,6 +109,7 @@ class LLMEngine:
             separate_device,
             startup,
             tensor_parallel_size=config.tensor_parallel_size,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         if config.num_lora_slots:
             with startup.phase("lora"):

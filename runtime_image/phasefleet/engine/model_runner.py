@@ -28,6 +28,7 @@ from phasefleet.engine.attention.metadata import (
 from phasefleet.engine.block_table import BlockTables
 from phasefleet.engine.config import MAX_GRAPH_BATCH
 from phasefleet.engine.cuda_graphs import DecodeGraphs
+from phasefleet.engine.kv_dtype import as_rows, kv_dtype
 from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
@@ -114,13 +115,14 @@ class ModelRunner:
         startup: StartupTimes | None = None,
         tensor_parallel_size: int = 1,
         tp: TPGroup | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`separate_device`: keep the block tables and the step's inputs in device memory of
         their own, sent by copies as on a GPU (default: on CUDA only); tests set it on the CPU
         to run the GPU path's host side (always set with tensor parallelism). `startup` gets the
         device_init, weights and cpu_linear_plan phases. `tensor_parallel_size` > 1: this
         runner is rank 0 and starts the others; `tp`: this runner is a rank the rank 0 started
-        (ranks.py)."""
+        (ranks.py). `kv_cache_dtype`: EngineConfig's (kv_dtype.py)."""
         startup = startup or StartupTimes()
         self.ranks: RankSet | None = None
         if tp is None and tensor_parallel_size > 1:
@@ -135,7 +137,7 @@ class ModelRunner:
             threads = max(1, torch.get_num_threads() // tensor_parallel_size)
             spec = RankSpec(
                 str(folder), dtype, device.type, block_size, max_model_len, max_num_seqs,
-                free_address(), tensor_parallel_size, threads,
+                free_address(), tensor_parallel_size, threads, kv_cache_dtype,
             )  # fmt: skip
             self.ranks = RankSet(spec)  # they load while this process does
             if device.type == "cpu":
@@ -146,6 +148,7 @@ class ModelRunner:
             separate_device = True
         self.device = device
         self.dtype = DTYPES[dtype]
+        self.kv_dtype = kv_dtype(kv_cache_dtype, self.dtype)  # the pool's
         self.block_size = block_size
         if device.type == "cuda":
             # SDPA's backends, pinned: torch 2.9 tries cuDNN first on sm90, whose bundled 9.10
@@ -195,7 +198,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers, keys and values."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def auto_num_blocks(
@@ -256,8 +259,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(self.num_layers)
         ]
@@ -284,7 +287,7 @@ class ModelRunner:
 
     def kv_layout(self) -> KVLayout:
         """The wire layout: every KV head, in one group per shard of this worker's heads."""
-        dtype = next(name for name, value in DTYPES.items() if value == self.dtype)
+        dtype = str(self.kv_dtype).removeprefix("torch.")
         shards = self.kv_head_shards()
         return KVLayout(
             self.num_layers, self.num_kv_heads * shards, self.head_dim, self.block_size, dtype,
@@ -306,7 +309,8 @@ class ModelRunner:
         the ranks that hold it."""
         n, shards = len(block_ids), self.kv_head_shards()
         shape = (self.num_layers, 2, shards, -1, self.block_size, self.num_kv_heads, self.head_dim)
-        blocks = payload.view(self.dtype).view(shape)  # [layers, k/v, shard, blocks, bs, H, D]
+        # [layers, k/v, shard, blocks, bs, H, D] (a float8 pool's as bytes: kv_dtype.as_rows)
+        blocks = as_rows(payload.view(self.kv_dtype)).view(shape)
         for rank, caches in enumerate(self.rank_caches):
             device = caches[0][0].device
             index = torch.tensor(block_ids, dtype=torch.long, device=device)
@@ -314,7 +318,7 @@ class ModelRunner:
             for layer, (keys, values) in enumerate(caches):
                 for which, cache in enumerate((keys, values)):
                     part = blocks[layer, which, shard, first_block : first_block + n]
-                    cache.index_copy_(0, index, part.to(device, non_blocking=True))
+                    as_rows(cache).index_copy_(0, index, part.to(device, non_blocking=True))
 
     def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> None:
         """Run decode-only steps of up to max_batch requests through fixed-shape buffers, captured

@@ -26,7 +26,12 @@ from phasefleet.api.contract import (
     EngineRole,
     WorkerFlag,
 )
-from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
+from phasefleet.engine.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    EngineConfig,
+)  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.engine.tokenizer import GENERATION_CONFIG_FILE  # no heavy imports
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
@@ -123,6 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)"
     )
     engine.add_argument(WorkerFlag.BLOCK_SIZE, type=int, default=16, help="tokens per KV block")
+    engine.add_argument(
+        WorkerFlag.KV_CACHE_DTYPE,
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache element type: auto (the model's dtype) or fp8 (float8 e4m3, unscaled: "
+        "twice the blocks of a 16-bit pool)",
+    )
     engine.add_argument(
         WorkerFlag.NO_PREFIX_CACHING, action="store_true", help="disable prefix caching"
     )
@@ -305,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

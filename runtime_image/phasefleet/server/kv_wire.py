@@ -236,7 +236,7 @@ class LayoutWire(_Wire):
     num_kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     block_size: int = Field(ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"]
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
     head_shards: int = Field(default=1, ge=1)
     rope: str = Field(default="default", min_length=1, max_length=64)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
 from phasefleet.engine.attention.metadata import PrefillSeq
+from phasefleet.engine.kv_dtype import select_rows
 
 # Keys per tile, by device type. CPU: as fast as any larger tile for a 2048-token chunk at a 16k
 # context, with less memory (docs/engine.md). CUDA (not measured): large, so the float32 merges
@@ -166,8 +167,8 @@ def _tile_kv(
         bs = k_cache.shape[1]
         blocks = seq.block_table[k0 // bs : -(-k1 // bs)]
         skip = k0 % bs
-        keys = k_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + k1 - k0]
-        values = v_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + k1 - k0]
+        keys = select_rows(k_cache, blocks).flatten(0, 1)[skip : skip + k1 - k0].to(k.dtype)
+        values = select_rows(v_cache, blocks).flatten(0, 1)[skip : skip + k1 - k0].to(v.dtype)
     return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
 

@@ -7,7 +7,9 @@ groups of similar context length, so padding every gather to the longest one in 
 not multiply the bytes copied. On the CPU, SDPA is slow for bfloat16/float16 one-token queries
 (its flash kernel runs 4-7x longer than float32), so there a group with a `bias` runs as two
 batched matmuls with a float32 softmax instead, the arithmetic of transformers' eager attention.
-All of a step's prefills go through one call of prefill.py.
+All of a step's prefills go through one call of prefill.py. A float8 pool (kv_dtype.py) is read
+back into the queries' dtype wherever it is read, and a step's own keys and values are rounded
+to it before any attention, so every query sees them as stored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from phasefleet.engine.attention import triton_decode
 from phasefleet.engine.attention.metadata import AttentionMetadata, DecodeGroup
 from phasefleet.engine.attention.prefill import prefill_attention
+from phasefleet.engine.kv_dtype import as_rows, select_rows, to_kv
 
 
 def write_kv(
@@ -27,9 +30,10 @@ def write_kv(
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """k, v: [T, kv_heads, head_dim] into their slots ([T] long) of the layer's pool."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+    """k, v: [T, kv_heads, head_dim], in the pool's dtype, into their slots ([T] long) of the
+    layer's pool."""
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        as_rows(cache.view(-1, *new.shape[1:])).index_copy_(0, slots, as_rows(new))
 
 
 def grouped_decode_attention(
@@ -70,7 +74,12 @@ def paged_attention(
     the layer's sliding window in tokens (None: the whole context); `softcap`: scores capped
     by tanh (Gemma 2; no fused kernel takes it, so its decodes run as matmuls, their groups
     carrying biases)."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if k_cache.dtype != k.dtype:  # a float8 pool: attend to the keys and values as stored
+        k, v = to_kv(k, k_cache.dtype), to_kv(v, v_cache.dtype)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     parts = []  # outputs in batch order: the decodes (one part per group), then each prefill
     n_dec = meta.num_decode_tokens
     if n_dec and meta.decode_backend == "triton":
@@ -117,8 +126,9 @@ def _decode_group(
     else:
         # index_select, not k_cache[tables]: advanced indexing is far slower on a big pool
         flat = group.block_tables.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
-        values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        keys = select_rows(k_cache, flat).view(shape).transpose(1, 2)  # [n, Hkv, S, D]
+        values = select_rows(v_cache, flat).view(shape).transpose(1, 2)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a float8 pool's, read back
     if group.biases:
         bias = group.biases[window]
         return grouped_decode_attention(q[group.start : end], keys, values, bias, scale, softcap)

@@ -15,7 +15,8 @@ a captured graph knows), never from the context lengths on the device; each requ
 its own context into at most that many splits of at least `min_split_tokens`, so a short context
 in a graph captured for long ones is not split needlessly. Only tiles inside the context (and
 the sliding window) are read, so a block table padded to a fixed width costs nothing. Importing
-this module never fails: `available()` says whether Triton is there.
+this module never fails: `available()` says whether Triton is there. A float8 pool's keys and
+values are read as stored and cast to the queries' dtype in registers (one byte per value read).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ if triton is not None:
         TILE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
-        PRECISION: tl.constexpr,  # "ieee": float32 caches, not rounded to tf32; 16-bit: ignored
+        PRECISION: tl.constexpr,  # "ieee": float32 queries, not rounded to tf32; 16-bit: ignored
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -167,7 +168,7 @@ if triton is not None:
         dmask = d < HEAD_DIM
         qmask = gmask[:, None] & dmask[None, :]
         q_ptr = Q + b * stride_qb + h[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr, mask=qmask, other=0.0).to(K.dtype.element_ty)  # [GROUP_P, BLOCK_D]
+        q = tl.load(q_ptr, mask=qmask, other=0.0)  # [GROUP_P, BLOCK_D]
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
@@ -180,13 +181,14 @@ if triton is not None:
             row = block.to(tl.int64) * stride_kn + (pos % BLOCK) * stride_kt + kvh * stride_kh
             kv_mask = valid[None, :] & dmask[:, None]
             k = tl.load(K + row[None, :] + d[:, None], mask=kv_mask, other=0.0)  # [BLOCK_D, TILE]
+            k = k.to(q.dtype)  # a float8 pool's keys in the queries' dtype (else a no-op)
             s = tl.dot(q, k, input_precision=PRECISION)
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [GROUP_P, TILE]
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             v_mask = valid[:, None] & dmask[None, :]
-            v = tl.load(V + row[:, None] + d[None, :], mask=v_mask, other=0.0)  # [TILE, BLOCK_D]
+            v = tl.load(V + row[:, None] + d[None, :], mask=v_mask, other=0.0).to(q.dtype)
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + pv
@@ -315,7 +317,7 @@ def paged_decode(
         TILE=TILE,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if splits > 1:
         combine_kernel[(batch, heads)](

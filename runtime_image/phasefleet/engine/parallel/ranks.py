@@ -47,6 +47,7 @@ class RankSpec:
     address: str  # tcp://host:port where the group meets
     size: int
     threads: int  # torch threads per rank on the CPU
+    kv_cache_dtype: str = "auto"  # EngineConfig's
 
 
 def free_address() -> str:
@@ -150,6 +151,7 @@ def follow(rank: int, spec: RankSpec, pipe: Connection) -> None:
         spec.max_num_seqs,
         separate_device=True,
         tp=tp,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
     while True:
         try:
