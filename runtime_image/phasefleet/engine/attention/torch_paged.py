@@ -74,12 +74,9 @@ def paged_attention(
     the layer's sliding window in tokens (None: the whole context); `softcap`: scores capped
     by tanh (Gemma 2; no fused kernel takes it, so its decodes run as matmuls, their groups
     carrying biases)."""
-    if k_cache.dtype != k.dtype:  # a float8 pool: attend to the keys and values as stored
-        k, v = to_kv(k, k_cache.dtype), to_kv(v, v_cache.dtype)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    else:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    k, v = to_kv(k, k_cache.dtype), to_kv(v, v_cache.dtype)  # a no-op but in a float8 pool
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # attend to the keys and values as stored
     parts = []  # outputs in batch order: the decodes (one part per group), then each prefill
     n_dec = meta.num_decode_tokens
     if n_dec and meta.decode_backend == "triton":
