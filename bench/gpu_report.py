@@ -62,6 +62,12 @@ CHECKS = [
         "Llama-3-8B shape, random bf16: decode vs HBM roofline, prefill vs matmul FLOP/s",
     ),
     Check(
+        "kv_fp8_8b",
+        "gpu_kv_fp8:kv_fp8",
+        300,
+        "Llama-3-8B shape, bf16: a float8 KV pool vs a bf16 one (blocks, decode step time)",
+    ),
+    Check(
         "kv_handoff",
         "gpu_handoff:handoff",
         180,

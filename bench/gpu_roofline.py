@@ -166,7 +166,9 @@ def prefill(eng: LLMEngine, tokens: int, cuda: bool) -> float:
     return min(times[1:])
 
 
-def load_random(ctx: CheckContext, folder: Path, data: dict[str, Any]) -> LLMEngine:
+def load_random(
+    ctx: CheckContext, folder: Path, data: dict[str, Any], kv_cache_dtype: str = "auto"
+) -> LLMEngine:
     """The engine on `folder`'s shape with random bf16 weights made on the device, decode
     graphs off (the caller captures them, timed); data["load_seconds"]: how long it took."""
     started = time.perf_counter()
@@ -176,6 +178,7 @@ def load_random(ctx: CheckContext, folder: Path, data: dict[str, Any]) -> LLMEng
             EngineConfig(
                 model=str(folder), device=ctx.device, dtype="bfloat16", max_model_len=4096,
                 max_num_seqs=max(BATCHES), max_num_batched_tokens=2048,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )  # fmt: skip
     data["load_seconds"] = time.perf_counter() - started
