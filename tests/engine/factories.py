@@ -13,6 +13,7 @@ import torch
 from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.kv_cache_manager import KVCacheManager
+from phasefleet.engine.kv_transfer import KVChunk
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.scheduler import Scheduler
@@ -143,3 +144,16 @@ def finish_all(engine: LLMEngine) -> dict[str, RequestOutput]:
             if out.finished:
                 final[out.request_id] = out
     return final
+
+
+def pull_kv(engine: LLMEngine, rid: str, first: int = 0, end: int | None = None) -> list[KVChunk]:
+    """The leased prompt's blocks first .. end - 1 (default: all) as one chunk, read as a
+    decode worker's pull reads them (pinned meanwhile)."""
+    lease = engine.pin_kv(rid)
+    assert lease is not None
+    blocks = lease.block_ids[first:end]
+    try:
+        payload = b"".join(bytes(chunk) for chunk in engine.runner.read_kv(blocks))
+    finally:
+        engine.unpin_kv(lease)
+    return [KVChunk(first, len(blocks), torch.frombuffer(bytearray(payload), dtype=torch.uint8))]

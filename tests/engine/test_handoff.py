@@ -21,6 +21,7 @@ from tests.engine.factories import (
     finish_all,
     make_requests,
     make_scheduler,
+    pull_kv,
     random_prompts,
 )
 
@@ -191,18 +192,6 @@ def _prefill(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) ->
     return finish_all(engine)[rid]
 
 
-def _pull(engine: LLMEngine, rid: str, first: int = 0, end: int | None = None) -> list[KVChunk]:
-    """The leased prompt's blocks first .. end - 1 (default: all) as one chunk."""
-    lease = engine.pin_kv(rid)
-    assert lease is not None
-    blocks = lease.block_ids[first:end]
-    try:
-        payload = b"".join(bytes(chunk) for chunk in engine.runner.read_kv(blocks))
-    finally:
-        engine.unpin_kv(lease)
-    return [KVChunk(first, len(blocks), torch.frombuffer(bytearray(payload), dtype=torch.uint8))]
-
-
 @pytest.mark.parametrize("length", [7, 8, 13])  # inside, at and across block boundaries
 def test_disaggregated_greedy_equals_transformers(
     tiny_model: Callable[[str], Path],
@@ -214,7 +203,7 @@ def test_disaggregated_greedy_equals_transformers(
     first = _prefill(prefill, "r", prompt, max_tokens=10)
     assert first.finish_reason == "handoff" and len(first.output_token_ids) == 1
     assert prefill.stats().num_kv_leases == 1
-    payload = _pull(prefill, "r")
+    payload = pull_kv(prefill, "r")
     assert prefill.release_kv("r") and not prefill.release_kv("r")
     assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_usable_blocks
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -252,7 +241,7 @@ def test_pulled_prompt_becomes_a_prefix_cache_entry_on_the_decode_side(
         prompt,
         params,
         first_token_id=first.output_token_ids[0],
-        imported_kv=_pull(prefill, "a"),
+        imported_kv=pull_kv(prefill, "a"),
     )
     finish_all(decode)
     decode.add_request("b", prompt, params)
@@ -310,7 +299,7 @@ def test_a_partial_import_recomputes_only_the_tail(
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     decode.add_request(
         "r", prompt, params, first_token_id=first.output_token_ids[0],
-        imported_kv=_pull(prefill, "r", 0, 2),
+        imported_kv=pull_kv(prefill, "r", 0, 2),
     )  # fmt: skip
     out = finish_all(decode)["r"]
     assert out.output_token_ids == hf_greedy("llama", prompt, 8)
@@ -329,7 +318,7 @@ def test_an_import_past_the_decode_sides_prefix_hits_loads_only_its_blocks(
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     decode.add_request(
         "r", prompt, params, first_token_id=first.output_token_ids[0],
-        imported_kv=_pull(prefill, "r", 2),  # blocks 2 and 3 only: skip_blocks = 2
+        imported_kv=pull_kv(prefill, "r", 2),  # blocks 2 and 3 only: skip_blocks = 2
     )  # fmt: skip
     out = finish_all(decode)["r"]
     assert out.output_token_ids == hf_greedy("llama", prompt, 6)
@@ -338,7 +327,7 @@ def test_an_import_past_the_decode_sides_prefix_hits_loads_only_its_blocks(
     cold = _engine(tiny_model("llama"))
     cold.add_request(
         "r", prompt, params, first_token_id=first.output_token_ids[0],
-        imported_kv=_pull(prefill, "r", 2),
+        imported_kv=pull_kv(prefill, "r", 2),
     )  # fmt: skip
     assert finish_all(cold)["r"].output_token_ids == out.output_token_ids
     assert cold.stats().prompt_tokens_total == 14
@@ -392,7 +381,7 @@ def test_kv_from_a_prefill_engine_of_another_block_size_is_converted_and_matches
     prefill = _engine(tiny_model("llama"))
     decode = LLMEngine(engine_config(tiny_model("llama"), num_kv_blocks=32, block_size=8))
     first = _prefill(prefill, "r", prompt, max_tokens=8)
-    chunks = convert_chunks(_pull(prefill, "r"), prefill.kv_layout, decode.kv_layout, 13)
+    chunks = convert_chunks(pull_kv(prefill, "r"), prefill.kv_layout, decode.kv_layout, 13)
     assert [(c.first_block, c.num_blocks) for c in chunks] == [(0, 2)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     decode.add_request(
@@ -418,15 +407,15 @@ def test_kv_streamed_in_after_admission_is_written_as_it_comes_and_matches(
         prompt,
         params,
         first_token_id=first.output_token_ids[0],
-        imported_kv=_pull(prefill, "r", 0, 1),
+        imported_kv=pull_kv(prefill, "r", 0, 1),
         importing_from=0,
     )
     assert decode.step() == [] and decode.step() == []  # admitted, waiting for its KV
     assert decode.kv.pool.num_free_blocks < decode.kv.pool.num_usable_blocks
     with pytest.raises(ValueError, match="expected 1"):
-        decode.import_kv("r", _pull(prefill, "r", 2, 3)[0])  # out of order: refused
+        decode.import_kv("r", pull_kv(prefill, "r", 2, 3)[0])  # out of order: refused
     for block in (1, 2, 3):
-        (chunk,) = _pull(prefill, "r", block, block + 1)
+        (chunk,) = pull_kv(prefill, "r", block, block + 1)
         decode.import_kv("r", chunk)
         assert decode.step() == []
     decode.end_import("r")
@@ -446,12 +435,12 @@ def test_an_import_that_ends_early_recomputes_only_the_rest(
     decode.add_request(
         "r", prompt, params, first_token_id=first.output_token_ids[0], importing_from=0
     )
-    decode.import_kv("r", _pull(prefill, "r", 0, 2)[0])  # before admission: kept
+    decode.import_kv("r", pull_kv(prefill, "r", 0, 2)[0])  # before admission: kept
     decode.end_import("r")  # the stream broke after 8 tokens
     out = finish_all(decode)["r"]
     assert decode.stats().prompt_tokens_total == 13 - 8
     assert out.output_token_ids == hf_greedy("llama", prompt, 6)
-    decode.import_kv("r", _pull(prefill, "r", 2, 3)[0])  # a late chunk: ignored
+    decode.import_kv("r", pull_kv(prefill, "r", 2, 3)[0])  # a late chunk: ignored
 
 
 def test_a_first_token_given_at_the_end_of_the_import_is_checked_then_decoded_from(
@@ -465,7 +454,7 @@ def test_a_first_token_given_at_the_end_of_the_import_is_checked_then_decoded_fr
     first = _prefill(prefill, "r", prompt, max_tokens=7).output_token_ids[0]
     params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     decode.add_request("r", prompt, params, importing_from=0)
-    decode.import_kv("r", _pull(prefill, "r")[0])
+    decode.import_kv("r", pull_kv(prefill, "r")[0])
     assert decode.step() == []  # admitted, its KV written, waiting for the end
     vocab = decode.hf_config.vocab_size
     with pytest.raises(ValueError, match=r"first_token_id must be in \[0, "):

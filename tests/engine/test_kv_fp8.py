@@ -15,10 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from phasefleet.engine.kv_convert import convert_chunks
 from phasefleet.engine.kv_dtype import FLOAT8, to_kv
-from phasefleet.engine.kv_transfer import KVChunk
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
-from tests.engine.factories import engine_config, finish_all, random_prompts
+from tests.engine.factories import engine_config, finish_all, pull_kv, random_prompts
 
 ModelPath = Callable[[str], Path]
 Greedy = Callable[[str, list[int], int], list[int]]
@@ -123,7 +122,7 @@ def test_two_ranks_keep_float8_pools_and_answer_alike(
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         engine.add_request("p", prompts[0], params, prefill_only=True)
         finish_all(engine)
-        (chunk,) = _pull(engine, "p")
+        (chunk,) = pull_kv(engine, "p")
         assert chunk.payload.numel() == chunk.num_blocks * engine.kv_layout.block_bytes()
     finally:
         engine.close()
@@ -135,17 +134,6 @@ def test_a_block_of_fp8_is_a_quarter_of_float32s(tiny_model: ModelPath) -> None:
     fp8 = fp8_engine(tiny_model("llama"), num_kv_blocks=8, block_size=16, device="cpu")
     assert plain.runner.block_bytes() == 4 * fp8.runner.block_bytes()
     assert plain.kv_layout.block_bytes() == 4 * fp8.kv_layout.block_bytes()
-
-
-def _pull(engine: LLMEngine, rid: str) -> list[KVChunk]:
-    lease = engine.pin_kv(rid)
-    assert lease is not None
-    try:
-        payload = b"".join(bytes(c) for c in engine.runner.read_kv(lease.block_ids))
-    finally:
-        engine.unpin_kv(lease)
-    n = len(lease.block_ids)
-    return [KVChunk(0, n, torch.frombuffer(bytearray(payload), dtype=torch.uint8))]
 
 
 @pytest.mark.parametrize("decode_kv", ["fp8", "auto"])
@@ -163,7 +151,7 @@ def test_an_fp8_prefill_pool_hands_off_its_blocks(
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prefill.add_request("r", prompt, params, prefill_only=True)
     first = finish_all(prefill)["r"]
-    chunks = _pull(prefill, "r")
+    chunks = pull_kv(prefill, "r")
     if decode_kv == "auto":
         assert chunks[0].payload.numel() == 5 * prefill.kv_layout.block_bytes()
         chunks = convert_chunks(chunks, prefill.kv_layout, decode.kv_layout, len(prompt))

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from phasefleet.engine.kv_convert import convert_chunks
-from phasefleet.engine.kv_transfer import KVChunk
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.outputs import TokenLogprob
 from phasefleet.engine.parallel.shard import Shard, unsupported
 from phasefleet.engine.request import Request
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.engine.tiny import make_tiny
-from tests.engine.factories import engine_config, finish_all, random_prompts
+from tests.engine.factories import engine_config, finish_all, pull_kv, random_prompts
 
 HFGreedy = Callable[[str, list[int], int], list[int]]
 ModelPath = Callable[[str], Path]
@@ -179,15 +178,9 @@ def test_handoff_between_degrees_matches_transformers(
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prefill.add_request(rid, prompt, params, prefill_only=True)
     first = finish_all(prefill)[rid]
-    lease = prefill.pin_kv(rid)
-    assert lease is not None
-    try:
-        payload = b"".join(bytes(c) for c in prefill.runner.read_kv(lease.block_ids))
-    finally:
-        prefill.unpin_kv(lease)
+    sent = pull_kv(prefill, rid)
     assert prefill.release_kv(rid)
-    sent = KVChunk(0, len(lease.block_ids), torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    chunks = convert_chunks([sent], prefill.kv_layout, decode.kv_layout, len(prompt))
+    chunks = convert_chunks(sent, prefill.kv_layout, decode.kv_layout, len(prompt))
     before = decode.stats().prompt_tokens_total
     decode.add_request(
         rid, prompt, params, first_token_id=first.output_token_ids[0], imported_kv=chunks
