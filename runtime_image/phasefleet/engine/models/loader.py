@@ -4,10 +4,10 @@ Each checkpoint tensor is read once and copied straight into its place: the fuse
 gate/up weights are allocated on the device in the model's dtype and filled slice by slice, the
 others are moved (and cast) one at a time; a mixture-of-experts layer's experts go into its
 stacked weights, expert by expert; checkpoints that name or fuse tensors otherwise (Mixtral,
-Phi-3) are read through checkpoint.py, an FP8 checkpoint's weights dequantized as they are read
-(fp8.py). The host never holds more than one tensor of the checkpoint,
-and nothing is concatenated or cast after loading. A tensor-parallel rank reads the same files
-and keeps its own slice of each tensor (parallel/shard.py).
+Phi-3) are read through checkpoint.py, and an FP8 checkpoint's weights are dequantized as they
+are read (fp8.py). The host never holds more than one tensor of the checkpoint, and nothing is
+concatenated or cast after loading. A tensor-parallel rank reads the same files and keeps its
+own slice of each tensor (parallel/shard.py).
 """
 
 from __future__ import annotations
