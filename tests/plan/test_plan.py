@@ -105,6 +105,24 @@ def test_the_command_prints_the_candidates_and_writes_a_service_the_crd_accepts(
     assert spec["model"]["hf"]["repoId"] == "org/model"
     if spec["mode"] == "disaggregated":  # every prompt handed off, as the simulator ran it
         assert parsed.runtime.remote_prefill_min_tokens == 0
+    assert parsed.runtime.kv_cache_dtype == "auto" and "kvCacheDtype" not in str(spec)
+
+
+def test_a_plan_for_a_float8_kv_pool_says_so_and_writes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "chat.csv"
+    write_trace(trace, rate=20.0, seconds=600)
+    out = tmp_path / "svc.yaml"
+    argv = ["plan", "--trace", str(trace), "--ttft-ms", "500", "--tpot-ms", "30", "--gpu", "l40s"]
+    argv += ["--max-gpus", "12", "--kv-cache-dtype", "fp8", "-o", str(out)]
+    assert main(argv) == 0
+    assert "(roofline, float8 KV)" in capsys.readouterr().out
+    spec = yaml.safe_load(out.read_text())["spec"]
+    assert validate_service("planned", spec).runtime.kv_cache_dtype == "fp8"
+    cpu = [*argv[:7], "--gpu", "cpu", "--curves", str(tmp_path / "c.json"), *argv[9:]]
+    assert main(cpu) == 2
+    assert "--kv-cache-dtype fp8 needs a GPU's roofline" in capsys.readouterr().err
 
 
 def test_the_command_refuses_bad_input_saying_what_to_fix(

@@ -136,6 +136,20 @@ def test_a_mixture_of_experts_holds_every_expert_and_computes_with_the_chosen(
         ModelShape.from_config(tmp_path)
 
 
+def test_a_float8_kv_pool_holds_twice_the_tokens_and_reads_half_the_bytes() -> None:
+    llama = ModelShape("llama-3-8b", 8.03e9, 32, 4096, 8, 128)
+    bf16, fp8 = (
+        roofline(llama, GPUS["h100"]),
+        roofline(replace(llama, kv_dtype_bytes=1), GPUS["h100"]),
+    )
+    assert bf16.kv_bytes_per_token == 2 * fp8.kv_bytes_per_token == 131072
+    assert fp8.kv_capacity_tokens == pytest.approx(2 * bf16.kv_capacity_tokens, abs=1)
+    assert fp8.decode[2] == pytest.approx(bf16.decode[2] / 2)  # the KV a step reads
+    assert fp8.decode[:2] == bf16.decode[:2] and fp8.prefill == bf16.prefill  # weights alike
+    assert fp8.handoff_s(1000) < bf16.handoff_s(1000)
+    assert "float8 KV" in fp8.name
+
+
 def test_the_roofline_scales_with_the_gpu_and_refuses_a_model_too_large() -> None:
     llama = ModelShape("llama-3-8b", 8.03e9, 32, 4096, 8, 128)
     h100, h200 = roofline(llama, GPUS["h100"]), roofline(llama, GPUS["h200"])

@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--curves", type=Path, help="measured curves (bench/autoscale_measure.py); --gpu cpu"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the workers' KV pool: auto (the model's dtype) or fp8 (one byte a value: twice the "
+        "KV tokens of bf16, half the KV a decode step reads and a hand-off sends)",
+    )
     parser.add_argument("--max-gpus", type=int, default=64, help="the largest fleet tried")
     parser.add_argument("--max-model-len", type=int, help="default: the trace's longest request")
     parser.add_argument("--name", default="planned", help="the InferenceService's name")

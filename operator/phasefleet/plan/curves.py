@@ -88,6 +88,7 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int = 2
     active_params: float | None = None  # a mixture of experts': those one token runs through
+    kv_dtype_bytes: int | None = None  # the KV pool's element, when not the model's (fp8: 1)
 
     @property
     def flop_params(self) -> float:
@@ -96,7 +97,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+        element = self.kv_dtype_bytes or self.dtype_bytes
+        return self.layers * self.kv_heads * self.head_dim * 2 * element
 
     @classmethod
     def from_config(cls, path: Path) -> ModelShape:
@@ -187,8 +189,9 @@ def roofline(model: ModelShape, gpu: Gpu, eff: Efficiency = Efficiency()) -> Cur
     # decode_mfu: the terms are added, not overlapped (pessimistic for large batches)
     per_seq = 2 * model.flop_params / (gpu.bf16_flops * eff.decode_mfu)
     kv = model.kv_bytes_per_token
+    kv_pool = ", float8 KV" if model.kv_dtype_bytes == 1 else ""
     return Curves(
-        name=f"{model.name} on {gpu.name} (roofline)",
+        name=f"{model.name} on {gpu.name} (roofline{kv_pool})",
         prefill=(eff.step_overhead_s, per_token, per_token_sq),
         decode=(eff.step_overhead_s + weights / hbm, per_seq, kv / hbm),
         kv_capacity_tokens=int(free // kv),

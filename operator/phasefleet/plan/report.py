@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ def plan_service(args: argparse.Namespace) -> int:
 
 def _curves(args: argparse.Namespace) -> Curves:
     model = ModelShape.from_config(args.model) if args.model else LLAMA_3_8B
+    if args.kv_cache_dtype == "fp8":
+        if args.gpu == "cpu":
+            raise ValueError(
+                "--kv-cache-dtype fp8 needs a GPU's roofline: measured CPU curves are of a "
+                "float32 pool"
+            )
+        model = replace(model, kv_dtype_bytes=1)
     if args.gpu == "cpu":
         if args.curves is None:
             raise ValueError("--gpu cpu needs --curves (bench/autoscale_measure.py writes them)")
@@ -115,6 +123,8 @@ def service(
         spec["prefill"] = _pool(shape.prefill, quiet_share(trace, trace.prompt), shape, curves, gpu)
         spec["decode"] = _pool(shape.decode, quiet_share(trace, trace.output), shape, curves, gpu)
         spec["runtime"] = {"remotePrefillMinTokens": 0}  # every prompt handed off, as simulated
+    if args.kv_cache_dtype != "auto":  # the pool the curves were sized with
+        spec.setdefault("runtime", {})["kvCacheDtype"] = args.kv_cache_dtype
     spec["slo"] = {
         "ttftMs": max(1, round(slo.ttft_s * 1000)),
         "tpotMs": max(1, round(slo.tpot_s * 1000)),
