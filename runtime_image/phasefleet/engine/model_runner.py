@@ -228,10 +228,11 @@ class ModelRunner:
         budget = int(free * GPU_MEMORY_FRACTION) - reserve
         blocks = max(2, budget // self.block_bytes())
         logger.info(
-            "KV pool: %d blocks of %.0f KiB (%.2f GiB) = %.0f%% of the %.2f GiB free after "
+            "KV pool: %d blocks of %.0f KiB in %s (%.2f GiB) = %.0f%% of the %.2f GiB free after "
             "loading, less %.2f GiB reserved for activations, logits and graphs",
-            blocks, self.block_bytes() / 2**10, blocks * self.block_bytes() / 2**30,
-            100 * GPU_MEMORY_FRACTION, free / 2**30, reserve / 2**30,
+            blocks, self.block_bytes() / 2**10, str(self.kv_dtype).removeprefix("torch."),
+            blocks * self.block_bytes() / 2**30, 100 * GPU_MEMORY_FRACTION, free / 2**30,
+            reserve / 2**30,
         )  # fmt: skip
         return blocks
 
