@@ -131,6 +131,11 @@ def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> 
     return ids[len(prompt) :]
 
 
+def contains(tokens: list[int], word: list[int]) -> bool:
+    """Whether `word` appears in `tokens`, its tokens consecutive."""
+    return any(tokens[i : i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in lengths]

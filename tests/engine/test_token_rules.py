@@ -13,15 +13,11 @@ import torch
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampler import SamplingRow
 from phasefleet.engine.sampling_params import SamplingParams
-from tests.engine.factories import engine_config, random_prompts
+from tests.engine.factories import contains, engine_config, random_prompts
 from tests.engine.test_speculation import oracle_engine
 
 ModelPath = Callable[[str], Path]
 TOKENS = 20
-
-
-def contains(tokens: list[int], word: list[int]) -> bool:
-    return any(tokens[i : i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
 
 
 def test_bad_words_ban_a_words_last_token_after_the_rest_of_it() -> None:

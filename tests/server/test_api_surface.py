@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from phasefleet.server.openai_protocol import ResponsesRequest
+from tests.engine.factories import contains
 from tests.server.worker_proc import Worker, run_worker
 
 PROMPT = "Evaluation harnesses read the logprobs of every token"
@@ -436,10 +437,6 @@ def test_allowed_token_ids_and_bad_words_are_served(client: openai.OpenAI, worke
     assert without != free and len(without) == 8
     assert not any(contains(without, form) for form in forms)
     assert not any(contains(token_ids("chat", bad_words=[word]), form) for form in forms)
-
-
-def contains(tokens: list[int], word: list[int]) -> bool:
-    return any(tokens[i : i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
 
 
 STRUCTURED_SCHEMA = {
