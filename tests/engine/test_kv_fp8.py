@@ -18,6 +18,7 @@ from phasefleet.engine.kv_dtype import FLOAT8, to_kv
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
 from tests.engine.factories import engine_config, finish_all, pull_kv, random_prompts
+from tests.engine.test_speculation import oracle_engine
 
 ModelPath = Callable[[str], Path]
 Greedy = Callable[[str, list[int], int], list[int]]
@@ -96,6 +97,23 @@ def test_the_rounding_is_what_the_reference_checks(
     of these, float8 keys and values give other tokens than float32 ones."""
     prompts = random_prompts([30, 31, 32, 33, 34, 35], seed=3)
     assert any(fp8_reference("llama", p, 24) != hf_greedy("llama", p, 24) for p in prompts)
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_drafts_verified_against_a_float8_pool_change_no_token(
+    tiny_model: ModelPath, fp8_reference: Greedy, wrong_at: int | None
+) -> None:
+    """A step that verifies drafts reads its own new keys as stored, as a one-token step
+    does: the same tokens with every draft right, or one wrong."""
+    prompts = random_prompts([15, 28], seed=13)
+    reference = {f"r{i}": fp8_reference("llama", p, 10) for i, p in enumerate(prompts)}
+    engine = oracle_engine(tiny_model("llama"), reference, wrong_at, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for rid, prompt in zip(reference, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    answers = {rid: out.output_token_ids for rid, out in finish_all(engine).items()}
+    assert answers == reference
+    assert engine.stats().spec_draft_tokens_total > 0
 
 
 def test_prefix_cache_hits_read_the_stored_keys(
