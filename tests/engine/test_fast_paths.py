@@ -118,6 +118,11 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_decode_backend(cuda, 16) == "triton"
     assert choose_decode_backend(cuda, 12) == "torch"  # not a power of two
     assert choose_decode_backend(cuda, 16, softcap=True) == "torch"  # Gemma 2: no kernel
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert choose_decode_backend(cuda, 16, float8_kv=True) == "triton"  # an H100
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert choose_decode_backend(cuda, 16, float8_kv=True) == "torch"  # an A100: no float8
+    assert choose_decode_backend(cuda, 16) == "triton"
     monkeypatch.setenv("PHASEFLEET_ATTENTION", "torch")
     assert choose_decode_backend(cuda, 16) == "torch"
     monkeypatch.setenv("PHASEFLEET_ATTENTION", "triton")
@@ -125,6 +130,8 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         choose_decode_backend(cpu, 12)
     with pytest.raises(ValueError, match="and a softcapped model"):
         choose_decode_backend(cuda, 16, softcap=True)
+    with pytest.raises(ValueError, match="a float8 KV pool on a GPU before sm89"):
+        choose_decode_backend(cuda, 16, float8_kv=True)
     monkeypatch.setenv("PHASEFLEET_ATTENTION", "cudnn")
     with pytest.raises(ValueError, match="PHASEFLEET_ATTENTION must be"):
         choose_decode_backend(cpu, 16)

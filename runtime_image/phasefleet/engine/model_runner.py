@@ -28,7 +28,7 @@ from phasefleet.engine.attention.metadata import (
 from phasefleet.engine.block_table import BlockTables
 from phasefleet.engine.config import MAX_GRAPH_BATCH
 from phasefleet.engine.cuda_graphs import DecodeGraphs
-from phasefleet.engine.kv_dtype import as_rows, kv_dtype
+from phasefleet.engine.kv_dtype import FLOAT8, as_rows, kv_dtype
 from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
 from phasefleet.engine.logprobs import token_logprobs
@@ -60,19 +60,31 @@ GPU_MEMORY_FRACTION = 0.85  # share of the free GPU memory the KV pool and the r
 logger = logging.getLogger(__name__)
 
 
-def choose_decode_backend(device: torch.device, block_size: int, softcap: bool = False) -> str:
+def choose_decode_backend(
+    device: torch.device, block_size: int, softcap: bool = False, float8_kv: bool = False
+) -> str:
     """The decode attention backend: Triton on CUDA when Triton is installed, the block size
-    suits the kernel and the model has no attention softcapping (Gemma 2), else torch;
-    PHASEFLEET_ATTENTION=torch|triton forces one."""
+    suits the kernel, the model has no attention softcapping (Gemma 2) and, with a float8 KV
+    pool, the GPU converts float8 (sm89 and later: Triton has no float8 e4m3 before), else
+    torch; PHASEFLEET_ATTENTION=torch|triton forces one."""
     forced = os.environ.get("PHASEFLEET_ATTENTION", "auto")
     if forced not in ("auto", "torch", "triton"):
         raise ValueError(f"PHASEFLEET_ATTENTION must be auto, torch or triton, got {forced!r}")
-    usable = triton_decode.available() and triton_decode.supports(block_size) and not softcap
+    float8_unread = (
+        float8_kv and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+    )
+    usable = (
+        triton_decode.available()
+        and triton_decode.supports(block_size)
+        and not softcap
+        and not float8_unread
+    )
     if forced == "triton" and not usable:
         raise ValueError(
             "PHASEFLEET_ATTENTION=triton needs Triton, a power-of-two block_size and a model "
             f"without attention softcapping, got block_size {block_size}"
             + (" and a softcapped model" if softcap else "")
+            + (" and a float8 KV pool on a GPU before sm89" if float8_unread else "")
         )
     if forced == "auto":
         return "triton" if device.type == "cuda" and usable else "torch"
@@ -174,7 +186,9 @@ class ModelRunner:
         self.rank_caches: list[KVCache] = []  # every rank's pool, by rank (rank 0: all of them)
         self.exporter: KVExporter | None = None  # reads leased blocks for a pull
         softcap = self.model.traits.attn_softcap is not None  # no fused kernel takes it
-        self.decode_backend = choose_decode_backend(device, block_size, softcap)
+        self.decode_backend = choose_decode_backend(
+            device, block_size, softcap, float8_kv=self.kv_dtype == FLOAT8
+        )
         # SDPA's CPU kernel is slow for 16-bit one-token queries: decode groups run as matmuls.
         self.decode_as_matmuls = softcap or (device.type == "cpu" and self.dtype != torch.float32)
         separate = device.type != "cpu" if separate_device is None else separate_device
