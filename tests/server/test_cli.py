@@ -111,6 +111,7 @@ def test_out_of_memory_says_what_to_lower(exc: BaseException) -> None:
     message = cli.engine_failure("/models/m", exc, loaded=False)
     assert message.startswith("out of memory loading model /models/m (")
     assert "lower --num-kv-blocks, maxModelLen or maxNumSeqs" in message
+    assert "split the model over more GPUs (tensorParallelSize; an FP8 checkpoint" in message
 
 
 def test_other_engine_failures_name_the_model_and_the_cause() -> None:

@@ -425,10 +425,16 @@ def engine_failure(model: str, exc: BaseException, loaded: bool) -> str:
     """The worker's fatal error as one sentence: what failed and what to change."""
     cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
     if out_of_memory(exc):
+        split = (
+            ""
+            if loaded
+            else ", or split the model over more GPUs (tensorParallelSize; an FP8 checkpoint"
+            " takes its bfloat16 size, twice its files, once loaded)"
+        )
         return (
             f"out of memory {'serving' if loaded else 'loading'} model {model} ({cause}): give"
             " the pod more memory or a larger GPU (spec resources), or lower --num-kv-blocks,"
-            " maxModelLen or maxNumSeqs, or use a smaller dtype"
+            f" maxModelLen or maxNumSeqs, or use a smaller dtype{split}"
         )
     if loaded:
         return f"the engine failed while serving model {model} ({cause}); see the pod's log"
