@@ -71,6 +71,7 @@ def test_the_bounds_themselves_are_valid() -> None:
         (dict(dtype="float64"), "dtype"),
         (dict(device="tpu"), "device"),
         (dict(block_size=0), "block_size"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
         (dict(num_kv_blocks=1), "num_kv_blocks"),
         (dict(max_model_len=-5), "max_model_len"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),

@@ -79,16 +79,21 @@ def write_trace(path: Path, rate: float, seconds: float) -> None:
     path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "\n".join(rows) + "\n")
 
 
+def plan_argv(tmp_path: Path, *extra: str) -> list[str]:
+    """`phasefleet plan` on a steady chat trace (20 req/s for 10 min) with a 500 ms TTFT and
+    30 ms TPOT target, on L40S GPUs, at most 12."""
+    trace = tmp_path / "chat.csv"
+    write_trace(trace, rate=20.0, seconds=600)
+    argv = ["plan", "--trace", str(trace), "--ttft-ms", "500", "--tpot-ms", "30"]
+    return [*argv, "--gpu", "l40s", "--max-gpus", "12", *extra]
+
+
 def test_the_command_prints_the_candidates_and_writes_a_service_the_crd_accepts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = tmp_path / "chat.csv"
-    write_trace(trace, rate=20.0, seconds=600)
     out = tmp_path / "svc.yaml"
-    argv = ["plan", "--trace", str(trace), "--ttft-ms", "500", "--tpot-ms", "30"]
-    argv += ["--percentile", "0.99", "--gpu", "l40s", "--max-gpus", "12", "--name", "chat"]
-    argv += ["--hf-repo", "org/model", "-o", str(out)]
-    assert main(argv) == 0
+    argv = plan_argv(tmp_path, "--percentile", "0.99", "--name", "chat", "--hf-repo", "org/model")
+    assert main([*argv, "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| fleet | GPUs | attainment | TTFT p99 | TPOT p99 |" in printed
     assert "aggregated, chunks of 512" in printed and "disaggregated" in printed
@@ -111,17 +116,13 @@ def test_the_command_prints_the_candidates_and_writes_a_service_the_crd_accepts(
 def test_a_plan_for_a_float8_kv_pool_says_so_and_writes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = tmp_path / "chat.csv"
-    write_trace(trace, rate=20.0, seconds=600)
     out = tmp_path / "svc.yaml"
-    argv = ["plan", "--trace", str(trace), "--ttft-ms", "500", "--tpot-ms", "30", "--gpu", "l40s"]
-    argv += ["--max-gpus", "12", "--kv-cache-dtype", "fp8", "-o", str(out)]
-    assert main(argv) == 0
+    argv = plan_argv(tmp_path, "--kv-cache-dtype", "fp8")
+    assert main([*argv, "-o", str(out)]) == 0
     assert "(roofline, float8 KV)" in capsys.readouterr().out
     spec = yaml.safe_load(out.read_text())["spec"]
     assert validate_service("planned", spec).runtime.kv_cache_dtype == "fp8"
-    cpu = [*argv[:7], "--gpu", "cpu", "--curves", str(tmp_path / "c.json"), *argv[9:]]
-    assert main(cpu) == 2
+    assert main([*argv, "--gpu", "cpu", "--curves", str(tmp_path / "c.json")]) == 2
     assert "--kv-cache-dtype fp8 needs a GPU's roofline" in capsys.readouterr().err
 
 
