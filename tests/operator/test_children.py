@@ -316,9 +316,11 @@ def test_the_crds_parser_names_are_the_workers() -> None:
         ("tool_call_parser", contract.TOOL_CALL_PARSERS),
         ("reasoning_parser", contract.REASONING_PARSERS),
         ("scheduling_policy", contract.SCHEDULING_POLICIES),
+        ("kv_cache_dtype", contract.KV_CACHE_DTYPES),
     ):
         annotation = fields[field].annotation
-        literal = annotation if field == "scheduling_policy" else get_args(annotation)[0]
+        plain = field in ("scheduling_policy", "kv_cache_dtype")  # not Optional
+        literal = annotation if plain else get_args(annotation)[0]
         assert get_args(literal) == names, field
 
 

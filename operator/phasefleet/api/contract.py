@@ -76,6 +76,9 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # The order waiting requests are served in (--scheduling-policy, spec.runtime.schedulingPolicy):
 # first come, first served (late prompts last), or by each request's `priority`, lower first
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# The KV pool's element type (--kv-cache-dtype, spec.runtime.kvCacheDtype, phasefleet plan's
+# --kv-cache-dtype): the model's dtype, or float8 e4m3 (engine/kv_dtype.py)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class WorkerFlag:

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from phasefleet.api.contract import KV_CACHE_DTYPES
 from phasefleet.plan.gpus import GPUS
 
 DEFAULT_MODEL = "llama-3-8b"  # the built-in shape when --model is not given
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "fp8"),
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="the workers' KV pool: auto (the model's dtype) or fp8 (one byte a value: twice the "
         "KV tokens of bf16, half the KV a decode step reads and a hand-off sends)",

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
+from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from phasefleet.engine.speculation import MAX_SPECULATIVE_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (kv_dtype.py)
 DEVICES = ("cpu", "cuda", "auto")
 MAX_GRAPH_BATCH = 256  # largest decode batch captured as a CUDA graph
 

@@ -21,17 +21,13 @@ from phasefleet.api.contract import (
     DEFAULT_LATE_LIMIT_S,
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     INTERNAL_TOKEN_ENV,
+    KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
     WORKER_PORT,
     EngineRole,
     WorkerFlag,
 )
-from phasefleet.engine.config import (
-    DEVICES,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    EngineConfig,
-)  # a dataclass: no torch
+from phasefleet.engine.config import DEVICES, DTYPES, EngineConfig  # a dataclass: no torch
 from phasefleet.engine.startup import StartupTimes  # no torch
 from phasefleet.engine.tokenizer import GENERATION_CONFIG_FILE  # no heavy imports
 from phasefleet.server.adapters import parse_lora_modules  # no heavy imports
