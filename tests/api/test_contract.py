@@ -62,7 +62,7 @@ def test_worker_metrics_expose_every_contract_name():
         and isinstance(value, str)
         and not attr.startswith(("AUTOSCALER_", "ROUTER_"))  # the operator's, the router's
     ]
-    assert len(names) == 31
+    assert len(names) == 33
     for name in names:
         series = [line for line in text.splitlines() if line.startswith(name)]
         assert series, name

@@ -84,8 +84,9 @@ def make_scheduler(
     late_after_s: float | None = None,
     late_limit_s: float = DEFAULT_LATE_LIMIT_S,
     policy: str = "fcfs",
+    host_slots: int = 0,
 ) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_caching)
+    kv = KVCacheManager(num_blocks, block_size, enable_caching, host_slots)
     return Scheduler(
         kv,
         max_num_batched_tokens,

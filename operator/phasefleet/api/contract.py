@@ -94,6 +94,7 @@ class WorkerFlag:
     BLOCK_SIZE = "--block-size"
     KV_CACHE_DTYPE = "--kv-cache-dtype"
     NO_PREFIX_CACHING = "--no-prefix-caching"
+    HOST_KV_CACHE_GIB = "--host-kv-cache-gib"
     PORT = "--port"
     DRAIN_TIMEOUT = "--drain-timeout"
     KV_LEASE_SECONDS = "--kv-lease-seconds"
@@ -198,6 +199,10 @@ class Metric:
     LATE_PROMPTS_TOTAL = "phasefleet_late_prompts_total"  # moved behind on-time prompts
     PREFIX_CACHE_QUERIES_TOTAL = "phasefleet_prefix_cache_queries_total"
     PREFIX_CACHE_HITS_TOTAL = "phasefleet_prefix_cache_hits_total"
+    # the prefix cache's host tier (--host-kv-cache-gib): prompt tokens loaded from host
+    # memory (part of the hits above), and its slots in use, 0..1
+    HOST_KV_CACHE_HITS_TOTAL = "phasefleet_host_kv_cache_hits_total"
+    HOST_KV_CACHE_USAGE_PERC = "phasefleet_host_kv_cache_usage_perc"
     SPEC_DECODE_DRAFT_TOKENS_TOTAL = "phasefleet_spec_decode_num_draft_tokens_total"
     SPEC_DECODE_ACCEPTED_TOKENS_TOTAL = "phasefleet_spec_decode_num_accepted_tokens_total"
     KV_TRANSFER_SECONDS = "phasefleet_kv_transfer_seconds"  # one hand-off's stream, decode side

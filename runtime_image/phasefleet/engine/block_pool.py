@@ -3,7 +3,8 @@
 Block 0 is the null block: never handed out, used to pad block tables. A block whose ref count
 drops to zero goes to the back of the free queue but keeps its hash, so a later prompt with the
 same prefix can take it back; it loses the hash only when it is reused (least recently freed
-first).
+first). With a host tier (engine/host_prefix_cache.py) `on_evict` is told of each cached block
+it is about to lose, while the block still holds its KV.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NULL_BLOCK_ID = 0
@@ -45,6 +47,8 @@ class BlockPool:
         # block_id -> None, oldest-freed first
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block_id
+        # (block_id, hash, parent hash, tokens) of a cached block being reused
+        self.on_evict: Callable[[int, int, int | None, tuple[int, ...]], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -86,9 +90,12 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self._cached.get(block.block_hash) == block_id:
-                    del self._cached[block.block_hash]
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if self._cached.get(block_hash) == block_id:
+                    del self._cached[block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block_id, block_hash, block.parent_hash, block.token_ids)
                 block.block_hash, block.parent_hash, block.token_ids = None, None, ()
             block.ref_count = 1
             out.append(block_id)

@@ -51,6 +51,10 @@ class EngineConfig:
     (one byte each: twice the blocks of a 16-bit pool in the same memory)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    host_kv_cache_gib: float = 0.0
+    """Host memory for the prefix cache's second tier, GiB: cached blocks the pool evicts are
+    copied there, and a later prompt that starts with them loads them back instead of
+    computing them (engine/host_prefix_cache.py); 0: off. Needs prefix caching."""
 
     # -- scheduler --
     max_num_batched_tokens: int = 2048
@@ -112,6 +116,15 @@ class EngineConfig:
             raise ValueError(
                 f"num_kv_blocks must be >= 2 (one is the null block) or None, "
                 f"got {self.num_kv_blocks}"
+            )
+        if not (isinstance(self.host_kv_cache_gib, int | float) and self.host_kv_cache_gib >= 0):
+            raise ValueError(
+                f"host_kv_cache_gib must be a number of GiB >= 0, got {self.host_kv_cache_gib!r}"
+            )
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError(
+                "host_kv_cache_gib needs enable_prefix_caching: the host tier holds blocks the"
+                " prefix cache evicts"
             )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)

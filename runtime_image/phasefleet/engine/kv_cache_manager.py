@@ -1,19 +1,29 @@
-"""KVCacheManager: each request's block table, on top of the BlockPool."""
+"""KVCacheManager: each request's block table, on top of the BlockPool (and, with host
+slots, the prefix cache's second tier in host memory: engine/host_prefix_cache.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from phasefleet.engine.block_pool import BlockPool, hash_block
+from phasefleet.engine.host_prefix_cache import HostPrefixCache, KVMove
 from phasefleet.engine.request import Request
 
 
 @dataclass
 class PrefixHit:
     block_ids: list[int]
-    """Cached blocks that hold the request's leading full blocks."""
+    """Cached device blocks that hold the request's leading full blocks."""
     num_tokens: int
-    """Tokens whose KV these blocks provide (the last token is always recomputed)."""
+    """Tokens whose KV the hit provides (the last token is always recomputed)."""
+    host_hashes: list[int] = field(default_factory=list)
+    """The full blocks after those, found in host memory: loaded into fresh device blocks."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Leading blocks whose KV is cached, on the device or in host memory."""
+        return len(self.block_ids) + len(self.host_hashes)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -21,10 +31,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, host_slots: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        # the second tier: evicted cached blocks saved to host slots (none: off)
+        self.host = HostPrefixCache(host_slots) if host_slots and enable_caching else None
+        if self.host is not None:
+            self.pool.on_evict = self.host.save
         self.block_tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}  # request_id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request_id -> leading blocks already cached
@@ -43,22 +59,52 @@ class KVCacheManager:
         return hashes
 
     def find_prefix(self, request: Request) -> PrefixHit:
-        """The longest run of cached leading full blocks; pure, takes no references. None for
-        a request that wants prompt logprobs: they need every prompt position's logits."""
+        """The longest run of cached leading full blocks: on the device, then in host memory;
+        pure, takes no references. None for a request that wants prompt logprobs: they need
+        every prompt position's logits."""
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return PrefixHit([], 0)
         bs = self.block_size
         num_tokens = request.num_tokens
         hashes = self._block_hashes(request, num_tokens // bs)
-        hits: list[int] = []
-        for i, block_hash in enumerate(hashes):
-            parent = hashes[i - 1] if i else request.prefix_salt
-            block_id = self.pool.lookup(block_hash, parent, request.token_ids(i * bs, (i + 1) * bs))
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hit = self._lookup(
+            hashes, request.prefix_salt, lambda i: request.token_ids(i * bs, (i + 1) * bs)
+        )
         # A full hit still computes the last token: its logits give the next token.
-        return PrefixHit(hits, min(len(hits) * bs, num_tokens - 1))
+        hit.num_tokens = min(hit.num_blocks * bs, num_tokens - 1)
+        return hit
+
+    def cached_tokens(self, token_ids: list[int], salt: int | None) -> int:
+        """Leading tokens of `token_ids` whose KV is cached (device or host), for a prompt
+        whose first block's parent hash is `salt`; pure."""
+        if not self.enable_caching:
+            return 0
+        bs, hashes, parent = self.block_size, [], salt
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return (
+            self._lookup(hashes, salt, lambda i: token_ids[i * bs : (i + 1) * bs]).num_blocks * bs
+        )
+
+    def _lookup(
+        self, hashes: list[int], salt: int | None, tokens_of: Callable[[int], list[int]]
+    ) -> PrefixHit:
+        """Device hits from the first block on, then host hits from the first device miss on
+        (a device block after that is recomputed, not looked for)."""
+        hit = PrefixHit([], 0)
+        for i, block_hash in enumerate(hashes):
+            parent = hashes[i - 1] if i else salt
+            tokens = tokens_of(i)
+            if not hit.host_hashes:
+                block_id = self.pool.lookup(block_hash, parent, tokens)
+                if block_id is not None:
+                    hit.block_ids.append(block_id)
+                    continue
+            if self.host is None or self.host.lookup(block_hash, parent, tokens) is None:
+                break
+            hit.host_hashes.append(block_hash)
+        return hit
 
     def can_admit(self, request: Request, hit: PrefixHit) -> bool:
         """Whether the blocks for the request's whole current token sequence are available."""
@@ -68,10 +114,22 @@ class KVCacheManager:
         return needed <= self.pool.num_free_blocks - reclaimed
 
     def admit(self, request: Request, hit: PrefixHit) -> None:
-        """Take the hit blocks and allocate the rest of the request's current tokens."""
+        """Take the hit blocks and allocate the rest of the request's current tokens, the first
+        of them loaded from the host hits' slots (queued moves)."""
         self.pool.touch(hit.block_ids)
         needed = self.blocks_needed(request.num_tokens) - len(hit.block_ids)
-        self.block_tables[request.request_id] = hit.block_ids + self.pool.allocate(needed)
+        if self.host is not None:
+            self.host.pin(hit.host_hashes)  # this allocation's saves must not overwrite them
+        fresh = self.pool.allocate(needed)
+        if self.host is not None:
+            for block_hash, block_id in zip(hit.host_hashes, fresh, strict=False):
+                self.host.load(block_hash, block_id)
+            self.host.unpin()
+        self.block_tables[request.request_id] = hit.block_ids + fresh
+
+    def take_moves(self) -> list[KVMove]:
+        """The host tier's copies queued since the last call, in the order they must run."""
+        return self.host.take_moves() if self.host is not None else []
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Make room for KV of `num_tokens` tokens in total; False if the pool is out of blocks."""

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from phasefleet.autoscale.peaks import WindowPeak
-from phasefleet.engine.block_pool import hash_block
 from phasefleet.engine.config import MAX_GRAPH_BATCH, EngineConfig
 from phasefleet.engine.detokenizer import IncrementalDetokenizer, decoder
 from phasefleet.engine.grammar import GrammarCompiler, GrammarMatcher
+from phasefleet.engine.host_kv_store import memory_left
 from phasefleet.engine.kv_cache_manager import KVCacheManager, cdiv
 from phasefleet.engine.kv_import import KVImports
 from phasefleet.engine.kv_transfer import KVChunk, KVLayout, Lease, LeaseTable
@@ -119,6 +119,9 @@ class LLMEngine:
                 config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens
             )
             self.runner.allocate_kv(num_blocks)
+            host_slots = self._host_slots(config)
+            if host_slots:
+                self.runner.allocate_host_kv(host_slots)
         if (
             self.device.type == "cuda"
             and self.runner.decode_backend == "triton"
@@ -126,7 +129,9 @@ class LLMEngine:
         ):
             with startup.phase("cuda_graphs"):
                 self.runner.enable_decode_graphs(min(config.max_num_seqs, MAX_GRAPH_BATCH))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, host_slots
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -305,6 +310,28 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {prompt_token_ids}")
 
+    def _host_slots(self, config: EngineConfig) -> int:
+        """The host tier's blocks (0: off); ValueError when its memory holds not even one."""
+        if not config.host_kv_cache_gib:
+            return 0
+        block, wanted = self.runner.host_block_bytes(), int(config.host_kv_cache_gib * 2**30)
+        slots = wanted // block
+        if slots < 1:
+            raise ValueError(
+                f"host_kv_cache_gib {config.host_kv_cache_gib} holds no KV block of "
+                f"{block} bytes; give at least {block / 2**30:.6f} GiB or 0 (off)"
+            )
+        left = memory_left()
+        if left is not None and wanted > left:
+            raise ValueError(
+                f"host_kv_cache_gib {config.host_kv_cache_gib} is more than the "
+                f"{left / 2**30:.1f} GiB of memory this worker has left after loading; lower it,"
+                " or raise the memory limit (on Kubernetes the operator adds the tier to the"
+                " pool's memory request and limit)"
+            )
+        logger.info("host KV tier: %d blocks of %.0f KiB", slots, block / 2**10)
+        return slots
+
     def _load_adapters(self, config: EngineConfig) -> None:
         tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.runner.enable_lora(config.num_lora_slots, config.max_lora_rank, tokens)
@@ -417,20 +444,11 @@ class LLMEngine:
         return len(expired)
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], lora: str | None = None) -> int:
-        """Leading prompt tokens the prefix cache holds now (for adapter `lora`). An estimate
-        when called off the engine thread (the cache may change meanwhile); takes no
-        references."""
-        if not self.config.enable_prefix_caching:
-            return 0
+        """Leading prompt tokens the prefix cache holds now (for adapter `lora`), on the device
+        or in host memory. An estimate when called off the engine thread (the cache may change
+        meanwhile); takes no references."""
         loaded = self.runner.lora.loaded.get(lora or "") if self.runner.lora else None
-        bs, parent, hits = self.config.block_size, loaded.salt if loaded else None, 0
-        for i in range(len(prompt_token_ids) // bs):
-            tokens = prompt_token_ids[i * bs : (i + 1) * bs]
-            block_hash = hash_block(parent, tokens)
-            if self.kv.pool.lookup(block_hash, parent, tokens) is None:
-                break
-            parent, hits = block_hash, hits + bs
-        return hits
+        return self.kv.cached_tokens(prompt_token_ids, loaded.salt if loaded else None)
 
     def pin_kv(self, request_id: str) -> Lease | None:
         """The lease of a finished prefill, kept from expiring until `unpin_kv`; None when
@@ -475,6 +493,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         self.expire_leases()
         out = self.scheduler.schedule()
+        self.runner.move_kv(out.kv_moves)  # before the imports and the forward write the pool
         self.last_step_idle = not out.scheduled
         self._observe_peaks(time.monotonic())
         if out.is_empty:
@@ -671,6 +690,8 @@ class LLMEngine:
             loaded_loras=tuple(sorted(lora.loaded)) if lora is not None else (),
             running_loras=self._adapters_of(s.running),
             waiting_loras=self._adapters_of([*s.waiting, *s.late]),
+            host_kv_cache_hits_total=s.host_cache_hits_total,
+            host_kv_cache_usage=self.kv.host.usage() if self.kv.host is not None else 0.0,
         )
 
     def _adapters_of(self, requests: Iterable[Request]) -> tuple[str, ...]:

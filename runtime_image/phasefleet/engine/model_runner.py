@@ -28,6 +28,8 @@ from phasefleet.engine.attention.metadata import (
 from phasefleet.engine.block_table import BlockTables
 from phasefleet.engine.config import MAX_GRAPH_BATCH
 from phasefleet.engine.cuda_graphs import DecodeGraphs
+from phasefleet.engine.host_kv_store import HostKVStore
+from phasefleet.engine.host_prefix_cache import KVMove
 from phasefleet.engine.kv_dtype import FLOAT8, as_rows, kv_dtype
 from phasefleet.engine.kv_export import KVExporter
 from phasefleet.engine.kv_transfer import KVLayout
@@ -185,6 +187,7 @@ class ModelRunner:
         self.kv_caches: KVCache = []
         self.rank_caches: list[KVCache] = []  # every rank's pool, by rank (rank 0: all of them)
         self.exporter: KVExporter | None = None  # reads leased blocks for a pull
+        self.host_kv: HostKVStore | None = None  # the prefix cache's host tier
         softcap = self.model.traits.attn_softcap is not None  # no fused kernel takes it
         self.decode_backend = choose_decode_backend(
             device, block_size, softcap, float8_kv=self.kv_dtype == FLOAT8
@@ -283,6 +286,25 @@ class ModelRunner:
         if self.ranks is not None:
             self.rank_caches += self.ranks.receive()
         self.exporter = KVExporter(self._shard_caches())
+
+    def host_block_bytes(self) -> int:
+        """Bytes of one block in the host tier: every group of KV heads' part of it."""
+        return self.block_bytes() * self.kv_head_shards()
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """Host memory for `num_slots` blocks: the prefix cache's second tier (after
+        allocate_kv)."""
+        ranks = [(caches, self._kv_shard_of(r)) for r, caches in enumerate(self.rank_caches)]
+        if self.tp is None:
+            ranks = [(self.kv_caches, 0)]
+        self.host_kv = HostKVStore(self._shard_caches(), ranks, num_slots)
+
+    def move_kv(self, moves: list[KVMove]) -> None:
+        """Runs the host tier's copies (engine/host_prefix_cache.py), in order."""
+        if moves:
+            if self.host_kv is None:
+                raise RuntimeError("KV moves without host memory (allocate_host_kv)")
+            self.host_kv.apply(moves)
 
     def _shard_caches(self) -> list[KVCache]:
         """One pool per group of KV heads, in head order (the first rank holding each)."""

@@ -107,3 +107,7 @@ class EngineStats:
     """The adapters of the running requests, sorted."""
     waiting_loras: tuple[str, ...] = ()
     """The adapters of the waiting requests, sorted."""
+    host_kv_cache_hits_total: int = 0
+    """Prompt tokens loaded from the prefix cache's host tier (part of prefix_cache_hits)."""
+    host_kv_cache_usage: float = 0.0
+    """Used slots / all slots of the host tier, 0..1; 0 without one."""

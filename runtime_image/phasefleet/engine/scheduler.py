@@ -6,6 +6,8 @@ come, first served; chunked when the budget runs out). A waiting request is admi
 blocks for its whole prompt are free. When a decode needs a new block and none is free, the
 newest running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (prompt plus the output so far) when it fits again.
+With a host tier (engine/host_prefix_cache.py) prefix hits may continue in host memory: those
+blocks are loaded, not computed, and the step's `kv_moves` carry the copies.
 
 A decode with a draft (engine/speculation.py) takes 1 + len(draft) tokens of the budget: its
 last known token and the guesses after it, verified in one pass. The draft is cut to the budget
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S, SCHEDULING_POLICIES
+from phasefleet.engine.host_prefix_cache import KVMove
 from phasefleet.engine.kv_cache_manager import KVCacheManager
 from phasefleet.engine.request import Request, RequestStatus
 from phasefleet.engine.speculation import accept
@@ -58,6 +61,9 @@ class SchedulerOutput:
     # (request, first block to load) for admitted requests whose KV came with them: the engine
     # loads it into those blocks before the forward pass (earlier blocks were prefix-cache hits)
     imports: list[tuple[Request, int]] = field(default_factory=list)
+    # copies between the pool and the host tier (host_prefix_cache.py), run in this order
+    # before anything else writes to the pool: saves of evicted blocks, loads of host hits
+    kv_moves: list[KVMove] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -100,6 +106,7 @@ class Scheduler:
         self.late_prompts_total = 0  # prompts moved behind on-time ones (each counted once)
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
+        self.host_cache_hits_total = 0  # of them, tokens loaded from host memory
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.draft_tokens_total = 0  # draft tokens verified (engine/speculation.py)
@@ -189,14 +196,16 @@ class Scheduler:
             queue.popleft()
             self.kv.admit(req, hit)
             req.status = RequestStatus.RUNNING
-            gap = len(hit.block_ids) < req.import_first_block
+            gap = hit.num_blocks < req.import_first_block
             if gap:
                 self._drop_import(req)  # a gap before the imported blocks: recompute
             req.num_computed_tokens = max(hit.num_tokens, req.num_imported_tokens)
             if not gap and (req.importing or req.num_imported_tokens > hit.num_tokens):
-                out.imports.append((req, len(hit.block_ids)))
+                out.imports.append((req, hit.num_blocks))
             self.prefix_cache_queries_total += req.num_tokens
             self.prefix_cache_hits_total += hit.num_tokens
+            device_tokens = len(hit.block_ids) * self.kv.block_size
+            self.host_cache_hits_total += max(0, hit.num_tokens - device_tokens)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
                 req.num_cached_tokens = hit.num_tokens
@@ -209,6 +218,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             self._add(out, req, n)
             budget -= n
+        out.kv_moves = self.kv.take_moves()  # with those of allocations since the last step
         return out
 
     def _late_last(self) -> None:

@@ -8,8 +8,9 @@ conversion; absent for a folder), lora_fetch (adapters fetched from the Hub; onl
 only: creating the context), weights (read from the safetensors files into place),
 cpu_linear_plan (the CPU's per-shape path choice, cached across processes), lora (adapters
 read into their slots; only with adapters), kv_cache (sizing
-and zeroing the KV pool), cuda_graphs (decode graph capture) and warm_up (the first steps,
-before the worker says it is ready).
+and zeroing the KV pool, and allocating the prefix cache's host tier where there is one),
+cuda_graphs (decode graph capture) and warm_up (the first steps, before the worker says it is
+ready).
 """
 
 from __future__ import annotations

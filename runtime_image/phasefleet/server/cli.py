@@ -135,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         WorkerFlag.NO_PREFIX_CACHING, action="store_true", help="disable prefix caching"
     )
     engine.add_argument(
+        WorkerFlag.HOST_KV_CACHE_GIB,
+        type=float,
+        default=0.0,
+        help="host memory (GiB) for the prefix cache's second tier: blocks the KV pool evicts "
+        "are kept there and loaded back for a prompt that starts with them (default 0: off)",
+    )
+    engine.add_argument(
         WorkerFlag.LATE_AFTER_MS,
         type=float,
         default=None,
@@ -318,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        host_kv_cache_gib=args.host_kv_cache_gib,
         kv_lease_seconds=args.kv_lease_seconds,
         late_after_s=None if args.late_after_ms is None else args.late_after_ms / 1000,
         late_limit_s=args.late_limit_s,

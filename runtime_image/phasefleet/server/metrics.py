@@ -65,6 +65,10 @@ GAUGES = {
         "Prompt tokens of queued requests, not yet admitted.",
         "prefill_tokens_waiting",
     ),
+    M.HOST_KV_CACHE_USAGE_PERC: (
+        "Used slots / all slots of the prefix cache's host tier, 0..1 (0: off).",
+        "host_kv_cache_usage",
+    ),
 }
 ITL_WEIGHT = 0.05  # a new gap's weight in the moving average (about the last 20 gaps)
 ANSWER_WEIGHT = 0.1  # a finished answer's weight in the moving average of their lengths
@@ -81,6 +85,10 @@ COUNTERS = {
     M.PREFIX_CACHE_HITS_TOTAL: (
         "Prompt tokens found in the prefix cache.",
         "prefix_cache_hits_total",
+    ),
+    M.HOST_KV_CACHE_HITS_TOTAL: (
+        "Prompt tokens loaded from the prefix cache's host tier (part of the hits).",
+        "host_kv_cache_hits_total",
     ),
     M.SPEC_DECODE_DRAFT_TOKENS_TOTAL: (
         "Draft tokens verified (speculative decoding by prompt lookup).",

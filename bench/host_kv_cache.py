@@ -1,0 +1,181 @@
+"""The prefix cache's host tier (`--host-kv-cache-gib`) against the device pool alone: our
+engine both times, same model, same requests, same process, on the Mooncake conversation
+trace's real prefix sharing.
+
+Each request of the trace names its 512-token prompt blocks by id (equal ids: a shared prefix,
+mostly earlier turns of the same conversation). Scaled down by --scale, each id becomes a run of
+512 / scale random tokens, the same run wherever the id recurs, so a later turn shares its
+earlier turns' tokens. The requests are replayed in trace order, in the trace's own arrival
+batches, on a device pool of --pool-tokens (far less than the trace's working set), with host
+tiers of several sizes. Printed: prompt tokens computed and found in each tier, time to first
+token, and the wall time of the whole replay, each as a ratio against the pool alone.
+
+    PYTHONPATH=. .venv/bin/python bench/host_kv_cache.py                # the bench model (100M)
+    PYTHONPATH=. .venv/bin/python bench/host_kv_cache.py --requests 1000 --tiers 0,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from engine_throughput import CACHE
+
+from phasefleet.engine.config import EngineConfig
+from phasefleet.engine.llm_engine import LLMEngine
+from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.engine.tiny import make_tiny
+
+TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation.jsonl"
+TRACE_BLOCK = 512  # tokens per hash id in the trace
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="a model source (default: the bench model)")
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--requests", type=int, default=400, help="the trace's first N requests")
+    p.add_argument("--scale", type=int, default=32, help="divide the trace's lengths by this")
+    p.add_argument("--max-prompt", type=int, default=1024, help="longest prompt, tokens")
+    p.add_argument("--max-output", type=int, default=8)
+    p.add_argument("--pool-tokens", type=int, default=8192, help="the device pool, tokens")
+    p.add_argument(
+        "--tiers",
+        default="0,4,16",
+        help="host tiers to compare, each as a multiple of the device pool (0: none)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def trace_requests(args: argparse.Namespace, vocab: int) -> list[tuple[int, list[int], int]]:
+    """(arrival ms, prompt, output tokens) of the trace's first requests, scaled down."""
+    rng = random.Random(args.seed)
+    run = TRACE_BLOCK // args.scale
+    runs: dict[int, list[int]] = {}
+    out = []
+    with args.trace.open() as f:
+        for line in f:
+            row = json.loads(line)
+            prompt: list[int] = []
+            for block_id in row["hash_ids"]:
+                if block_id not in runs:
+                    runs[block_id] = [rng.randrange(10, vocab) for _ in range(run)]
+                prompt += runs[block_id]
+            length = min(max(1, row["input_length"] // args.scale), args.max_prompt)
+            output = min(max(1, row["output_length"] // args.scale), args.max_output)
+            out.append((row["timestamp"], prompt[:length], output))
+            if len(out) == args.requests:
+                break
+    return out
+
+
+def replay(engine: LLMEngine, requests: list[tuple[int, list[int], int]]) -> dict[str, float]:
+    """Each arrival batch added at once and run to the end; TTFT from the batch's start."""
+    ttfts: list[float] = []
+    batches: dict[int, list[tuple[list[int], int]]] = {}
+    for arrival, prompt, output in requests:
+        batches.setdefault(arrival, []).append((prompt, output))
+    before = engine.stats()
+    started = time.perf_counter()
+    for n, batch in enumerate(batches.values()):
+        t0, waiting = time.perf_counter(), set()
+        for i, (prompt, output) in enumerate(batch):
+            params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+            engine.add_request(f"{n}-{i}", prompt, params)
+            waiting.add(f"{n}-{i}")
+        while engine.has_unfinished_requests():
+            for result in engine.step():
+                if result.request_id in waiting and result.output_token_ids:
+                    waiting.discard(result.request_id)
+                    ttfts.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - started
+    after = engine.stats()
+    queried = after.prefix_cache_queries_total - before.prefix_cache_queries_total
+    hits = after.prefix_cache_hits_total - before.prefix_cache_hits_total
+    host = after.host_kv_cache_hits_total - before.host_kv_cache_hits_total
+    return {
+        "wall": wall,
+        "computed": queried - hits,
+        "device_hits": hits - host,
+        "host_hits": host,
+        "ttft_mean": statistics.mean(ttfts),
+        "ttft_p90": statistics.quantiles(ttfts, n=10)[-1],
+        "preempted": after.num_preemptions_total - before.num_preemptions_total,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.model is None:
+        model = CACHE / "bench-llama-100m"
+        if not (model / "config.json").is_file():
+            make_tiny(model, arch="llama", preset="bench", seed=0)
+    else:
+        from phasefleet.server.model_source import resolve_model
+
+        model = Path(resolve_model(args.model))
+    probe = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=2))
+    vocab, block_size = probe.hf_config.vocab_size, probe.runner.block_size
+    block_bytes = probe.runner.host_block_bytes()
+    del probe
+    requests = trace_requests(args, vocab)
+    pool_blocks = args.pool_tokens // block_size + 1
+    prompt_tokens = sum(len(p) for _, p, _ in requests)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch threads "
+        f"{torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M %Z')}, load average "
+        f"{os.getloadavg()[0]:.1f}\nmodel {model.name}, float32; {args.trace.name}: the first "
+        f"{len(requests)} requests at 1/{args.scale} ({prompt_tokens} prompt tokens, "
+        f"{len({a for a, _, _ in requests})} arrival batches); device pool {args.pool_tokens} "
+        f"tokens ({(pool_blocks - 1) * block_bytes / 2**20:.0f} MiB)"
+    )
+    tiers = [float(t) for t in args.tiers.split(",")]
+
+    def engine_for(multiple: float) -> LLMEngine:
+        gib = multiple * (pool_blocks - 1) * block_bytes / 2**30
+        config = EngineConfig(
+            model=str(model), num_kv_blocks=pool_blocks, host_kv_cache_gib=gib, device="cpu"
+        )
+        return LLMEngine(config)
+
+    # Untimed: the CPU's kernels for each new step shape are made on first use in a process.
+    replay(engine_for(0.0), requests)
+    results: dict[float, dict[str, float]] = {}
+    for order in (tiers, tiers[::-1]):  # rounds in both orders; each tier's best kept
+        for multiple in order:
+            r = replay(engine_for(multiple), requests)  # a fresh engine: empty caches
+            if multiple not in results or r["wall"] < results[multiple]["wall"]:
+                results[multiple] = r
+    for multiple, r in results.items():
+        mib = multiple * (pool_blocks - 1) * block_bytes / 2**20
+        name = f"host tier {multiple:g}x the pool ({mib:.0f} MiB)" if multiple else "pool alone"
+        print(
+            f"\n{name}:\n  prompt tokens computed {r['computed']:.0f}, found on the device "
+            f"{r['device_hits']:.0f}, loaded from host memory {r['host_hits']:.0f}; "
+            f"{r['preempted']:.0f} preemptions\n  TTFT mean {r['ttft_mean'] * 1000:.0f} ms, "
+            f"p90 {r['ttft_p90'] * 1000:.0f} ms; replay {r['wall']:.1f} s (best of 2)"
+        )
+    base = results.get(0.0)
+    if base is None:
+        return
+    print("\nagainst the pool alone (same process, same requests):")
+    for multiple, r in results.items():
+        if multiple:
+            print(
+                f"  {multiple:g}x: prompt tokens computed {r['computed'] / base['computed']:.2f}x,"
+                f" TTFT mean {r['ttft_mean'] / base['ttft_mean']:.2f}x, p90 "
+                f"{r['ttft_p90'] / base['ttft_p90']:.2f}x, replay {base['wall'] / r['wall']:.2f}x"
+                " as fast"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""HostKVStore: the host memory behind the prefix cache's second tier (the runner's side of
+engine/host_prefix_cache.py), and the copies between it and the KV pool.
+
+One tensor per group of KV heads (a tensor-parallel worker's ranks that hold the same heads
+share it): [slots, layers, 2 (keys, values), block_size, kv_heads, head_dim] in the pool's
+dtype, pinned on CUDA so the copies run on the stream without a wait. A save reads the first
+rank holding each group; a load writes every rank. The moves run in their queue order on the
+current stream (a slot loaded from and then saved to is read first); rank 0 waits for the
+copies it made into other ranks' devices, which their own processes read next. On the CPU a
+run of moves one way goes as one gather and one scatter a layer; on CUDA each block is copied
+on its own, asynchronously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from phasefleet.engine.host_prefix_cache import KVMove
+from phasefleet.engine.kv_dtype import as_rows
+from phasefleet.engine.models.llama import KVCache
+
+
+class HostKVStore:
+    def __init__(
+        self, shards: list[KVCache], rank_shards: list[tuple[KVCache, int]], num_slots: int
+    ) -> None:
+        """`shards`: one pool per group of KV heads (the rank that saves it); `rank_shards`:
+        every rank's pool with the group it holds."""
+        keys = shards[0][0][0]
+        shape = (num_slots, len(shards[0]), 2, *keys.shape[1:])  # [slots, L, 2, bs, H, D]
+        pin = keys.device.type == "cuda"
+        self.shards = shards
+        self.rank_shards = rank_shards
+        # empty, not zeros: a slot is read only after a save has written it
+        self.slots = [torch.empty(shape, dtype=keys.dtype, pin_memory=pin) for _ in shards]
+        self.devices = list(dict.fromkeys(c[0][0].device for c, _ in rank_shards))  # rank 0's first
+        self.on_cpu = all(d.type == "cpu" for d in self.devices)
+
+    @torch.inference_mode()
+    def apply(self, moves: list[KVMove]) -> None:
+        saved = False  # a save not yet waited for, in a worker of several devices
+        for run in _runs(moves):
+            if run[0].to_host:
+                self._save(run)
+                saved = len(self.devices) > 1
+                continue
+            if saved:  # a slot may be one just saved on another device's stream
+                _synchronize(self.devices)
+                saved = False
+            self._load(run)
+        if moves:  # the other ranks' processes read their pools next
+            _synchronize(self.devices[1:])
+
+    def _save(self, run: list[KVMove]) -> None:
+        if self.on_cpu:  # one gather and one scatter a layer for the whole run
+            blocks, slots = _index(m.block_id for m in run), _index(m.slot for m in run)
+            for store, caches in zip(self.slots, self.shards, strict=True):
+                for layer, pair in enumerate(caches):
+                    for which, cache in enumerate(pair):
+                        rows = as_rows(cache).index_select(0, blocks)
+                        as_rows(store)[:, layer, which].index_copy_(0, slots, rows)
+            return
+        for move in run:  # asynchronous on the stream, into pinned memory
+            for store, caches in zip(self.slots, self.shards, strict=True):
+                for layer, pair in enumerate(caches):
+                    for which, cache in enumerate(pair):
+                        store[move.slot, layer, which].copy_(
+                            cache[move.block_id], non_blocking=True
+                        )
+
+    def _load(self, run: list[KVMove]) -> None:
+        if self.on_cpu:
+            blocks, slots = _index(m.block_id for m in run), _index(m.slot for m in run)
+            for caches, shard in self.rank_shards:
+                stored = as_rows(self.slots[shard]).index_select(0, slots)
+                for layer, pair in enumerate(caches):
+                    for which, cache in enumerate(pair):
+                        as_rows(cache).index_copy_(0, blocks, stored[:, layer, which])
+            return
+        for move in run:
+            for caches, shard in self.rank_shards:
+                stored = self.slots[shard][move.slot]
+                for layer, pair in enumerate(caches):
+                    for which, cache in enumerate(pair):
+                        cache[move.block_id].copy_(stored[layer, which], non_blocking=True)
+
+
+def memory_left(root: Path = Path("/")) -> int | None:
+    """Bytes of memory this process may still take: the kernel's MemAvailable, bounded by its
+    cgroup's limit less its working set (cgroup v2, a container's: usage less the inactive
+    page cache, as the kubelet counts it); None where neither is readable."""
+    bounds = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                bounds.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = root / "sys/fs/cgroup"
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
+            bounds.append(int(limit) - used)
+    return min(bounds) if bounds else None
+
+
+def _runs(moves: list[KVMove]) -> list[list[KVMove]]:
+    """The moves cut into runs of one direction, in order, none writing one slot (a save) or
+    one block (a load) twice, so that each run's copies may go at once."""
+    runs: list[list[KVMove]] = []
+    written: set[int] = set()
+    for move in moves:
+        target = move.slot if move.to_host else move.block_id
+        if not runs or runs[-1][0].to_host != move.to_host or target in written:
+            runs.append([])
+            written = set()
+        runs[-1].append(move)
+        written.add(target)
+    return runs
+
+
+def _index(values: Iterable[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long)
+
+
+def _synchronize(devices: list[torch.device]) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
