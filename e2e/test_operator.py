@@ -24,6 +24,7 @@ from e2e.harness.phasefleet_operator import (
 )
 from e2e.harness.wait import wait_for
 from phasefleet.api import contract
+from phasefleet.api.base import quantity
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -152,6 +153,11 @@ def test_example_gets_children_status_and_columns(
             assert pod["tolerations"] == spec[role]["tolerations"]
             pods = get(cluster, "pods", "-n", namespace, "-l", f"phasefleet.dev/role={role}")
             assert {p["spec"]["nodeName"] for p in pods["items"]} <= {"kwok-gpu-0", "kwok-gpu-1"}
+        host_kv = spec.get("runtime", {}).get("hostKvCacheSize")
+        if host_kv is not None and "memory" in limits:  # the host tier counts in the pod's memory
+            asked = quantity(container["resources"]["limits"]["memory"])
+            assert asked == quantity(limits["memory"]) + quantity(host_kv)  # type: ignore[operator]
+            assert "--host-kv-cache-gib" in container["args"]
         hf = spec["model"].get("hf", {})
         if "tokenSecret" in hf:  # for whoever downloads: with a cache, the init container
             cached = "cache" in spec["model"]

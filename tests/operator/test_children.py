@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from phasefleet.api.contract import CHILD_KINDS, CPU_LINEAR_CACHE_ENV
+from phasefleet.api.contract import CHILD_KINDS, CPU_LINEAR_CACHE_ENV, WorkerFlag
 from phasefleet.api.spec import OPERATOR_ENV, Role
 from phasefleet.operator.children import (
     desired_children,
@@ -354,6 +354,27 @@ def test_worker_args_parse_with_the_worker_cli():
     assert "--kv-cache-dtype" not in container_args  # auto: the worker's own default
     parsed = build_parser().parse_args(container_args)
     assert parsed.role == "both" and parsed.kv_cache_dtype == "auto"
+
+
+def test_the_host_kv_tier_reaches_every_pool_and_its_memory_bounds():
+    """hostKvCacheSize becomes each worker's --host-kv-cache-gib and is added to the memory the
+    pool requests and limits; a pool that sets no memory bound gets none."""
+    from phasefleet.cli import build_parser
+
+    bounded = {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "12Gi"}}}
+    spec = make_spec(runtime={"hostKvCacheSize": "1536Mi"}, prefill=bounded)
+    for role in (Role.PREFILL, Role.DECODE):
+        container = _pod(worker_deployment(make_owner(), spec, role, replicas=1))["containers"][0]
+        assert build_parser().parse_args(container["args"]).host_kv_cache_gib == 1.5
+        if role is Role.PREFILL:
+            assert container["resources"]["requests"]["memory"] == str((8 << 30) + (3 << 29))
+            assert container["resources"]["limits"]["memory"] == str((12 << 30) + (3 << 29))
+        else:
+            assert "memory" not in container["resources"].get("requests", {})
+    off = _pod(worker_deployment(make_owner(), make_spec(), Role.DECODE, replicas=1))
+    args = build_parser().parse_args(off["containers"][0]["args"])
+    assert WorkerFlag.HOST_KV_CACHE_GIB not in off["containers"][0]["args"]
+    assert args.host_kv_cache_gib == 0
 
 
 def test_the_decode_pool_gets_the_phase_boundary_and_the_router_the_tpot_target():

@@ -218,13 +218,19 @@ def panels() -> list[dict[str, Any]]:
         ),
         panel(
             "Prefix cache hit rate",
-            "Prompt tokens found in the prefix cache over prompt tokens looked up, by role.",
+            "Prompt tokens found in the prefix cache over prompt tokens looked up, by role; and"
+            " the part loaded from its host tier (spec.runtime.hostKvCacheSize; 0 when off).",
             [
                 target(
                     f"sum by (role) ({rate(M.PREFIX_CACHE_HITS_TOTAL, WORKERS)})"
                     f" / sum by (role) ({rate(M.PREFIX_CACHE_QUERIES_TOTAL, WORKERS)})",
                     "{{role}}",
-                )
+                ),
+                target(
+                    f"sum by (role) ({rate(M.HOST_KV_CACHE_HITS_TOTAL, WORKERS)})"
+                    f" / sum by (role) ({rate(M.PREFIX_CACHE_QUERIES_TOTAL, WORKERS)})",
+                    "{{role}} from host memory",
+                ),
             ],
             "percentunit",
             max=1,

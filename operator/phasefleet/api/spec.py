@@ -338,6 +338,16 @@ class RuntimeSpec(ApiModel):
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     block_size: int = Field(default=16, ge=1, le=256, description="KV cache block (tokens).")
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV of shared prefixes.")
+    host_kv_cache_size: ByteQuantity | None = Field(
+        default=None,
+        description=(
+            "Host memory per worker for the prefix cache's second tier (bytes, a quantity such"
+            " as 16Gi): KV blocks the GPU pool evicts are kept there and loaded back for a"
+            " prompt that starts with them (multi-turn chat, shared system prompts), instead"
+            " of being computed again. Added to each worker's memory request and limit, where"
+            " the pool sets them (--host-kv-cache-gib). Unset: off."
+        ),
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         default="auto",
         description=(
@@ -442,6 +452,24 @@ class RuntimeSpec(ApiModel):
             ),
             check=lambda r: not any(e.name in OPERATOR_ENV for e in r.env),
             field_path=".env",
+        ),
+        Rule(
+            cel="!has(self.hostKvCacheSize) || (isQuantity(string(self.hostKvCacheSize))"
+            " && quantity(string(self.hostKvCacheSize)).isGreaterThan(quantity('0')))",
+            message="spec.runtime.hostKvCacheSize must be a positive quantity of bytes, such as"
+            " 16Gi (leave it out to turn the host tier off)",
+            check=lambda r: (
+                r.host_kv_cache_size is None or _positive_quantity(r.host_kv_cache_size)
+            ),
+            field_path=".hostKvCacheSize",
+        ),
+        Rule(
+            cel="!has(self.hostKvCacheSize) || !has(self.enablePrefixCaching)"
+            " || self.enablePrefixCaching",
+            message="spec.runtime.hostKvCacheSize needs enablePrefixCaching: the host tier keeps"
+            " the blocks the prefix cache evicts",
+            check=lambda r: r.host_kv_cache_size is None or r.enable_prefix_caching,
+            field_path=".hostKvCacheSize",
         ),
     )
 

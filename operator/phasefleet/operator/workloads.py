@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from phasefleet.api.base import quantity
 from phasefleet.api.contract import (
     API_KEY_FILE,
     API_KEY_FILE_ENV,
@@ -130,6 +131,9 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         args += [WorkerFlag.MAX_MODEL_LEN, str(spec.model.max_model_len)]
     if not spec.runtime.enable_prefix_caching:
         args.append(WorkerFlag.NO_PREFIX_CACHING)
+    host_kv = host_kv_cache_bytes(spec)
+    if host_kv:  # every pool: a prefill worker's prefix cache gains as a decode worker's does
+        args += [WorkerFlag.HOST_KV_CACHE_GIB, repr(host_kv / 2**30)]
     if spec.runtime.kv_cache_dtype != "auto":  # every pool: a hand-off keeps the bytes as they are
         args += [WorkerFlag.KV_CACHE_DTYPE, spec.runtime.kv_cache_dtype]
     if pool.tensor_parallel_size > 1:
@@ -150,6 +154,25 @@ def worker_args(name: str, spec: InferenceServiceSpec, role: Role, pool: PoolSpe
         if spec.lora.max_loras is not None:
             args += [WorkerFlag.MAX_LORAS, str(spec.lora.max_loras)]
     return args + list(spec.runtime.extra_args)
+
+
+def host_kv_cache_bytes(spec: InferenceServiceSpec) -> int:
+    """Bytes of the prefix cache's host tier per worker (spec.runtime.hostKvCacheSize), 0: off."""
+    size = spec.runtime.host_kv_cache_size
+    amount = quantity(size) if size is not None else None
+    return int(amount) if amount is not None else 0
+
+
+def worker_resources(spec: InferenceServiceSpec, pool: PoolSpec) -> dict[str, Any]:
+    """The pool's resources, with the host tier added to the memory it requests and limits
+    (where it sets them: without, the pod has no memory bound to raise)."""
+    resources = pool.resources.to_wire()
+    extra = host_kv_cache_bytes(spec)
+    for kind in ("requests", "limits"):
+        memory = quantity(resources.get(kind, {}).get("memory"))
+        if extra and memory is not None:
+            resources[kind]["memory"] = str(int(memory) + extra)
+    return {k: v for k, v in resources.items() if v}
 
 
 def internal_token_secret_name(owner_name: str) -> str:
@@ -408,7 +431,6 @@ def worker_deployment(
     out, the autoscaler owns it)."""
     pool = spec.pools()[role]
     volumes, mounts = _volumes(owner.name, spec, pool)
-    resources = pool.resources.to_wire()
     container = {
         "name": "engine",
         "image": spec.runtime.image,
@@ -416,7 +438,7 @@ def worker_deployment(
         "command": ["phasefleet"],
         "args": worker_args(owner.name, spec, role, pool),
         "env": _env(owner.name, spec, pool),
-        "resources": {k: v for k, v in resources.items() if v},
+        "resources": worker_resources(spec, pool),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         **_probes(WORKER_STARTUP_SECONDS),
