@@ -46,6 +46,19 @@ clock = time.perf_counter
 BENCH_PRESETS = ("bench", "bench-mha", "bench-wide")  # make-tiny presets; see docs/engine.md
 
 
+def model_folder(source: str | None, dtype: str = "float32") -> Path:
+    """A model source's folder (a path, a short name, a Hub id); None: the bench model (the
+    100M random llama, written once into CACHE)."""
+    if source is None:
+        model = CACHE / "bench-llama-100m"
+        if not (model / "config.json").is_file():
+            make_tiny(model, arch="llama", preset="bench", seed=0)
+        return model
+    from phasefleet.server.model_source import resolve_model
+
+    return Path(resolve_model(source, dtype=dtype))
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(

@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import CACHE
+from engine_throughput import model_folder
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
-from phasefleet.engine.tiny import make_tiny
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation.jsonl"
 TRACE_BLOCK = 512  # tokens per hash id in the trace
@@ -114,14 +113,7 @@ def replay(engine: LLMEngine, requests: list[tuple[int, list[int], int]]) -> dic
 
 def main() -> None:
     args = parse_args()
-    if args.model is None:
-        model = CACHE / "bench-llama-100m"
-        if not (model / "config.json").is_file():
-            make_tiny(model, arch="llama", preset="bench", seed=0)
-    else:
-        from phasefleet.server.model_source import resolve_model
-
-        model = Path(resolve_model(args.model))
+    model = model_folder(args.model)
     probe = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=2))
     vocab, block_size = probe.hf_config.vocab_size, probe.runner.block_size
     block_bytes = probe.runner.host_block_bytes()

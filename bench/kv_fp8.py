@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import CACHE, TRACE, random_prompt, sample_lengths
+from engine_throughput import TRACE, model_folder, random_prompt, sample_lengths
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
-from phasefleet.engine.tiny import make_tiny
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 QUESTIONS = [  # for a chat model: answers in words, where a changed token shows
@@ -100,14 +99,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main() -> None:
     args = parse_args()
-    if args.model is None:
-        model = CACHE / "bench-llama-100m"
-        if not (model / "config.json").is_file():
-            make_tiny(model, arch="llama", preset="bench", seed=0)
-    else:
-        from phasefleet.server.model_source import resolve_model
-
-        model = Path(resolve_model(args.model, dtype=args.dtype))
+    model = model_folder(args.model, args.dtype)
     lengths = sample_lengths(args)
     outs = [o for _, o in lengths]
     probe = LLMEngine(EngineConfig(model=str(model), dtype=args.dtype, num_kv_blocks=2))
