@@ -42,16 +42,14 @@ class HostKVStore:
 
     @torch.inference_mode()
     def apply(self, moves: list[KVMove]) -> None:
-        saved = False  # a save not yet waited for, in a worker of several devices
+        # With several devices each copies on its own stream: a run waits for the runs before it
+        # that touched the same host memory the other way.
+        pending = False
         for run in _runs(moves):
-            if run[0].to_host:
-                self._save(run)
-                saved = len(self.devices) > 1
-                continue
-            if saved:  # a slot may be one just saved on another device's stream
+            if pending:
                 _synchronize(self.devices)
-                saved = False
-            self._load(run)
+            (self._save if run[0].to_host else self._load)(run)
+            pending = len(self.devices) > 1
         if moves:  # the other ranks' processes read their pools next
             _synchronize(self.devices[1:])
 
