@@ -68,6 +68,12 @@ CHECKS = [
         "Llama-3-8B shape, bf16: a float8 KV pool vs a bf16 one (blocks, decode step time)",
     ),
     Check(
+        "host_kv_8b",
+        "gpu_host_kv:host_kv",
+        180,
+        "Llama-3-8B shape, bf16: a 2k-token prompt's KV to host memory and back vs its prefill",
+    ),
+    Check(
         "kv_handoff",
         "gpu_handoff:handoff",
         180,

@@ -167,7 +167,11 @@ def prefill(eng: LLMEngine, tokens: int, cuda: bool) -> float:
 
 
 def load_random(
-    ctx: CheckContext, folder: Path, data: dict[str, Any], kv_cache_dtype: str = "auto"
+    ctx: CheckContext,
+    folder: Path,
+    data: dict[str, Any],
+    kv_cache_dtype: str = "auto",
+    host_kv_cache_gib: float = 0.0,
 ) -> LLMEngine:
     """The engine on `folder`'s shape with random bf16 weights made on the device, decode
     graphs off (the caller captures them, timed); data["load_seconds"]: how long it took."""
@@ -178,7 +182,7 @@ def load_random(
             EngineConfig(
                 model=str(folder), device=ctx.device, dtype="bfloat16", max_model_len=4096,
                 max_num_seqs=max(BATCHES), max_num_batched_tokens=2048,
-                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_dtype=kv_cache_dtype, host_kv_cache_gib=host_kv_cache_gib,
             )
         )  # fmt: skip
     data["load_seconds"] = time.perf_counter() - started

@@ -41,6 +41,7 @@ def test_quick_cpu_run_gives_every_check_a_status(tmp_path: Path) -> None:
     assert statuses["greedy_bf16_tiny"] == statuses["engine_tests"] == "ok"
     cuda_only = (
         "triton_kernel", "cuda_graphs", "sdpa_prefill", "roofline_8b", "kv_fp8_8b", "kv_handoff",
+        "host_kv_8b",
     )  # fmt: skip
     for name in (*cuda_only, "lora_8b", "moe_30b"):
         assert statuses[name] == "n/a", name
@@ -50,6 +51,7 @@ def test_quick_cpu_run_gives_every_check_a_status(tmp_path: Path) -> None:
     fp8 = checks["kv_fp8_8b"]["data"]
     assert (fp8["auto"]["kv_dtype"], fp8["fp8"]["kv_dtype"]) == ("bfloat16", "float8_e4m3fn")
     assert fp8["fp8"]["tokens"] >= fp8["auto"]["tokens"] > 0
+    assert checks["host_kv_8b"]["data"]["loaded_equal"] is True
     assert checks["engine_tests"]["data"]["passed"] == 2
     assert checks["lora_8b"]["data"]["decode"][0]["one_adapter_ms"] > 0
     moe = checks["moe_30b"]["data"]
