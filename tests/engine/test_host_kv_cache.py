@@ -304,3 +304,27 @@ def test_a_host_tier_larger_than_the_memory_left_is_refused(
     monkeypatch.setattr("phasefleet.engine.llm_engine.memory_left", lambda: 1 << 20)
     with pytest.raises(ValueError, match="more than the 0.0 GiB of memory this worker has left"):
         LLMEngine(engine_config(tiny_model("llama"), host_kv_cache_gib=0.5, device="cpu"))
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_preemption_and_shared_prefixes_under_a_small_pool_answer_as_a_large_one(
+    tiny_model: ModelPath, speculative: int
+) -> None:
+    """Many requests at once over three shared prefixes, on a pool that preempts and evicts
+    (prompt-lookup drafts too): the host tier's saves and loads leave every answer as an engine
+    with room for everything gives it."""
+    heads = random_prompts([24, 32, 20], seed=30)
+    tails = random_prompts([5, 9, 13, 3] * 3, seed=31)
+    prompts = [heads[i % 3] + tail for i, tail in enumerate(tails)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    folder = tiny_model("llama")
+    small = host_engine(folder, num_kv_blocks=24, num_speculative_tokens=speculative)
+    large = LLMEngine(
+        engine_config(folder, num_kv_blocks=256, block_size=4, num_speculative_tokens=speculative)
+    )
+    for _ in range(2):  # the second round finds the first's prefixes, on the device or the host
+        got = [r.output_token_ids for r in small.generate(prompts, params)]
+        want = [r.output_token_ids for r in large.generate(prompts, params)]
+        assert got == want
+    stats = small.stats()
+    assert stats.num_preemptions_total > 0 and stats.host_kv_cache_hits_total > 0
