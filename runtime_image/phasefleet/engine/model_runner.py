@@ -294,9 +294,10 @@ class ModelRunner:
     def allocate_host_kv(self, num_slots: int) -> None:
         """Host memory for `num_slots` blocks: the prefix cache's second tier (after
         allocate_kv)."""
-        ranks = [(caches, self._kv_shard_of(r)) for r, caches in enumerate(self.rank_caches)]
         if self.tp is None:
             ranks = [(self.kv_caches, 0)]
+        else:
+            ranks = [(caches, self._kv_shard_of(r)) for r, caches in enumerate(self.rank_caches)]
         self.host_kv = HostKVStore(self._shard_caches(), ranks, num_slots)
 
     def move_kv(self, moves: list[KVMove]) -> None:
