@@ -41,12 +41,7 @@ class HostPrefixCache:
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: 0 first
         self._pinned: set[int] = set()  # hashes of the blocks an admission is loading
         self.moves: list[KVMove] = []  # queued for the runner, in the order they must run
-        self.saves_total = 0  # blocks saved to host memory
         self.drops_total = 0  # evicted blocks not saved: every slot pinned
-
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._entries)
 
     def usage(self) -> float:
         return len(self._entries) / self.num_slots
@@ -77,7 +72,6 @@ class HostPrefixCache:
             slot = self._entries.pop(victim).slot
         self._entries[block_hash] = HostEntry(slot, parent_hash, token_ids)
         self.moves.append(KVMove(block_id, slot, to_host=True))
-        self.saves_total += 1
 
     def pin(self, block_hashes: list[int]) -> None:
         """Keeps these blocks' slots from being overwritten until `unpin` (an admission's
