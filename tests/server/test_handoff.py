@@ -289,6 +289,35 @@ def test_the_phase_boundary_follows_the_prefill_workers_backlog(
                 )
 
 
+class HoldKV(http.server.BaseHTTPRequestHandler):
+    """A proxy to the prefill worker that forwards the first bytes of a KV stream, says so, waits
+    until the test has killed the worker, then hangs up: a worker dead mid-stream, every time."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    streaming = threading.Event()
+    killed = threading.Event()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = self.rfile.read(int(self.headers["content-length"]))
+        with httpx.stream(
+            "POST", self.upstream + self.path, content=body, headers=dict(self.headers), timeout=60
+        ) as response:
+            self.send_response(response.status_code)
+            self.send_header("content-type", response.headers["content-type"])
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            first = next(response.iter_raw())
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(first), first))  # no terminating chunk
+            self.wfile.flush()
+            self.streaming.set()
+            self.killed.wait(60)
+        self.close_connection = True
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
 def test_a_prefill_worker_killed_mid_stream_means_a_local_prefill(
     workers: tuple[Worker, Worker, Worker], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -298,20 +327,35 @@ def test_a_prefill_worker_killed_mid_stream_means_a_local_prefill(
     monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
     prompt = [5 + (i * 7) % 500 for i in range(900)]  # 57 of the 64 blocks of the others
     with run_worker(tiny_model, "--role", "prefill", "--max-num-batched-tokens", "16") as doomed:
-        before = decode.counter("phasefleet_kv_transfer_failures_total")
-        client = handoff_client(decode, doomed.base_url)
-        answer: list[str] = []
-        asking = threading.Thread(
-            target=lambda: answer.append(
-                client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
-                .choices[0]
-                .text
-            )
+        streaming, killed = threading.Event(), threading.Event()
+        handler = type(
+            "Hold",
+            (HoldKV,),
+            {"upstream": doomed.base_url, "streaming": streaming, "killed": killed},
         )
-        asking.start()
-        doomed.wait_until(lambda: doomed.metric("phasefleet_kv_cache_usage_perc") > 0)
-        doomed.proc.kill()
-        asking.join(120)
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        try:
+            before = decode.counter("phasefleet_kv_transfer_failures_total")
+            client = handoff_client(decode, f"http://127.0.0.1:{proxy.server_address[1]}")
+            answer: list[str] = []
+            asking = threading.Thread(
+                target=lambda: answer.append(
+                    client.completions.create(
+                        model="tiny", prompt=prompt, max_tokens=8, temperature=0
+                    )
+                    .choices[0]
+                    .text
+                )
+            )
+            asking.start()
+            assert streaming.wait(60)
+            doomed.proc.kill()
+            doomed.proc.wait(30)
+            killed.set()
+            asking.join(120)
+        finally:
+            proxy.shutdown()
     expected = reference.client().completions.create(
         model="tiny", prompt=prompt, max_tokens=8, temperature=0
     )
