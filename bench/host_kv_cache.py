@@ -8,7 +8,9 @@ mostly earlier turns of the same conversation). Scaled down by --scale, each id 
 earlier turns' tokens. The requests are replayed in trace order, in the trace's own arrival
 batches, on a device pool of --pool-tokens (far less than the trace's working set), with host
 tiers of several sizes. Printed: prompt tokens computed and found in each tier, time to first
-token, and the wall time of the whole replay, each as a ratio against the pool alone.
+token, and the wall time of the whole replay, each as a ratio against the pool alone; and beside
+each tier, what `phasefleet plan`'s model of the prefix cache (plan/prefix_cache.py) predicts
+the engine finds in the same stream.
 
     PYTHONPATH=. .venv/bin/python bench/host_kv_cache.py                # the bench model (100M)
     PYTHONPATH=. .venv/bin/python bench/host_kv_cache.py --requests 1000 --tiers 0,16
@@ -25,12 +27,15 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from engine_throughput import model_folder
 
 from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
+from phasefleet.plan.prefix_cache import PrefixCaching, PrefixModel, PrefixStats
+from phasefleet.plan.trace import from_arrays
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation.jsonl"
 TRACE_BLOCK = 512  # tokens per hash id in the trace
@@ -61,8 +66,12 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def trace_requests(args: argparse.Namespace, vocab: int) -> list[tuple[int, list[int], int]]:
-    """(arrival ms, prompt, output tokens) of the trace's first requests, scaled down."""
+Request = tuple[int, list[int], int, list[int]]  # arrival ms, prompt, output tokens, block ids
+
+
+def trace_requests(args: argparse.Namespace, vocab: int) -> list[Request]:
+    """(arrival ms, prompt, output tokens, the block ids the prompt covers) of the trace's
+    first requests, scaled down."""
     rng = random.Random(args.seed)
     run = TRACE_BLOCK // args.scale
     runs: dict[int, list[int]] = {}
@@ -77,7 +86,8 @@ def trace_requests(args: argparse.Namespace, vocab: int) -> list[tuple[int, list
                 prompt += runs[block_id]
             length = min(max(1, row["input_length"] // args.scale), args.max_prompt)
             output = min(max(1, row["output_length"] // args.scale), args.max_output)
-            out.append((row["timestamp"], prompt[:length], output))
+            covered = row["hash_ids"][: -(-length // run)]
+            out.append((row["timestamp"], prompt[:length], output, covered))
             if len(out) == args.requests:
                 break
     return out
@@ -86,11 +96,27 @@ def trace_requests(args: argparse.Namespace, vocab: int) -> list[tuple[int, list
 clock = time.perf_counter
 
 
-def replay(engine: LLMEngine, requests: list[tuple[int, list[int], int]]) -> dict[str, float]:
+def modelled(
+    requests: list[Request], run: int, pool_tokens: int, host_tokens: int, block_size: int
+) -> PrefixStats:
+    """What the planner's model of one replica's prefix cache finds in the same stream."""
+    n = len(requests)
+    prompts = np.array([len(p) for _, p, _, _ in requests])
+    ids = [b for _, _, _, b in requests]
+    trace = from_arrays("bench", np.arange(n, dtype=float), prompts, np.ones(n), "", ids, run)
+    caching = PrefixCaching(host_tokens=host_tokens, kv_block_tokens=block_size)
+    model = PrefixModel(trace, caching, pool_tokens, 1)
+    cache = model.new_cache()
+    for i in range(n):
+        model.admit(cache, i, float(prompts[i]))
+    return model.stats
+
+
+def replay(engine: LLMEngine, requests: list[Request]) -> dict[str, float]:
     """Each arrival batch added at once and run to the end; TTFT from the batch's start."""
     ttfts: list[float] = []
     batches: dict[int, list[tuple[list[int], int]]] = {}
-    for arrival, prompt, output in requests:
+    for arrival, prompt, output, _ in requests:
         batches.setdefault(arrival, []).append((prompt, output))
     before = engine.stats()
     started = clock()
@@ -134,14 +160,14 @@ def main() -> None:
     del probe
     requests = trace_requests(args, vocab)
     pool_blocks = args.pool_tokens // block_size + 1
-    prompt_tokens = sum(len(p) for _, p, _ in requests)
+    prompt_tokens = sum(len(p) for _, p, _, _ in requests)
     print(
         f"machine: {platform.processor() or platform.machine()}, torch threads "
         f"{torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M %Z')}, load average "
         f"{os.getloadavg()[0]:.1f}, clock {args.clock}\nmodel {model.name}, float32; "
         f"{args.trace.name}: the first "
         f"{len(requests)} requests at 1/{args.scale} ({prompt_tokens} prompt tokens, "
-        f"{len({a for a, _, _ in requests})} arrival batches); device pool {args.pool_tokens} "
+        f"{len({a for a, _, _, _ in requests})} arrival batches); device pool {args.pool_tokens} "
         f"tokens ({(pool_blocks - 1) * block_bytes / 2**20:.0f} MiB)"
     )
     tiers = [float(t) for t in args.tiers.split(",")]
@@ -169,6 +195,14 @@ def main() -> None:
             f"{r['device_hits']:.0f}, loaded from host memory {r['host_hits']:.0f}; "
             f"{r['preempted']:.0f} preemptions\n  TTFT mean {r['ttft_mean'] * 1000:.0f} ms, "
             f"p90 {r['ttft_p90'] * 1000:.0f} ms; replay {r['wall']:.1f} s (best of 2)"
+        )
+        run = TRACE_BLOCK // args.scale
+        host = int(multiple * args.pool_tokens)
+        m = modelled(requests, run, args.pool_tokens, host, block_size)
+        computed = m.prompt_tokens - m.device_tokens - m.host_tokens
+        print(
+            f"  the planner's model of it: computed {computed}, found on the device "
+            f"{m.device_tokens}, loaded from host memory {m.host_tokens}"
         )
     base = results.get(0.0)
     if base is None:

@@ -32,9 +32,20 @@ def trace(arrivals: list[float], prompts: list[int], outputs: list[int]) -> Trac
     return Trace("t", np.array(arrivals), np.array(prompts), np.array(outputs))
 
 
-def run(t: Trace, boundary: PhaseBoundary | None, c: Curves | None = None, **kw: float) -> Fleet:
+def run(
+    t: Trace,
+    boundary: PhaseBoundary | None,
+    c: Curves | None = None,
+    tpot_target_s: float | None = None,
+) -> Fleet:
     return simulate(
-        t, c or curves(), lambda fleet, now: POOLS, POOLS, dt=0.05, boundary=boundary, **kw
+        t,
+        c or curves(),
+        lambda fleet, now: POOLS,
+        POOLS,
+        dt=0.05,
+        boundary=boundary,
+        tpot_target_s=tpot_target_s,
     )
 
 

@@ -35,11 +35,15 @@ def test_published_azure_csv_and_mooncake_jsonl_are_read(tmp_path: Path) -> None
     moon = tmp_path / "moon.jsonl"
     rows = [
         {"timestamp": 0, "input_length": 40160, "output_length": 6, "hash_ids": [0, 1]},
-        {"timestamp": 2500, "input_length": 9, "output_length": 3},
+        {"timestamp": 2500, "input_length": 9, "output_length": 3, "hash_ids": [0]},
+        {"timestamp": 1000, "input_length": 600, "output_length": 3, "hash_ids": [0, 2]},
     ]
     moon.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     trace = read_trace(moon)
-    assert list(trace.arrival) == [0.0, 2.5] and list(trace.prompt) == [40160, 9]
+    assert list(trace.arrival) == [0.0, 1.0, 2.5] and list(trace.prompt) == [40160, 600, 9]
+    assert trace.blocks == ((0, 1), (0, 2), (0,)) and trace.block_tokens == 512  # sorted alike
+    assert read_trace(moon, block_tokens=16).block_tokens == 16
+    assert read_trace(azure).blocks is None
 
 
 @pytest.mark.parametrize(
@@ -50,8 +54,19 @@ def test_published_azure_csv_and_mooncake_jsonl_are_read(tmp_path: Path) -> None
         ("t.csv", "arrival_s,prompt_tokens,output_tokens\n1,0,3\n", "must be positive"),
         ("t.csv", "arrival_s,prompt_tokens,output_tokens\n", "no requests"),
         ("t.txt", "1,2,3\n", "a .csv or .jsonl file"),
+        (
+            "t.jsonl",
+            '{"timestamp": 0, "input_length": 9, "output_length": 3, "hash_ids": [1]}\n'
+            '{"timestamp": 1, "input_length": 9, "output_length": 3}\n',
+            "request 2: hash_ids must be a list of integers",
+        ),
+        (
+            "t.jsonl",
+            '{"timestamp": 0, "input_length": 9, "output_length": 3, "hash_ids": ["a"]}\n',
+            "request 1: hash_ids must be a list of integers",
+        ),
     ],
-    ids=["columns", "bad-row", "empty-prompt", "empty", "suffix"],
+    ids=["columns", "bad-row", "empty-prompt", "empty", "suffix", "some-hash-ids", "bad-hash-ids"],
 )
 def test_a_file_that_is_not_a_trace_is_refused_saying_why(
     tmp_path: Path, name: str, text: str, words: str

@@ -35,6 +35,12 @@ Router: each arrival goes to the worker holding the fewest tokens of work (KV al
 running requests + prompt tokens waiting for admission), ties to the next worker in turn.
 Decode-only stretches (no prefill chunk possible) are jumped in closed form to the next
 finish, arrival or KV limit, so an hour of a trace runs in seconds.
+
+Prefix cache (`prefix`, None: not modelled; plan/prefix_cache.py): each worker keeps the blocks
+of the prompts it admitted (and a host tier of them); an admitted prompt's prefix found there is
+not computed (its first chunk starts after it; loading the host part lengthens the step); a
+prefix-aware router ranks the workers with the router's own code on their running and waiting
+requests and KV use.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from phasefleet.plan.curves import Curves
+from phasefleet.plan.prefix_cache import PrefixCaching, PrefixModel, ReplicaCache
 from phasefleet.plan.trace import Trace
+from phasefleet.router.policy import Candidate, WorkerLoad, rank_prefix_aware
 
 
 @dataclass
@@ -70,12 +78,16 @@ class Worker:
     prefill_kv: int = 0  # KV allocated to the prefilling requests (whole prompts)
     waiting: deque[int] = field(default_factory=deque)
     waiting_tokens: int = 0
+    cache: ReplicaCache | None = None  # with the prefix cache modelled
 
     def kv_decoding(self) -> int:
         return self.dec_prompt_sum + len(self.decoding) * self.steps - self.dec_start_sum
 
+    def kv_held(self) -> int:
+        return self.kv_decoding() + self.prefill_kv
+
     def load(self) -> int:
-        return self.kv_decoding() + self.prefill_kv + self.waiting_tokens
+        return self.kv_held() + self.waiting_tokens
 
     def running(self) -> int:
         return len(self.decoding) + len(self.prefilling)
@@ -87,7 +99,9 @@ class Worker:
 class AggregatedFleet:
     """`workers` aggregated workers serving `trace`; per-request results (NaN until known)."""
 
-    def __init__(self, trace: Trace, curves: Curves, workers: int) -> None:
+    def __init__(
+        self, trace: Trace, curves: Curves, workers: int, prefix: PrefixCaching | None = None
+    ) -> None:
         c = curves
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
@@ -111,6 +125,13 @@ class AggregatedFleet:
         self.admissions = 0
         self.preemptions = 0
         self.workers = [Worker() for _ in range(workers)]
+        self.prefix = (
+            None
+            if prefix is None
+            else PrefixModel(trace, prefix, c.kv_capacity_tokens, c.kv_bytes_per_token)
+        )
+        for w in self.workers:
+            w.cache = None if self.prefix is None else self.prefix.new_cache()
         self.end = 0.0  # the last request's finish, once the replay is over
 
     def gpu_seconds(self, end: float) -> float:
@@ -118,8 +139,17 @@ class AggregatedFleet:
 
     def route(self, i: int) -> Worker:
         n = len(self.workers)
-        k = min(range(n), key=lambda k: (self.workers[k].load(), (k - i) % n))
-        return self.workers[k]
+        if self.prefix is None or not self.prefix.caching.prefix_aware:
+            k = min(range(n), key=lambda k: (self.workers[k].load(), (k - i) % n))
+            return self.workers[k]
+        capacity = self.curves.kv_capacity_tokens
+        loads = [
+            Candidate(str(k), WorkerLoad(w.running(), len(w.waiting), w.kv_held() / capacity), 0)
+            for k, w in enumerate(self.workers)
+        ]
+        name = rank_prefix_aware(loads, i, self.prefix.matched(i))[0]
+        self.prefix.routed_to(i, name)
+        return self.workers[int(name)]
 
     def arrive(self, i: int) -> None:
         t = float(self.trace.arrival[i])
@@ -234,9 +264,13 @@ class AggregatedFleet:
             w.waiting_tokens -= total
             self.admitted_at[i] = self.admissions
             self.admissions += 1
-            take = min(total, budget)
-            chunk_s += b * take + q * take * take
-            w.prefilling.append(Prefill(i, take, total))
+            found = 0.0
+            if self.prefix is not None and w.cache is not None:
+                found, load_s = self.prefix.admit(w.cache, i, total)
+                chunk_s += load_s
+            take = min(total - int(found), budget)
+            chunk_s += b * take + q * ((found + take) ** 2 - found**2)
+            w.prefilling.append(Prefill(i, int(found) + take, total))
             w.prefill_kv += total
             budget -= take
             chunks += 1
@@ -266,9 +300,12 @@ class AggregatedFleet:
         w.dec_start_sum += start
 
 
-def simulate_aggregated(trace: Trace, curves: Curves, workers: int) -> AggregatedFleet:
-    """Replays `trace` on `workers` aggregated workers to its last token."""
-    fleet = AggregatedFleet(trace, curves, workers)
+def simulate_aggregated(
+    trace: Trace, curves: Curves, workers: int, prefix: PrefixCaching | None = None
+) -> AggregatedFleet:
+    """Replays `trace` on `workers` aggregated workers to its last token; `prefix`: their
+    prefix cache (None: not modelled)."""
+    fleet = AggregatedFleet(trace, curves, workers, prefix)
     for i in range(len(trace.arrival)):
         fleet.arrive(i)
     for w in fleet.workers:

@@ -4,7 +4,8 @@ Reads the trace, builds the model's speed curves on the GPU (a roofline from the
 and the GPU's published bandwidth and FLOP/s, or curves measured by bench/autoscale_measure.py),
 searches aggregated workers at several token budgets and disaggregated pools in the simulator,
 prints the candidates side by side and writes an InferenceService for the cheapest one that
-meets the SLO.
+meets the SLO. A trace that names its prompts' blocks (Mooncake's `hash_ids`) has the workers'
+prefix cache modelled, with the host tier that `--host-kv-cache-gib` adds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from phasefleet.plan.gpus import GPUS
 
 DEFAULT_MODEL = "llama-3-8b"  # the built-in shape when --model is not given
 LINK_GBPS = {"cpu": 0.87}  # KV hand-off GB/s where GPUS has none: loopback, bench/RESULTS.md
+HOST_GBPS = {"cpu": 5.0}  # host tier to pool GB/s where GPUS has none: a memory copy, assumed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +47,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="the workers' KV pool: auto (the model's dtype) or fp8 (one byte a value: twice the "
         "KV tokens of bf16, half the KV a decode step reads and a hand-off sends)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="plan as if no prompt shared a prefix, even where the trace's hash_ids say so",
+    )
+    parser.add_argument(
+        "--host-kv-cache-gib",
+        type=float,
+        default=0.0,
+        help="each worker's host tier of prefix cache (runtime.hostKvCacheSize), modelled from "
+        "the trace's hash_ids (default 0: none)",
+    )
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=512,
+        help="prompt tokens per hash id of the trace (default 512, as Mooncake's)",
     )
     parser.add_argument("--max-gpus", type=int, default=64, help="the largest fleet tried")
     parser.add_argument("--max-model-len", type=int, help="default: the trace's longest request")

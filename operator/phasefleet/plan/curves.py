@@ -35,35 +35,38 @@ class Curves:
     first_token_waits_for_kv: bool = False  # the client gets token 1 once the KV has landed
     layer_groups: int = 1  # streamed: a chunk's KV goes in this many pieces during its pass
 
-    def prefill_s(self, tokens: float) -> float:
+    def prefill_s(self, tokens: float, cached: float = 0.0) -> float:
+        """A prompt of `tokens` whose first `cached` are in the prefix cache: only the rest is
+        computed, each attending to every token before it."""
         a, b, c = self.prefill
-        return a + b * tokens + c * tokens * tokens
+        return a + b * (tokens - cached) + c * (tokens * tokens - cached * cached)
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         d0, d1, d2 = self.decode
         return d0 + d1 * batch + d2 * kv_tokens
 
-    def handoff_s(self, prompt_tokens: float) -> float:
+    def handoff_s(self, prompt_tokens: float, cached: float = 0.0) -> float:
         """Seconds from the first token until the prompt's KV is on the decode replica.
-        Pulled: the whole prompt's KV, sent after the prefill. Streamed: chunk k's KV is sent
-        when chunk k is computed (chunk k finishes at prefill_s of the prompt so far), behind
-        the chunks before it on the link; what remains after the last chunk is the tail. With
-        `layer_groups` G, each 1/G of a chunk's layers is sent as soon as the forward pass is
-        through it (the pass takes the chunk's time evenly over its layers)."""
+        Pulled: the whole prompt's KV, sent after the prefill. Streamed: the `cached` prefix's
+        KV at once, then chunk k's when chunk k is computed (chunk k finishes at prefill_s of
+        the prompt so far), behind the chunks before it on the link; what remains after the
+        last chunk is the tail. With `layer_groups` G, each 1/G of a chunk's layers is sent as
+        soon as the forward pass is through it (the pass takes the chunk's time evenly over
+        its layers)."""
         per_token = self.kv_bytes_per_token / self.handoff_bytes_per_s
         if not self.streamed:
             return prompt_tokens * per_token
         groups = self.layer_groups
-        done = sent = began = 0.0
+        done, sent, began = cached, cached * per_token, 0.0
         while done < prompt_tokens:
             chunk = min(self.chunk_tokens, prompt_tokens - done)
             done += chunk
-            ended = self.prefill_s(done)
+            ended = self.prefill_s(done, cached)
             for g in range(1, groups + 1):
                 ready = began + (ended - began) * g / groups
                 sent = max(sent, ready) + chunk * per_token / groups
             began = ended
-        return max(0.0, sent - self.prefill_s(prompt_tokens))
+        return max(0.0, sent - self.prefill_s(prompt_tokens, cached))
 
 
 @dataclass(frozen=True)

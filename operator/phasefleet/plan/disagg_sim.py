@@ -33,6 +33,12 @@ What is exact and what is approximated:
   replica (it misses the target anyway) waits instead until one is idle, oldest first, so the
   prompts that can still meet the target go ahead of it; after `late_limit_s` waiting it is
   queued in its turn on the replica free soonest.
+- Prefix cache (`prefix`, None: not modelled; plan/prefix_cache.py): each prefill replica keeps
+  the blocks of the prompts it prefilled (and a host tier of them); a prompt's prefix found
+  there is not computed (its KV is sent at once, ahead of the computed chunks'); a prefix-aware
+  router picks the prefill replica by the router's own ranking, its backlog being the
+  replica's open prompts and their tokens still to compute. The decode replicas' caches (whose
+  hits the hand-off skips) are not modelled.
 - Replicas: a new one serves `curves.startup_s` after it is asked for; GPU-seconds count from
   the ask. Scale-down cancels starting replicas first, then drains the least loaded: a draining
   replica takes no new work and stops when its last request is done; no request is lost.
@@ -52,7 +58,9 @@ from phasefleet.api.boundary import LocalLoad, PhaseBoundary
 from phasefleet.api.contract import DEFAULT_LATE_LIMIT_S
 from phasefleet.autoscale.peaks import WindowPeak
 from phasefleet.plan.curves import Curves
+from phasefleet.plan.prefix_cache import PrefixCaching, PrefixModel, ReplicaCache
 from phasefleet.plan.trace import Trace
+from phasefleet.router.policy import Candidate, WorkerLoad, rank_prefill
 
 POOLS = ("prefill", "decode")
 
@@ -77,6 +85,10 @@ class Replica:
     # decode: the worker's peak gauges, KV tokens (not yet a share) and requests held
     kv_peak: WindowPeak = field(default_factory=WindowPeak)
     requests_peak: WindowPeak = field(default_factory=WindowPeak)
+    name: str = ""  # the router's name for it
+    cache: ReplicaCache | None = None  # prefill, with the prefix cache modelled
+    # prefill, with the prefix cache modelled: (finish, tokens to compute) of its open prompts
+    open: deque[tuple[float, float]] = field(default_factory=deque)
 
     def serving(self, now: float) -> bool:
         return self.stopped is None and not self.draining and self.ready_at <= now
@@ -115,8 +127,15 @@ class Fleet:
         tpot_target_s: float | None = None,
         late_after_s: float | None = None,
         late_limit_s: float = DEFAULT_LATE_LIMIT_S,
+        prefix: PrefixCaching | None = None,
     ) -> None:
         self.trace, self.curves, self.dt = trace, curves, dt
+        self.prefix = (
+            None
+            if prefix is None
+            else PrefixModel(trace, prefix, curves.kv_capacity_tokens, curves.kv_bytes_per_token)
+        )
+        self.named = 0  # replicas made so far
         self.boundary, self.tpot_target_s = boundary, tpot_target_s
         self.late_after_s, self.late_limit_s = late_after_s, late_limit_s
         self.late: deque[int] = deque()  # prompts waiting for an idle prefill replica
@@ -133,7 +152,7 @@ class Fleet:
         self.end = 0.0  # the last request's finish, once the replay is over
         for pool in POOLS:
             for _ in range(initial[pool]):
-                self.pools[pool].append(Replica(started=0.0, ready_at=0.0))
+                self.pools[pool].append(self._replica(pool, 0.0, 0.0))
         self.handoffs: list[tuple[float, int]] = []  # (ready for decode, request)
         self.decode_queue: deque[tuple[float, int]] = deque()
         self.generated = 0.0  # decode tokens produced so far
@@ -145,6 +164,13 @@ class Fleet:
         # peak (the engines' waiting queues in a real fleet)
         self.queue_peak = WindowPeak()
 
+    def _replica(self, pool: str, started: float, ready_at: float) -> Replica:
+        self.named += 1
+        r = Replica(started=started, ready_at=ready_at, name=f"{pool}-{self.named}")
+        if pool == "prefill" and self.prefix is not None:
+            r.cache = self.prefix.new_cache()
+        return r
+
     def asked(self, pool: str) -> list[Replica]:
         return [r for r in self.pools[pool] if r.stopped is None and not r.draining]
 
@@ -155,7 +181,7 @@ class Fleet:
         live = self.asked(pool)
         if desired > len(live):
             for _ in range(desired - len(live)):
-                r = Replica(started=now, ready_at=now + self.curves.startup_s)
+                r = self._replica(pool, now, now + self.curves.startup_s)
                 r.free_at = r.ready_at
                 self.pools[pool].append(r)
         elif desired < len(live):
@@ -178,7 +204,7 @@ class Fleet:
         if not candidates:  # no prefill replica at all: one is started (cannot happen with min 1)
             self.resize("prefill", 1, t)
             candidates = self.asked("prefill")
-        r = min(candidates, key=lambda r: r.free_at)
+        r = self._route_prefill(i, t, candidates)
         if self.boundary is not None and self._prefill_here(i, t, max(0.0, r.free_at - t)):
             return
         if self.late_after_s is not None and r.free_at - t > self.late_after_s:
@@ -189,15 +215,35 @@ class Fleet:
             return
         self._prefill_on(r, i, max(t, r.free_at))
 
+    def _route_prefill(self, i: int, t: float, candidates: list[Replica]) -> Replica:
+        """The replica free soonest; with the prefix cache modelled, the router's prefix-aware
+        choice over the replicas' backlogs."""
+        if self.prefix is None or not self.prefix.caching.prefix_aware:
+            return min(candidates, key=lambda r: r.free_at)
+        loads = []
+        for r in candidates:
+            while r.open and r.open[0][0] <= t:
+                r.open.popleft()
+            pending = sum(tokens for _, tokens in r.open)
+            loads.append(Candidate(r.name, WorkerLoad(len(r.open), 0.0, 0.0, pending, 0.0), 0))
+        name = rank_prefill("prefix-aware", loads, i, self.prefix.matched(i))[0]
+        self.prefix.routed_to(i, name)
+        return next(r for r in candidates if r.name == name)
+
     def _prefill_on(self, r: Replica, i: int, start: float) -> None:
         n = float(self.trace.prompt[i])
-        r.free_at = start + self.curves.prefill_s(n)
+        cached = load_s = 0.0
+        if self.prefix is not None and r.cache is not None:
+            cached, load_s = self.prefix.admit(r.cache, i, n)
+        r.free_at = start + load_s + self.curves.prefill_s(n, cached)
+        if r.cache is not None:
+            r.open.append((r.free_at, n - cached))
         self.prefill_start[i], self.first_token[i] = start, r.free_at
         if self.trace.output[i] <= 1:
             self.finish[i] = r.free_at
             self.done += 1
         else:
-            landed = r.free_at + self.curves.handoff_s(n)
+            landed = r.free_at + self.curves.handoff_s(n, cached)
             if self.curves.first_token_waits_for_kv:
                 self.first_token[i] = landed
             heapq.heappush(self.handoffs, (landed, i))
@@ -293,6 +339,9 @@ class Fleet:
                 if r.stopped is None and r.ready_at <= t:
                     self._advance(pool, r, t)
             if any(r.stopped is not None for r in self.pools[pool]):
+                for r in self.pools[pool]:
+                    if r.stopped is not None and self.prefix is not None:
+                        self.prefix.forget(r.name)
                 self.retired += [r for r in self.pools[pool] if r.stopped is not None]
                 self.pools[pool] = [r for r in self.pools[pool] if r.stopped is None]
 
@@ -397,12 +446,16 @@ def simulate(
     tpot_target_s: float | None = None,
     late_after_s: float | None = None,
     late_limit_s: float = DEFAULT_LATE_LIMIT_S,
+    prefix: PrefixCaching | None = None,
 ) -> Fleet:
     """Replays `trace` to its last token; `controller` runs every `interval_s` from 0.
     `boundary`: which prompts decode replicas prefill themselves (None: none do);
     `tpot_target_s`: the target its room check holds them to; `late_after_s`: late prompts
-    last (see the module's docstring; None: first come, first served)."""
-    fleet = Fleet(trace, curves, initial, dt, boundary, tpot_target_s, late_after_s, late_limit_s)
+    last (see the module's docstring; None: first come, first served); `prefix`: the prefill
+    replicas' prefix cache (None: not modelled)."""
+    fleet = Fleet(
+        trace, curves, initial, dt, boundary, tpot_target_s, late_after_s, late_limit_s, prefix
+    )
     n, i, tick = len(trace.arrival), 0, 0
     next_decision = 0.0
     while fleet.done < n:

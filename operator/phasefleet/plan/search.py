@@ -11,6 +11,11 @@ each mode, found by replaying the trace in the simulators on fleets of fixed siz
   with the default threshold (512) the decode workers would prefill short prompts beside
   their batch, which the simulator shows costs tight TPOT targets their tail.
 
+With `prefix` (a trace with block ids), every replay models the workers' prefix cache
+(plan/prefix_cache.py), and each mode and budget is searched under both router policies that
+can use it: `prefix-aware` (a prompt to the worker that served its prefix, within a load slack)
+and `least-loaded` (caches hit only by chance); the cheaper is kept.
+
 A request meets the SLO when its TTFT and its TPOT are both within target; a fleet meets it
 when at least `percentile` of the requests do (attainment).
 """
@@ -26,9 +31,11 @@ import numpy as np
 from phasefleet.plan.aggregated_sim import simulate_aggregated
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.disagg_sim import simulate
+from phasefleet.plan.prefix_cache import PrefixCaching, PrefixStats
 from phasefleet.plan.trace import Trace, latencies
 
 CHUNKS = (512, 2048, 8192)  # token budgets per step tried for aggregated workers
+ROUTERS = ("prefix-aware", "least-loaded")  # spec.router.policy; the first needs a prefix cache
 DT_S = 0.1  # the disaggregated simulator's decode tick
 
 
@@ -46,6 +53,7 @@ class Shape:
     workers: int = 0  # aggregated
     prefill: int = 0  # disaggregated
     decode: int = 0
+    router: str = "least-loaded"  # spec.router.policy
 
     @property
     def gpus(self) -> int:
@@ -65,6 +73,7 @@ class Outcome:
     ttft_p: float  # seconds, at the SLO's percentile
     tpot_p: float
     goodput_per_gpu: float  # requests meeting the SLO per second per GPU
+    prefix: PrefixStats | None = None  # prompt tokens found in the caches, when modelled
 
     def meets(self, slo: Slo) -> bool:
         return self.attainment >= slo.percentile
@@ -77,12 +86,17 @@ class Plan:
     seconds: float  # wall time of the search
 
 
-def replay(trace: Trace, curves: Curves, shape: Shape, slo: Slo) -> Outcome:
+def replay(
+    trace: Trace, curves: Curves, shape: Shape, slo: Slo, prefix: PrefixCaching | None = None
+) -> Outcome:
     """One fixed-size fleet through the whole trace, scored."""
     curves = replace(curves, chunk_tokens=shape.chunk_tokens)
+    if prefix is not None:
+        prefix = replace(prefix, prefix_aware=shape.router == "prefix-aware")
     if shape.mode == "aggregated":
-        fleet = simulate_aggregated(trace, curves, shape.workers)
+        fleet = simulate_aggregated(trace, curves, shape.workers, prefix)
         first, finish = fleet.first_token, fleet.finish
+        model = fleet.prefix
     else:
         pools = {"prefill": shape.prefill, "decode": shape.decode}
         sized = simulate(
@@ -92,8 +106,10 @@ def replay(trace: Trace, curves: Curves, shape: Shape, slo: Slo) -> Outcome:
             pools,
             interval_s=1e9,
             dt=DT_S,
+            prefix=prefix,
         )
         first, finish = sized.first_token, sized.finish
+        model = sized.prefix
     ttft, tpot = latencies(trace, first, finish)
     met = (ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)
     span = max(trace.duration, 1.0)
@@ -103,6 +119,7 @@ def replay(trace: Trace, curves: Curves, shape: Shape, slo: Slo) -> Outcome:
         float(np.quantile(ttft, slo.percentile)),
         float(np.quantile(tpot, slo.percentile)),
         float(met.sum()) / span / shape.gpus,
+        None if model is None else model.stats,
     )
 
 
@@ -124,32 +141,64 @@ def fewest(
     return best
 
 
-def search(trace: Trace, curves: Curves, slo: Slo, max_gpus: int, context: int) -> Plan:
+def search(
+    trace: Trace,
+    curves: Curves,
+    slo: Slo,
+    max_gpus: int,
+    context: int,
+    prefix: PrefixCaching | None = None,
+) -> Plan:
     """The cheapest fleet of at most `max_gpus` GPUs per mode and budget, and the best of all."""
     started = time.monotonic()
 
     def met(out: Outcome) -> bool:
         return out.meets(slo)
 
-    def aggregated(chunk: int) -> Callable[[int], Outcome]:
-        return lambda n: replay(trace, curves, Shape("aggregated", chunk, workers=n), slo)
+    def aggregated(chunk: int, router: str) -> Callable[[int], Outcome]:
+        def run(n: int) -> Outcome:
+            shape = Shape("aggregated", chunk, workers=n, router=router)
+            return replay(trace, curves, shape, slo, prefix)
 
+        return run
+
+    routers = ROUTERS if prefix is not None else ROUTERS[1:]
     budgets = sorted({min(chunk, context) for chunk in (*CHUNKS, context)})
-    candidates = [fewest(1, max_gpus, aggregated(c), met) for c in budgets]
+    candidates = [
+        cheapest([fewest(1, max_gpus, aggregated(c, r), met) for r in routers], slo)
+        for c in budgets
+    ]
     if max_gpus >= 2:
-        candidates.append(_disaggregated(trace, curves, slo, max_gpus))
+        by_router = [_disaggregated(trace, curves, slo, max_gpus, prefix, r) for r in routers]
+        candidates.append(cheapest(by_router, slo))
     meeting = [c for c in candidates if met(c)]
     best = min(meeting, key=lambda c: (c.shape.gpus, -c.attainment)) if meeting else None
     return Plan(best, candidates, time.monotonic() - started)
 
 
-def _disaggregated(trace: Trace, curves: Curves, slo: Slo, max_gpus: int) -> Outcome:
+def cheapest(outcomes: list[Outcome], slo: Slo) -> Outcome:
+    """The fewest GPUs of those meeting the SLO, then the higher attainment; the highest
+    attainment when none meets it."""
+    meeting = [o for o in outcomes if o.meets(slo)]
+    if not meeting:
+        return max(outcomes, key=lambda o: o.attainment)
+    return min(meeting, key=lambda o: (o.shape.gpus, -o.attainment))
+
+
+def _disaggregated(
+    trace: Trace,
+    curves: Curves,
+    slo: Slo,
+    max_gpus: int,
+    prefix: PrefixCaching | None,
+    router: str = "least-loaded",
+) -> Outcome:
     """Prefill replicas for TTFT first (decode generous), then decode replicas for both."""
     chunk = curves.chunk_tokens
 
     def fleet(prefill: int, decode: int) -> Outcome:
-        shape = Shape("disaggregated", chunk, prefill=prefill, decode=decode)
-        return replay(trace, curves, shape, slo)
+        shape = Shape("disaggregated", chunk, prefill=prefill, decode=decode, router=router)
+        return replay(trace, curves, shape, slo, prefix)
 
     def ttft_met(out: Outcome) -> bool:
         return out.ttft_p <= slo.ttft_s
@@ -164,7 +213,4 @@ def _disaggregated(trace: Trace, curves: Curves, slo: Slo, max_gpus: int) -> Out
         for p in (prefill, prefill + 1)
         if p < max_gpus
     ]
-    meeting = [t for t in tries if t.meets(slo)]
-    if not meeting:
-        return max(tries, key=lambda t: t.attainment)
-    return min(meeting, key=lambda t: (t.shape.gpus, -t.attainment))
+    return cheapest(tries, slo)

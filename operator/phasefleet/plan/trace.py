@@ -5,13 +5,17 @@ Read from CSV or JSON Lines, one request per row, in either of two column sets:
 - as published: Azure's LLM inference CSV (`TIMESTAMP` as "YYYY-MM-DD HH:MM:SS.fffffff",
   `ContextTokens`, `GeneratedTokens`) and Mooncake's JSONL (`timestamp` in ms,
   `input_length`, `output_length`).
+
+A JSON Lines trace may also name each request's prompt blocks (`hash_ids`, as Mooncake's do: one
+id per `block_tokens` prompt tokens, equal ids for equal prefixes), which lets the simulators
+model the workers' prefix cache.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +29,7 @@ COLUMNS = {
     "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
     "mooncake": ("timestamp", "input_length", "output_length"),
 }
+BLOCK_TOKENS = 512  # prompt tokens per hash id in Mooncake's traces
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,9 @@ class Trace:
     prompt: np.ndarray  # prompt tokens [N]
     output: np.ndarray  # output tokens, at least 1 [N]
     note: str = ""  # how it was made from the file
+    # each request's prompt blocks by id (equal ids: equal prefixes), or None: not known
+    blocks: tuple[tuple[int, ...], ...] | None = None
+    block_tokens: int = BLOCK_TOKENS  # prompt tokens per block id
 
     @property
     def duration(self) -> float:
@@ -41,13 +49,21 @@ class Trace:
 
 
 def from_arrays(
-    name: str, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, note: str = ""
+    name: str,
+    arrival: np.ndarray,
+    prompt: np.ndarray,
+    output: np.ndarray,
+    note: str = "",
+    blocks: Sequence[Sequence[int]] | None = None,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> Trace:
     """Sorted by arrival, times from the first request, at least one output token each."""
     order = np.argsort(arrival, kind="stable")
     t = arrival[order] - arrival[order][0] if len(arrival) else arrival
     p = prompt[order].astype(np.int64)
-    return Trace(name, t.astype(np.float64), p, np.maximum(output[order], 1).astype(np.int64), note)
+    o = np.maximum(output[order], 1).astype(np.int64)
+    ids = None if blocks is None else tuple(tuple(blocks[k]) for k in order)
+    return Trace(name, t.astype(np.float64), p, o, note, ids, block_tokens)
 
 
 def latencies(
@@ -61,8 +77,9 @@ def latencies(
     return ttft, tpot
 
 
-def read_trace(path: Path) -> Trace:
-    """A trace file (.csv or .jsonl); ValueError naming the file and row when it is not one."""
+def read_trace(path: Path, block_tokens: int = BLOCK_TOKENS) -> Trace:
+    """A trace file (.csv or .jsonl); ValueError naming the file and row when it is not one.
+    `block_tokens`: the prompt tokens each of a JSON Lines trace's `hash_ids` stands for."""
     if path.suffix == ".csv":
         with path.open(newline="") as f:
             rows: list[Mapping[str, Any]] = list(csv.DictReader(f))
@@ -75,7 +92,9 @@ def read_trace(path: Path) -> Trace:
         raise ValueError(f"{path}: no requests")
     kind = _column_set(path, rows[0].keys())
     arrival, prompt, output = _columns(path, kind, rows)
-    return from_arrays(path.stem, arrival, prompt, output, note=f"{path.name} ({kind} columns)")
+    blocks = _blocks(path, rows) if any("hash_ids" in row for row in rows) else None
+    note = f"{path.name} ({kind} columns{', hash_ids' if blocks else ''})"
+    return from_arrays(path.stem, arrival, prompt, output, note, blocks, block_tokens)
 
 
 def _column_set(path: Path, keys: Iterable[str]) -> str:
@@ -102,6 +121,22 @@ def _columns(
         if prompt[-1] < 1 or output[-1] < 0:
             raise ValueError(f"{path}: request {number}: token counts must be positive")
     return np.array(arrival), np.array(prompt), np.array(output)
+
+
+def _blocks(path: Path, rows: list[Mapping[str, Any]]) -> list[list[int]]:
+    """Every request's `hash_ids`: a list of integers, in every row once one has them."""
+    blocks = []
+    for number, row in enumerate(rows, start=1):
+        ids = row.get("hash_ids")
+        if not isinstance(ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in ids
+        ):
+            raise ValueError(
+                f"{path}: request {number}: hash_ids must be a list of integers (every request "
+                "needs them once one has them)"
+            )
+        blocks.append(ids)
+    return blocks
 
 
 def _seconds(kind: str, value: Any) -> float:
