@@ -255,32 +255,36 @@ def test_a_step_carries_the_moves_of_its_admissions_and_counts_host_hits() -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_the_store_copies_alike_in_runs_on_the_cpu_and_one_by_one_as_on_cuda(
-    dtype: torch.dtype,
+@pytest.mark.parametrize("staging_bytes", [1, 1 << 20], ids=["block-by-block", "whole-runs"])
+def test_the_store_copies_through_its_staging_as_the_moves_say_in_their_order(
+    dtype: torch.dtype, staging_bytes: int
 ) -> None:
-    """The CPU's batched runs and CUDA's per-block copies (run here on the CPU) leave the same
-    pool and slots, moves in queue order: a slot saved twice keeps the later block, a slot
-    loaded before it is saved to again gives its earlier contents."""
+    """Each move done alone, in queue order, is the reference: a slot saved twice keeps the
+    later block, a slot loaded before it is saved to again gives its earlier contents; runs
+    staged whole or a block at a time (a staging smaller than a block) leave the same pool."""
     moves = [
         KVMove(1, 0, True), KVMove(2, 1, True), KVMove(3, 0, True),  # slot 0: block 3 wins
         KVMove(4, 0, False), KVMove(5, 1, False),
         KVMove(6, 0, True), KVMove(7, 0, False),  # slot 0 now holds block 6
     ]  # fmt: skip
-    results = []
-    for on_cpu in (True, False):
-        torch.manual_seed(0)
-        pool = [tuple(torch.randn(8, 4, 2, 3).to(dtype) for _ in range(2)) for _ in range(2)]
-        before = [tuple(c.clone() for c in pair) for pair in pool]
-        store = HostKVStore([pool], [(pool, 0)], num_slots=2)  # type: ignore[list-item]
-        store.on_cpu = on_cpu
-        store.apply(moves)
-        for (k, v), (k0, v0) in zip(pool, before, strict=True):
-            for cache, old in ((k, k0), (v, v0)):
-                assert torch.equal(cache[4].float(), old[3].float())
-                assert torch.equal(cache[5].float(), old[2].float())
-                assert torch.equal(cache[7].float(), old[6].float())
-        results.append([c.float() for pair in pool for c in pair])
-    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    torch.manual_seed(0)
+    pool = [tuple(torch.randn(8, 4, 2, 3).to(dtype) for _ in range(2)) for _ in range(2)]
+    expected = [[c.clone() for c in pair] for pair in pool]
+    slots: dict[int, list[list[torch.Tensor]]] = {}
+    for move in moves:
+        if move.to_host:
+            slots[move.slot] = [[c[move.block_id].clone() for c in pair] for pair in expected]
+        else:
+            for pair, saved in zip(expected, slots[move.slot], strict=True):
+                for cache, block in zip(pair, saved, strict=True):
+                    cache[move.block_id] = block
+    store = HostKVStore([pool], [(pool, 0)], 2, staging_bytes)  # type: ignore[list-item]
+    assert store.staging_blocks == (1 if staging_bytes == 1 else 2)  # at most the slots
+    store.apply(moves)
+    for layer, want in zip(pool, expected, strict=True):
+        for cache, wanted in zip(layer, want, strict=True):
+            assert torch.equal(cache.float(), wanted.float())
+    assert torch.equal(pool[0][0][4].float(), pool[0][0][3].float())  # what the moves say
 
 
 def test_memory_left_is_the_tighter_of_the_host_and_the_container(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ class Gpu:
 
 # Published specifications (SXM parts; dense bf16). The links are assumptions: one RDMA NIC
 # per GPU (400 Gb/s for H100/H200, 200 Gb/s for A100) and 100 GbE for the L40S; the host
-# copies, under half of PCIe's 64 GB/s (Gen5: H100, H200) or 32 GB/s (Gen4), since the host tier
-# copies each block's layers apart (docs/engine.md, "The host tier").
+# tier's copies (one per block, 2 MiB for an 8B model: docs/engine.md, "The host tier"), under
+# half of PCIe's 64 GB/s (Gen5: H100, H200) or 32 GB/s (Gen4) until a GPU measures them.
 GPUS = {
     "h100": Gpu("H100 SXM 80 GB", 80e9, 3.35e12, 989e12, 50e9, 25e9),
     "h200": Gpu("H200 SXM 141 GB", 141e9, 4.8e12, 989e12, 50e9, 25e9),
