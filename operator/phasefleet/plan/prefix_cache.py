@@ -11,13 +11,13 @@ prefixes) says which prompts share a prefix. Each simulated replica keeps:
 
 A prompt finds the blocks of its prefix on the device, then, from the first device miss, in
 host memory, as the engine looks them up, in whole KV blocks of the engine's (16 tokens); at
-least its last token is computed. Host hits are
-copied to the device first, at `host_bytes_per_s`. Found tokens are not computed: the prefill
-costs `Curves.prefill_s(n, cached)`.
+least its last token is computed. Host hits are copied to the device first, at
+`host_bytes_per_s`. Found tokens are not computed: the prefill costs `Curves.prefill_s(n,
+cached)`.
 
-Routing, with `prefix_aware`, is the router's own code (`phasefleet.router.policy`): its PrefixIndex
-remembers which replica last served each block id and the rank functions weigh that against
-load. The router hashes the first 16 Ki characters of a prompt in 64-character chunks; at
+Routing, with `prefix_aware`, is the router's own code (`phasefleet.router.policy`): its
+PrefixIndex remembers which replica last served each block id and the rank functions weigh that
+against load. The router hashes the first 16 Ki characters of a prompt in 64-character chunks; at
 `CHARS_PER_TOKEN`, that is the first 4,096 tokens, so only the block ids within them route.
 """
 

@@ -171,9 +171,8 @@ def search(
     if max_gpus >= 2:
         by_router = [_disaggregated(trace, curves, slo, max_gpus, prefix, r) for r in routers]
         candidates.append(cheapest(by_router, slo))
-    meeting = [c for c in candidates if met(c)]
-    best = min(meeting, key=lambda c: (c.shape.gpus, -c.attainment)) if meeting else None
-    return Plan(best, candidates, time.monotonic() - started)
+    best = cheapest(candidates, slo)
+    return Plan(best if met(best) else None, candidates, time.monotonic() - started)
 
 
 def cheapest(outcomes: list[Outcome], slo: Slo) -> Outcome:
