@@ -42,14 +42,14 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def best_row(label: str, plan: Plan) -> str:
+def best_row(label: str, plan: Plan, context: int) -> str:
     b = plan.best
     if b is None:
         return f"| {label} | none meets | | | | {plan.seconds:.0f} s |"
     found = "-" if b.prefix is None else f"{b.prefix.found_share:.1%}"
     if b.prefix is not None and b.prefix.host_tokens:
         found += f" ({b.prefix.host_share:.1%} from host)"
-    name = b.shape.label(10**9)
+    name = b.shape.label(context)
     return (
         f"| {label} | {name}, {b.shape.gpus} GPUs | {b.shape.router} | {b.attainment:.2%} | "
         f"{found} | {plan.seconds:.0f} s |"
@@ -89,7 +89,7 @@ def main() -> None:
             "|---|---|---|---|---|---|"
         )
         for label, plan in runs:
-            print(best_row(label, plan))
+            print(best_row(label, plan, context))
         base = runs[0][1].best
         if base is None:
             continue
