@@ -35,7 +35,7 @@ from phasefleet.engine.config import EngineConfig
 from phasefleet.engine.llm_engine import LLMEngine
 from phasefleet.engine.sampling_params import SamplingParams
 from phasefleet.plan.prefix_cache import PrefixCaching, PrefixModel, PrefixStats
-from phasefleet.plan.trace import from_arrays
+from phasefleet.plan.trace import Trace, from_arrays
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation.jsonl"
 TRACE_BLOCK = 512  # tokens per hash id in the trace
@@ -96,19 +96,25 @@ def trace_requests(args: argparse.Namespace, vocab: int) -> list[Request]:
 clock = time.perf_counter
 
 
+def as_trace(requests: list[Request], run: int, arrival_s: np.ndarray) -> Trace:
+    """The requests as the planner's simulators read them: lengths and block ids of `run`
+    tokens, arriving at `arrival_s`."""
+    prompts = np.array([len(p) for _, p, _, _ in requests])
+    outputs = np.array([o for _, _, o, _ in requests])
+    ids = [b for _, _, _, b in requests]
+    return from_arrays("bench", arrival_s, prompts, outputs, "", ids, run)
+
+
 def modelled(
     requests: list[Request], run: int, pool_tokens: int, host_tokens: int, block_size: int
 ) -> PrefixStats:
     """What the planner's model of one replica's prefix cache finds in the same stream."""
-    n = len(requests)
-    prompts = np.array([len(p) for _, p, _, _ in requests])
-    ids = [b for _, _, _, b in requests]
-    trace = from_arrays("bench", np.arange(n, dtype=float), prompts, np.ones(n), "", ids, run)
+    trace = as_trace(requests, run, np.arange(len(requests), dtype=float))
     caching = PrefixCaching(host_tokens=host_tokens, kv_block_tokens=block_size)
     model = PrefixModel(trace, caching, pool_tokens, 1)
     cache = model.new_cache()
-    for i in range(n):
-        model.admit(cache, i, float(prompts[i]))
+    for i, prompt in enumerate(trace.prompt):
+        model.admit(cache, i, float(prompt))
     return model.stats
 
 

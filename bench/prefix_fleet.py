@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import platform
-import re
 import tempfile
 import time
 from dataclasses import replace
@@ -30,15 +29,15 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from autoscale_curves import cpu_curves
+from autoscale_curves import BENCH_KV_BYTES_PER_TOKEN, cpu_curves
 from engine_throughput import model_folder
-from host_kv_cache import TRACE, TRACE_BLOCK, Request, trace_requests
+from host_kv_cache import TRACE, TRACE_BLOCK, Request, as_trace, trace_requests
+from kv_bandwidth import metric_sum
 
 from phasefleet.api.contract import Metric as M
 from phasefleet.local.fleet import Fleet, FleetConfig, free_port
 from phasefleet.plan.aggregated_sim import simulate_aggregated
 from phasefleet.plan.prefix_cache import PrefixCaching
-from phasefleet.plan.trace import from_arrays
 
 MODEL_NAME = "bench"
 POLICIES = ("least-loaded", "prefix-aware")
@@ -58,24 +57,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def kv_block_bytes(model: Path) -> int:
-    """A float32 KV block of 16 tokens of the model, every layer's keys and values."""
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return c["num_hidden_layers"] * 2 * 16 * c["num_key_value_heads"] * head_dim * 4
-
-
-def counters(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {}
-    for name in (
-        M.PREFIX_CACHE_QUERIES_TOTAL,
-        M.PREFIX_CACHE_HITS_TOTAL,
-        M.HOST_KV_CACHE_HITS_TOTAL,
-    ):
-        found = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE)
-        out[name] = float(found.group(1)) if found else 0.0
-    return out
+COUNTERS = (M.PREFIX_CACHE_QUERIES_TOTAL, M.PREFIX_CACHE_HITS_TOTAL, M.HOST_KV_CACHE_HITS_TOTAL)
 
 
 async def send_batches(url: str, requests: list[Request]) -> None:
@@ -106,12 +88,9 @@ def measure(
 ) -> dict[str, float]:
     """Prompt tokens queried and found (and found in host memory) over the fleet's workers."""
     worker_args = ["--num-kv-blocks", str(args.pool_tokens // 16 + 1), "--log-level", "warning"]
-    if tier:
-        block_bytes = kv_block_bytes(model)
-        worker_args += [
-            "--host-kv-cache-gib",
-            f"{tier * args.pool_tokens // 16 * block_bytes / 2**30:.6f}",
-        ]
+    if tier:  # the bench model's KV (a 16-token block) in GiB
+        gib = tier * args.pool_tokens * BENCH_KV_BYTES_PER_TOKEN / 2**30
+        worker_args += ["--host-kv-cache-gib", f"{gib:.6f}"]
     with tempfile.TemporaryDirectory(prefix="pf-prefix-") as tmp:
         fleet = Fleet(
             FleetConfig(
@@ -128,11 +107,10 @@ def measure(
         fleet.start()
         try:
             asyncio.run(send_batches(fleet.url, reqs))
-            totals = {M.PREFIX_CACHE_QUERIES_TOTAL: 0.0, M.PREFIX_CACHE_HITS_TOTAL: 0.0}
-            totals[M.HOST_KV_CACHE_HITS_TOTAL] = 0.0
-            for worker in fleet.members()["worker"]:
-                for name, value in counters(worker.url).items():
-                    totals[name] += value
+            texts = [
+                httpx.get(f"{w.url}/metrics", timeout=10).text for w in fleet.members()["worker"]
+            ]
+            totals = {name: sum(metric_sum(t, name) for t in texts) for name in COUNTERS}
         finally:
             fleet.stop()
     return totals
@@ -143,15 +121,8 @@ def predict(
 ) -> tuple[float, float]:
     """(found share, host share) of the prompt tokens in the simulator."""
     arrivals = {a: k for k, a in enumerate(dict.fromkeys(r[0] for r in reqs))}
-    trace = from_arrays(
-        "segment",
-        np.array([1000.0 * arrivals[r[0]] for r in reqs]),  # each batch long after the last
-        np.array([len(r[1]) for r in reqs]),
-        np.array([r[2] for r in reqs]),
-        "",
-        [r[3] for r in reqs],
-        TRACE_BLOCK // args.scale,
-    )
+    batches = np.array([1000.0 * arrivals[r[0]] for r in reqs])  # each long after the last
+    trace = as_trace(reqs, TRACE_BLOCK // args.scale, batches)
     curves = replace(cpu_curves(), kv_capacity_tokens=args.pool_tokens, chunk_tokens=2048)
     caching = PrefixCaching(
         host_tokens=int(tier * args.pool_tokens), prefix_aware=policy == "prefix-aware"
