@@ -9,6 +9,7 @@ import pytest
 from phasefleet.router.policy import (
     AFFINITY_SLACK,
     MAX_PREFIX_CHUNKS,
+    PREFILL_TOKENS_PER_UNIT,
     PREFIX_CHUNK_CHARS,
     TYPICAL_PROMPT,
     Candidate,
@@ -42,6 +43,18 @@ def test_waiting_and_a_full_kv_cache_count_extra() -> None:
     assert rank("least-loaded", queued, 0)[0] == B
     full = [worker(A, running=2, kv=0.95), worker(B, running=3, kv=0.1)]
     assert rank("least-loaded", full, 0)[0] == B
+
+
+def test_prompt_tokens_not_yet_computed_count_as_load() -> None:
+    # A holds one long prompt still prefilling, B three short decodes: one request against
+    # three, but A's prompt keeps its next steps busy for longer.
+    long_prompt = WorkerLoad(1, 0, 0.1, prefill_pending=8 * PREFILL_TOKENS_PER_UNIT)
+    pool = [Candidate(A, long_prompt, inflight=0), worker(B, running=3)]
+    assert rank("least-loaded", pool, 0)[0] == B
+    queued = WorkerLoad(1, 1, 0.0, prefill_waiting=2 * PREFILL_TOKENS_PER_UNIT)
+    assert load_score(Candidate(A, queued, inflight=0)) == 1 + 1 + 1 + 2
+    # a worker that exports neither gauge is scored on its requests alone, as before
+    assert load_score(worker(C, running=2, waiting=1)) == 4
 
 
 def test_own_inflight_requests_count_when_the_report_is_stale() -> None:

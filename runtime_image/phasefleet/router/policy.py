@@ -7,7 +7,8 @@ clock; the caller passes the load snapshot, the turn counter and the prefix matc
 Policies (`spec.router.policy`, `phasefleet router --policy`):
 
 - `least-loaded`: fewest requests (reported by the worker or open from this router, whichever
-  is larger), a waiting queue and a full KV cache counting extra; ties rotate.
+  is larger), a waiting queue, prompt tokens not yet computed and a full KV cache counting
+  extra; ties rotate.
 - `round-robin`: every request to the next worker in turn, load ignored.
 - `prefix-aware`: the worker that served the longest prefix of this prompt before (its prefix
   cache likely still holds it), unless it is busier than the least-loaded worker by more than
@@ -24,6 +25,9 @@ POLICIES = ("least-loaded", "round-robin", "prefix-aware")
 
 WAITING_WEIGHT = 1.0  # a waiting request counts this much on top of itself: the batch is full
 KV_WEIGHT = 4.0  # requests' worth of a full KV cache (near preemption)
+PREFILL_TOKENS_PER_UNIT = 1024.0  # prompt tokens not yet computed that count as one request:
+# a request counts the same whatever its prompt, so without them one 100k-token prompt looks
+# as light as a 100-token one and the next prompts queue behind it
 AFFINITY_SLACK = 4.0  # load units a prefix owner may exceed the least-loaded worker by
 TYPICAL_PROMPT = 512.0  # prompt tokens one unit of prefill backlog stands for (and a queued
 # request's prompt, from a worker that does not export phasefleet_prefill_tokens_waiting)
@@ -61,7 +65,13 @@ def load_score(c: Candidate) -> float:
     if c.load is None:
         return float(c.inflight)
     requests = max(c.load.running + c.load.waiting, float(c.inflight))
-    return requests + WAITING_WEIGHT * c.load.waiting + KV_WEIGHT * c.load.kv_usage
+    prompts = c.load.prefill_pending + (c.load.prefill_waiting or 0.0)
+    return (
+        requests
+        + WAITING_WEIGHT * c.load.waiting
+        + KV_WEIGHT * c.load.kv_usage
+        + prompts / PREFILL_TOKENS_PER_UNIT
+    )
 
 
 def _rotated(candidates: Sequence[Candidate], turn: int) -> list[Candidate]:
