@@ -358,7 +358,7 @@ def test_worker_args_parse_with_the_worker_cli():
 
 def test_the_host_kv_tier_reaches_every_pool_and_its_memory_bounds():
     """hostKvCacheSize becomes each worker's --host-kv-cache-gib and is added to the memory the
-    pool requests and limits; a pool that sets no memory bound gets none."""
+    pool requests and limits; a pool that requests no memory requests the tier alone."""
     from phasefleet.cli import build_parser
 
     bounded = {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "12Gi"}}}
@@ -370,7 +370,8 @@ def test_the_host_kv_tier_reaches_every_pool_and_its_memory_bounds():
             assert container["resources"]["requests"]["memory"] == str((8 << 30) + (3 << 29))
             assert container["resources"]["limits"]["memory"] == str((12 << 30) + (3 << 29))
         else:
-            assert "memory" not in container["resources"].get("requests", {})
+            assert container["resources"]["requests"]["memory"] == str(3 << 29)
+            assert "memory" not in container["resources"].get("limits", {})
     off = _pod(worker_deployment(make_owner(), make_spec(), Role.DECODE, replicas=1))
     args = build_parser().parse_args(off["containers"][0]["args"])
     assert WorkerFlag.HOST_KV_CACHE_GIB not in off["containers"][0]["args"]

@@ -165,13 +165,18 @@ def host_kv_cache_bytes(spec: InferenceServiceSpec) -> int:
 
 def worker_resources(spec: InferenceServiceSpec, pool: PoolSpec) -> dict[str, Any]:
     """The pool's resources, with the host tier added to the memory it requests and limits
-    (where it sets them: without, the pod has no memory bound to raise)."""
+    where it sets them; a pool that requests no memory requests the tier alone, so that the
+    scheduler reserves it on the node (no limit is invented)."""
     resources = pool.resources.to_wire()
     extra = host_kv_cache_bytes(spec)
+    if not extra:
+        return {k: v for k, v in resources.items() if v}
     for kind in ("requests", "limits"):
         memory = quantity(resources.get(kind, {}).get("memory"))
-        if extra and memory is not None:
+        if memory is not None:
             resources[kind]["memory"] = str(int(memory) + extra)
+    requests = resources.setdefault("requests", {})
+    requests.setdefault("memory", str(extra))
     return {k: v for k, v in resources.items() if v}
 
 
