@@ -177,6 +177,26 @@ def test_aggregated_workers_skip_the_prefill_of_what_they_cached() -> None:
     assert (plain.first_token - trace.arrival) == pytest.approx(np.array([2, 4, 6, 8]) * BT * MS)
 
 
+@pytest.mark.parametrize("aware", [True, False])
+def test_either_router_policy_weighs_the_prompt_tokens_a_worker_has_yet_to_compute(
+    aware: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a 40-block prompt, then three 1-block prompts; a KV pool so large its use says little
+    blocks = [tuple(range(40)), (100,), (200,), (300,)]
+    prompt = np.array([len(b) * BT for b in blocks])
+    arrival = np.array([0.0, 0.01, 0.015, 0.02])
+    trace = from_arrays("long", arrival, prompt, np.full(4, 2), blocks=blocks, block_tokens=BT)
+    c = curves(kv_capacity_tokens=10_000 * BT, chunk_tokens=4 * BT)
+    caching = PrefixCaching(prefix_aware=aware)
+    fleet = simulate_aggregated(trace, c, 2, caching)
+    # the fourth goes beside the second and third, not behind the long one
+    assert fleet.first_token[3] - arrival[3] < 5 * BT * MS
+    # counted in requests alone, the long one's worker holds one and the other two
+    monkeypatch.setattr("phasefleet.router.policy.PREFILL_TOKENS_PER_UNIT", float("inf"))
+    blind = simulate_aggregated(trace, c, 2, caching)
+    assert blind.first_token[3] - arrival[3] > 30 * BT * MS
+
+
 def test_the_search_tries_both_routers_and_reports_what_was_found() -> None:
     trace = conversation(30, gap_s=1.0, new_blocks=1)
     c = curves(kv_capacity_tokens=40 * BT)

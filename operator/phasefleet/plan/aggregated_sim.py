@@ -32,15 +32,17 @@ curves a = the 4 ms step overhead, which d0 contains). A prompt alone takes pref
 one step; chunked, it pays a per chunk.
 
 Router: each arrival goes to the worker holding the fewest tokens of work (KV allocated to its
-running requests + prompt tokens waiting for admission), ties to the next worker in turn.
+running requests + prompt tokens waiting for admission), ties to the next worker in turn: a
+balancer that knows every worker's work exactly.
 Decode-only stretches (no prefill chunk possible) are jumped in closed form to the next
 finish, arrival or KV limit, so an hour of a trace runs in seconds.
 
 Prefix cache (`prefix`, None: not modelled; plan/prefix_cache.py): each worker keeps the blocks
 of the prompts it admitted (and a host tier of them); an admitted prompt's prefix found there is
-not computed (its first chunk starts after it; loading the host part lengthens the step); a
-prefix-aware router ranks the workers with the router's own code on their running and waiting
-requests and KV use.
+not computed (its first chunk starts after it; loading the host part lengthens the step), and
+the router is the router's own code under either policy (`least-loaded` or `prefix-aware`),
+ranking the workers on what their gauges would report (running and waiting requests, KV use,
+prompt tokens not yet computed), so the two policies are compared on the same footing.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import numpy as np
 from phasefleet.plan.curves import Curves
 from phasefleet.plan.prefix_cache import PrefixCaching, PrefixModel, ReplicaCache
 from phasefleet.plan.trace import Trace
-from phasefleet.router.policy import Candidate, WorkerLoad, rank_prefix_aware
+from phasefleet.router.policy import Candidate, WorkerLoad, rank_least_loaded, rank_prefix_aware
 
 
 @dataclass
@@ -91,6 +93,18 @@ class Worker:
 
     def running(self) -> int:
         return len(self.decoding) + len(self.prefilling)
+
+    def report(self, kv_capacity: int) -> tuple[float, float, float, float, float]:
+        """What the engine's gauges would say (router.policy.WorkerLoad's fields): running,
+        waiting, KV use, prompt tokens admitted and not yet computed, and those queued."""
+        pending = sum(p.total - p.done for p in self.prefilling)
+        return (
+            self.running(),
+            len(self.waiting),
+            self.kv_held() / kv_capacity,
+            float(pending),
+            float(self.waiting_tokens),
+        )
 
     def idle(self) -> bool:
         return not (self.decoding or self.prefilling or self.waiting)
@@ -139,15 +153,18 @@ class AggregatedFleet:
 
     def route(self, i: int) -> Worker:
         n = len(self.workers)
-        if self.prefix is None or not self.prefix.caching.prefix_aware:
+        if self.prefix is None:
             k = min(range(n), key=lambda k: (self.workers[k].load(), (k - i) % n))
             return self.workers[k]
         capacity = self.curves.kv_capacity_tokens
         loads = [
-            Candidate(str(k), WorkerLoad(w.running(), len(w.waiting), w.kv_held() / capacity), 0)
+            Candidate(str(k), WorkerLoad(*w.report(capacity)), 0)
             for k, w in enumerate(self.workers)
         ]
-        name = rank_prefix_aware(loads, i, self.prefix.matched(i))[0]
+        if self.prefix.caching.prefix_aware:
+            name = rank_prefix_aware(loads, i, self.prefix.matched(i))[0]
+        else:
+            name = rank_least_loaded(loads, i)[0]
         self.prefix.routed_to(i, name)
         return self.workers[int(name)]
 

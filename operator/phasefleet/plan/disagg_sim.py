@@ -35,10 +35,13 @@ What is exact and what is approximated:
   queued in its turn on the replica free soonest.
 - Prefix cache (`prefix`, None: not modelled; plan/prefix_cache.py): each prefill replica keeps
   the blocks of the prompts it prefilled (and a host tier of them); a prompt's prefix found
-  there is not computed (its KV is sent at once, ahead of the computed chunks'); a prefix-aware
-  router picks the prefill replica by the router's own ranking, its backlog being the
-  replica's open prompts and their tokens still to compute. The decode replicas' caches (whose
-  hits the hand-off skips) are not modelled.
+  there is not computed (its KV is sent at once, ahead of the computed chunks'); the router
+  picks the prefill replica by its own ranking under either policy (`least-loaded` or
+  `prefix-aware`), a replica's backlog being its open prompts' tokens still to compute (the
+  one it is computing counted down as it goes, as the engine's gauge falls), so the two
+  policies are compared on the same footing. Without the prefix cache modelled, a prompt goes
+  to the replica free soonest: a balancer that knows each queue's time exactly. The decode
+  replicas' caches (whose hits the hand-off skips) are not modelled.
 - Replicas: a new one serves `curves.startup_s` after it is asked for; GPU-seconds count from
   the ask. Scale-down cancels starting replicas first, then drains the least loaded: a draining
   replica takes no new work and stops when its last request is done; no request is lost.
@@ -87,8 +90,9 @@ class Replica:
     requests_peak: WindowPeak = field(default_factory=WindowPeak)
     name: str = ""  # the router's name for it
     cache: ReplicaCache | None = None  # prefill, with the prefix cache modelled
-    # prefill, with the prefix cache modelled: (finish, tokens to compute) of its open prompts
-    open: deque[tuple[float, float]] = field(default_factory=deque)
+    # prefill, with the prefix cache modelled: (start, finish, tokens to compute) of its open
+    # prompts, the first of which computes from start to finish
+    open: deque[tuple[float, float, float]] = field(default_factory=deque)
 
     def serving(self, now: float) -> bool:
         return self.stopped is None and not self.draining and self.ready_at <= now
@@ -216,17 +220,21 @@ class Fleet:
         self._prefill_on(r, i, max(t, r.free_at))
 
     def _route_prefill(self, i: int, t: float, candidates: list[Replica]) -> Replica:
-        """The replica free soonest; with the prefix cache modelled, the router's prefix-aware
-        choice over the replicas' backlogs."""
-        if self.prefix is None or not self.prefix.caching.prefix_aware:
+        """The replica free soonest; with the prefix cache modelled, the router's own choice
+        under its policy, over the replicas' backlogs."""
+        if self.prefix is None:
             return min(candidates, key=lambda r: r.free_at)
         loads = []
         for r in candidates:
-            while r.open and r.open[0][0] <= t:
+            while r.open and r.open[0][1] <= t:
                 r.open.popleft()
-            pending = sum(tokens for _, tokens in r.open)
+            pending = sum(tokens for _, _, tokens in r.open)
+            if r.open and r.open[0][0] < t:  # the engine's gauge falls as its chunks compute
+                begin, end, tokens = r.open[0]
+                pending -= tokens * (t - begin) / (end - begin)
             loads.append(Candidate(r.name, WorkerLoad(len(r.open), 0.0, 0.0, pending, 0.0), 0))
-        name = rank_prefill("prefix-aware", loads, i, self.prefix.matched(i))[0]
+        policy = "prefix-aware" if self.prefix.caching.prefix_aware else "least-loaded"
+        name = rank_prefill(policy, loads, i, self.prefix.matched(i))[0]
         self.prefix.routed_to(i, name)
         return next(r for r in candidates if r.name == name)
 
@@ -237,7 +245,7 @@ class Fleet:
             cached, load_s = self.prefix.admit(r.cache, i, n)
         r.free_at = start + load_s + self.curves.prefill_s(n, cached)
         if r.cache is not None:
-            r.open.append((r.free_at, n - cached))
+            r.open.append((start, r.free_at, n - cached))
         self.prefill_start[i], self.first_token[i] = start, r.free_at
         if self.trace.output[i] <= 1:
             self.finish[i] = r.free_at

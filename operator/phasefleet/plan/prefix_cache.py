@@ -15,10 +15,11 @@ least its last token is computed. Host hits are copied to the device first, at
 `host_bytes_per_s`. Found tokens are not computed: the prefill costs `Curves.prefill_s(n,
 cached)`.
 
-Routing, with `prefix_aware`, is the router's own code (`phasefleet.router.policy`): its
-PrefixIndex remembers which replica last served each block id and the rank functions weigh that
-against load. The router hashes the first 16 Ki characters of a prompt in 64-character chunks; at
-`CHARS_PER_TOKEN`, that is the first 4,096 tokens, so only the block ids within them route.
+Routing is the router's own code (`phasefleet.router.policy`) under either policy: with
+`prefix_aware`, its PrefixIndex remembers which replica last served each block id and the rank
+functions weigh that against load; without, they rank by load alone. The router hashes the
+first 16 Ki characters of a prompt in 64-character chunks; at `CHARS_PER_TOKEN`, that is the
+first 4,096 tokens, so only the block ids within them route.
 """
 
 from __future__ import annotations
