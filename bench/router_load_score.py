@@ -25,7 +25,7 @@ import phasefleet.router.policy as policy
 from phasefleet.plan.curves import Curves, roofline
 from phasefleet.plan.gpus import GPUS
 from phasefleet.plan.prefix_cache import PrefixCaching
-from phasefleet.plan.report import LLAMA_3_8B
+from phasefleet.plan.report import LLAMA_3_8B, default_context
 from phasefleet.plan.search import Outcome, Shape, Slo, replay
 from phasefleet.plan.trace import Trace, read_trace
 
@@ -107,7 +107,7 @@ def main() -> None:
             shape = replace(case.shape, router=router)
             for per_unit in (math.inf, policy.PREFILL_TOKENS_PER_UNIT):
                 cells.append(cell(replay_with(per_unit, trace, curves, shape, slo, caching)))
-        label = case.shape.label(max(int(trace.prompt.max()), 1) + 1)
+        label = case.shape.label(default_context(trace))
         tier_label = f"{case.host_gib:g} GiB" if case.host_gib else "none"
         print(f"| {case.trace} | {label} | {tier_label} | " + " | ".join(cells) + " |", flush=True)
 
