@@ -169,14 +169,12 @@ def worker_resources(spec: InferenceServiceSpec, pool: PoolSpec) -> dict[str, An
     scheduler reserves it on the node (no limit is invented)."""
     resources = pool.resources.to_wire()
     extra = host_kv_cache_bytes(spec)
-    if not extra:
-        return {k: v for k, v in resources.items() if v}
-    for kind in ("requests", "limits"):
-        memory = quantity(resources.get(kind, {}).get("memory"))
-        if memory is not None:
-            resources[kind]["memory"] = str(int(memory) + extra)
-    requests = resources.setdefault("requests", {})
-    requests.setdefault("memory", str(extra))
+    if extra:
+        for kind in ("requests", "limits"):
+            memory = quantity(resources.get(kind, {}).get("memory"))
+            if memory is not None:
+                resources[kind]["memory"] = str(int(memory) + extra)
+        resources.setdefault("requests", {}).setdefault("memory", str(extra))
     return {k: v for k, v in resources.items() if v}
 
 

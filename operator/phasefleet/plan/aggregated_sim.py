@@ -94,11 +94,11 @@ class Worker:
     def running(self) -> int:
         return len(self.decoding) + len(self.prefilling)
 
-    def report(self, kv_capacity: int) -> tuple[float, float, float, float, float]:
-        """What the engine's gauges would say (router.policy.WorkerLoad's fields): running,
-        waiting, KV use, prompt tokens admitted and not yet computed, and those queued."""
+    def report(self, kv_capacity: int) -> WorkerLoad:
+        """What the engine's gauges would say: running and waiting requests, KV use, prompt
+        tokens admitted and not yet computed, and those queued."""
         pending = sum(p.total - p.done for p in self.prefilling)
-        return (
+        return WorkerLoad(
             self.running(),
             len(self.waiting),
             self.kv_held() / kv_capacity,
@@ -157,10 +157,7 @@ class AggregatedFleet:
             k = min(range(n), key=lambda k: (self.workers[k].load(), (k - i) % n))
             return self.workers[k]
         capacity = self.curves.kv_capacity_tokens
-        loads = [
-            Candidate(str(k), WorkerLoad(*w.report(capacity)), 0)
-            for k, w in enumerate(self.workers)
-        ]
+        loads = [Candidate(str(k), w.report(capacity), 0) for k, w in enumerate(self.workers)]
         if self.prefix.caching.prefix_aware:
             name = rank_prefix_aware(loads, i, self.prefix.matched(i))[0]
         else:

@@ -65,13 +65,18 @@ def load_score(c: Candidate) -> float:
     if c.load is None:
         return float(c.inflight)
     requests = max(c.load.running + c.load.waiting, float(c.inflight))
-    prompts = c.load.prefill_pending + (c.load.prefill_waiting or 0.0)
     return (
         requests
         + WAITING_WEIGHT * c.load.waiting
         + KV_WEIGHT * c.load.kv_usage
-        + prompts / PREFILL_TOKENS_PER_UNIT
+        + prompt_tokens_left(c.load) / PREFILL_TOKENS_PER_UNIT
     )
+
+
+def prompt_tokens_left(load: WorkerLoad) -> float:
+    """Prompt tokens admitted or queued and not yet computed (the queued ones 0 from a worker
+    without the gauge)."""
+    return load.prefill_pending + (load.prefill_waiting or 0.0)
 
 
 def _rotated(candidates: Sequence[Candidate], turn: int) -> list[Candidate]:
@@ -131,7 +136,7 @@ def prefill_backlog_s(c: Candidate) -> float | None:
     throughput; None until both are known."""
     if c.load is None or not c.prefill_rate:
         return None
-    return (c.load.prefill_pending + (c.load.prefill_waiting or 0.0)) / c.prefill_rate
+    return prompt_tokens_left(c.load) / c.prefill_rate
 
 
 def rank_prefill(
